@@ -1,0 +1,37 @@
+"""The typed errors every layer raises. Bad input gets one of these, never a crash."""
+
+
+class FucinaError(Exception):
+    """Base of every error fucina raises on purpose."""
+
+
+class GGUFError(FucinaError):
+    """A GGUF file is unreadable, corrupt, or uses something we do not support."""
+
+
+class InvalidConfig(FucinaError):
+    """Model metadata is present but unusable (negative, zero where forbidden, inconsistent)."""
+
+
+class MissingMetadata(InvalidConfig):
+    """A required metadata key is absent."""
+
+
+class UnsupportedArchitecture(FucinaError):
+    """`general.architecture` names a family fucina does not implement."""
+
+
+class KVCacheError(FucinaError):
+    """KV cache overflow, shape mismatch, or a head_dim a storage type cannot hold."""
+
+
+class ContextFull(KVCacheError):
+    """A prompt or turn does not fit the context window."""
+
+
+class TokenizerError(FucinaError):
+    """Tokenizer metadata is missing or inconsistent."""
+
+
+class SamplingError(FucinaError):
+    """Sampling cannot proceed (e.g. every token masked by a logit processor)."""
