@@ -1,0 +1,209 @@
+"""The decoder contract every generic layer relies on, and the math families share.
+
+A family module (llama.py, qwen3.py, gemma3.py) defines `Config.from_gguf` and a
+`Model` meeting `Decoder`. Blocks read like the math; everything here is plain torch
+so it is also the reference the native kernels are checked against.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from fucina.errors import FucinaError, GGUFError
+from fucina.gguf import GGUFFile
+from fucina.models.cache import KVCache
+from fucina.weights import LinearWeight
+
+Tokens = Sequence[int] | torch.Tensor
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    config: "BaseConfig"
+    supports_batch: bool
+
+    def init_cache(self, capacity: int | None = None) -> KVCache: ...
+
+    def forward_step(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        """Append `tokens` at positions pos0.. (requires cache.len == pos0); last logits [n_vocab]."""
+
+    def forward_step_all_logits(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        """As forward_step, returning logits for every new position [m, n_vocab]."""
+
+    def forward_last_logits(self, tokens: Tokens) -> torch.Tensor:
+        """Cacheless: logits of the last position of `tokens`."""
+
+
+@dataclass
+class BaseConfig:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    n_rot: int
+
+
+# -- shared math --------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+class Rope:
+    """Rotary embedding tables for one (n_rot, base); `neox` rotates halves, otherwise
+    adjacent pairs (GGML's NORM mode, which llama-family converters permute Q/K for)."""
+
+    def __init__(self, n_rot: int, base: float, neox: bool, scale: float = 1.0):
+        self.n_rot, self.neox = n_rot, neox
+        inv = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+        self.inv_freq = (inv * scale)
+        self.cos = self.sin = torch.empty(0, n_rot // 2)
+
+    def _tables(self, end: int):
+        if self.cos.shape[0] < end:
+            n = max(end, 2 * self.cos.shape[0], 256)
+            ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+            self.cos, self.sin = ang.cos().float(), ang.sin().float()
+        return self.cos, self.sin
+
+    def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """x: [m, heads, head_dim] at positions pos0..pos0+m-1."""
+        m = x.shape[0]
+        cos, sin = self._tables(pos0 + m)
+        cos = cos[pos0:pos0 + m, None, :]
+        sin = sin[pos0:pos0 + m, None, :]
+        r = self.n_rot
+        xr, rest = x[..., :r], x[..., r:]
+        if self.neox:
+            a, b = xr[..., : r // 2], xr[..., r // 2:]
+            out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        else:
+            a, b = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: float,
+              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of q [m, heads, d] at positions pos0.. over cache rows [0, pos0+m).
+
+    `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA)."""
+    m, n_head, d = q.shape
+    n = pos0 + m
+    k = cache.keys(layer, n)
+    v = cache.values(layer, n)
+    start = 0
+    if window > 0:
+        start = max(0, pos0 - window + 1)  # no query in this step sees keys before this
+        k, v = k[start:], v[start:]
+    k = k.float().transpose(0, 1)  # [kv_heads, n, d]
+    v = v.float().transpose(0, 1)
+    qh = q.transpose(0, 1)         # [heads, m, d]
+    group = n_head // k.shape[0]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    qpos = torch.arange(pos0, pos0 + m)[:, None]
+    kpos = torch.arange(start, n)[None, :]
+    mask = kpos <= qpos
+    if window > 0:
+        mask &= (qpos - kpos) < window
+    if softcap:
+        s = (qh @ k.transpose(1, 2)) * scale
+        s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(s, dim=-1) @ v
+    else:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(m, n_head * d)
+
+
+def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight | None:
+    t = f.tensors.get(name)
+    if t is None:
+        if required:
+            raise GGUFError(f"{f.path}: missing tensor {name!r}")
+        return None
+    return LinearWeight.from_tensor(t)
+
+
+def load_vector(f: GGUFFile, name: str, size: int, required: bool = True) -> torch.Tensor | None:
+    w = load_linear(f, name, required)
+    if w is None:
+        return None
+    v = w.dequantize().reshape(-1)
+    if v.numel() != size:
+        raise GGUFError(f"{f.path}: tensor {name!r} has {v.numel()} elements, expected {size}")
+    return v
+
+
+def check_shape(w: LinearWeight, out_f: int, in_f: int) -> LinearWeight:
+    if w.shape != (out_f, in_f):
+        raise GGUFError(f"tensor {w.name!r} has shape {w.shape}, expected {(out_f, in_f)}")
+    return w
+
+
+def as_ids(tokens: Tokens, n_vocab: int) -> torch.Tensor:
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise FucinaError("no tokens to process")
+    if int(ids.min()) < 0 or int(ids.max()) >= n_vocab:
+        raise FucinaError(f"token id out of range [0, {n_vocab})")
+    return ids
+
+
+class DecoderBase:
+    """The contract's generic half: cache handling and the step entry points.
+    A family implements `embed`, `block(i, x, cache, pos0)` and `head`."""
+
+    config: BaseConfig
+    supports_batch = False
+
+    def kv_geometry(self) -> tuple[list[int], list[int]]:
+        c = self.config
+        return [c.n_head_kv] * c.n_layer, [c.head_dim] * c.n_layer
+
+    def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16) -> KVCache:
+        heads, dims = self.kv_geometry()
+        cap = capacity or min(self.config.n_ctx_train, 4096)
+        return KVCache(self.config.n_layer, heads, dims, cap, dtype)
+
+    def _hidden(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        if cache.len != pos0:
+            raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
+        ids = as_ids(tokens, self.config.n_vocab)
+        cache.check_room(ids.numel())
+        x = self.embed(ids)
+        for i in range(self.config.n_layer):
+            x = self.block(i, x, cache, pos0)
+        cache.advance(ids.numel())
+        return x
+
+    @torch.inference_mode()
+    def forward_step(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        x = self._hidden(cache, tokens, pos0)
+        return self.head(x[-1:])[0]
+
+    @torch.inference_mode()
+    def forward_step_all_logits(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        return self.head(self._hidden(cache, tokens, pos0))
+
+    def forward_last_logits(self, tokens: Tokens) -> torch.Tensor:
+        n = len(tokens)
+        return self.forward_step(self.init_cache(max(n, 1)), tokens, 0)
+
+
+def attn_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
