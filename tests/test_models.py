@@ -16,7 +16,8 @@ def model(request, tmp_path_factory):
     arch = request.param
     kw = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch == "llama" else \
         dict(hidden=64, heads=4, kv_heads=2, head_dim=32)
-    path = write_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, layers=3, **kw,
+    layers = 6 if arch == "gemma3" else 3  # gemma3: layers 0-4 local, layer 5 global
+    path = write_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, layers=layers, **kw,
                        qtype=Q.Q8_0 if arch == "qwen3" else Q.F32, sliding_window=5)
     return load_model(path)
 
@@ -55,7 +56,7 @@ def test_truncate_rewinds_exactly(model):
 def test_sliding_window_matters_only_for_gemma(model):
     if model.config.arch != "gemma3":
         pytest.skip("no sliding window")
-    assert any(model.config.swa_layers) and not all(model.config.swa_layers[:6] + [True])
+    assert model.config.swa_layers == [True] * 5 + [False]
     # with a 5-token window, changing a token 6+ positions back leaves local layers blind to it,
     # but global layers still see it: logits must change
     ids2 = [1] + IDS[1:]
@@ -83,7 +84,8 @@ def test_copy_rows(model):
     b = model.init_cache(32)
     b.copy_rows(a, 0, 6)
     assert b.len == 6
-    torch.testing.assert_close(model.forward_step(b, IDS[6:], 6), model.forward_last_logits(IDS))
+    torch.testing.assert_close(model.forward_step(b, IDS[6:], 6), model.forward_last_logits(IDS),
+                               rtol=1e-3, atol=2e-3)
     with pytest.raises(KVCacheError):
         b.copy_rows(a, 0, 3)
 
@@ -111,4 +113,4 @@ def test_weights_stay_in_their_type(tmp_path):
     m = load_model(path)
     L = m.layers[0]
     assert L.wq.qtype is Q.Q8_0 and L.wq.raw.dtype == torch.uint8
-    assert L.wq.nbytes == 64 * 64 // 32 * 34
+    assert L.wq.nbytes == (4 * 32) * 64 // 32 * 34  # [heads*head_dim, hidden] in Q8_0 blocks
