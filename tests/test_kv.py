@@ -1,0 +1,229 @@
+"""q8_0 KV cache and kv_persist (the crash-safe append-only sidecar)."""
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fucina.errors import ContextFull, KVCacheError
+from fucina.models.cache import KVCache
+from fucina.models.cache_q8 import Q8Cache, dequantize_q8_0, make_cache, quantize_q8_0
+from fucina.models.kv_persist import MAGIC, KVPersist
+from test_chat_support import tiny_llama
+
+
+def rows(m, heads=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, heads, d, generator=g), torch.randn(m, heads, d, generator=g)
+
+
+def test_q8_0_matches_gguf_reference_quantizer():
+    import gguf
+    x = torch.randn(4, 64) * 3
+    x[1] = 0.0
+    q, s = quantize_q8_0(x)
+    ref = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    ref_d = ref[:, :2].copy().view(np.float16).reshape(4, 2)
+    ref_q = ref[:, 2:].copy().view(np.int8).reshape(4, 64)
+    assert (s.numpy() == ref_d).all()
+    assert (q.numpy() == ref_q).all()
+    back = gguf.quants.dequantize(ref.reshape(4, 68), gguf.GGMLQuantizationType.Q8_0)
+    assert np.allclose(dequantize_q8_0(q, s).numpy(), back)
+
+
+def test_q8_cache_append_read_truncate():
+    c = Q8Cache(2, 2, 32, 8)
+    k, v = rows(3)
+    for layer in range(2):
+        c.append(layer, k, v)
+    c.advance(3)
+    assert c.len == 3 and c.keys(0, 3).shape == (3, 2, 32) and c.keys(0, 3).dtype == torch.float32
+    assert torch.allclose(c.keys(1, 3), k, atol=k.abs().max() / 127)
+    assert torch.allclose(c.values(1, 3), v, atol=v.abs().max() / 127)
+    c.truncate(1)
+    assert c.len == 1
+    c.truncate(5)          # at or above len: no-op
+    assert c.len == 1
+    with pytest.raises(ContextFull):
+        c.advance(8)
+    with pytest.raises(KVCacheError):
+        c.append(0, torch.zeros(1, 3, 32), torch.zeros(1, 3, 32))
+    c.reset()
+    assert c.len == 0
+
+
+def test_q8_cache_needs_block_aligned_head_dim():
+    with pytest.raises(KVCacheError, match="head_dim"):
+        Q8Cache(1, 2, 48, 8)
+
+
+def test_q8_cache_halves_memory():
+    f16, q8 = KVCache(2, 2, 64, 128), Q8Cache(2, 2, 64, 128)
+    assert q8.nbytes() / f16.nbytes() == pytest.approx(34 / 64)
+
+
+def test_q8_copy_rows():
+    a, b = Q8Cache(1, 2, 32, 8), Q8Cache(1, 2, 32, 8)
+    k, v = rows(4)
+    a.append(0, k, v)
+    a.advance(4)
+    b.copy_rows(a, 0, 3)
+    assert b.len == 3 and torch.equal(b.keys(0, 3), a.keys(0, 3))
+    with pytest.raises(KVCacheError):
+        b.copy_rows(a, 0, 2)                 # len != start
+    with pytest.raises(KVCacheError):
+        Q8Cache(1, 1, 32, 8).copy_rows(a, 0, 2)
+
+
+def test_make_cache_types(tmp_path):
+    m = tiny_llama(str(tmp_path), n_embd=64, n_head=2)
+    assert isinstance(make_cache(m, 16, "q8_0"), Q8Cache)
+    assert isinstance(make_cache(m, 16, "f16"), KVCache)
+    with pytest.raises(KVCacheError):
+        make_cache(m, 16, "q4_0")
+
+
+def test_q8_cache_decode_tracks_f16(tmp_path):
+    m = tiny_llama(str(tmp_path), n_embd=64, n_head=2)
+    prompt = [5, 17, 99, 3, 250, 42]
+    outs = {}
+    for kind in ("f16", "q8_0"):
+        c = make_cache(m, 128, kind)
+        logits = m.forward_step(c, prompt, 0)
+        toks, ls = [], []
+        for _ in range(40):
+            t = int(torch.argmax(logits))
+            toks.append(t)
+            ls.append(logits)
+            logits = m.forward_step(c, [t], c.len)
+        outs[kind] = toks, torch.stack(ls)
+    agree = sum(a == b for a, b in zip(outs["f16"][0], outs["q8_0"][0])) / 40
+    assert agree >= 0.9
+    # teacher-forced logits along the f16 path stay close
+    c16, c8 = make_cache(m, 128, "f16"), make_cache(m, 128, "q8_0")
+    seq = prompt + outs["f16"][0]
+    a = m.forward_step_all_logits(c16, seq, 0)
+    b = m.forward_step_all_logits(c8, seq, 0)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+# -- persistence ------------------------------------------------------------------
+
+def filled(cache, n, seed=0):
+    for layer in range(cache.n_layers):
+        k, v = rows(n, seed=seed + layer)
+        cache.append(layer, k, v)
+    cache.advance(n)
+    return cache
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache(2, 2, 32, 16), lambda: Q8Cache(2, 2, 32, 16)])
+def test_persist_round_trip_bit_exact(tmp_path, make):
+    src = filled(make(), 5)
+    p = KVPersist(tmp_path / "c.kv")
+    assert p.sync(src, [10, 11, 12, 13, 14]) == 5
+    dst = make()
+    assert KVPersist(tmp_path / "c.kv").load(dst) == [10, 11, 12, 13, 14]
+    assert dst.len == 5
+    for layer in range(2):
+        assert torch.equal(dst.keys(layer, 5), src.keys(layer, 5))
+        assert torch.equal(dst.values(layer, 5), src.values(layer, 5))
+
+
+def test_persist_appends_only_new_rows_and_rewinds(tmp_path):
+    c = filled(KVCache(1, 2, 32, 16), 4)
+    p = KVPersist(tmp_path / "c.kv")
+    assert p.sync(c, [1, 2, 3, 4]) == 4
+    filled(c, 2, seed=9)
+    assert p.sync(c, [1, 2, 3, 4, 5, 6]) == 2
+    c.truncate(3)                                  # the conversation rewinds and diverges
+    filled(c, 1, seed=7)
+    assert p.sync(c, [1, 2, 3, 9]) == 1
+    d = KVCache(1, 2, 32, 16)
+    assert KVPersist(tmp_path / "c.kv").load(d) == [1, 2, 3, 9]
+    assert torch.equal(d.keys(0, 4), c.keys(0, 4))
+    with pytest.raises(KVCacheError):
+        p.sync(c, [1, 2])                          # tokens must describe every position
+
+
+def test_persist_torn_tail_ignored(tmp_path):
+    c = filled(KVCache(1, 2, 32, 16), 4)
+    path = tmp_path / "c.kv"
+    KVPersist(path).sync(c, [1, 2, 3, 4])
+    size = path.stat().st_size
+    with open(path, "ab") as f:                    # a torn append: record bytes, no count
+        f.write(b"\x07" * 100)
+    d = KVCache(1, 2, 32, 16)
+    assert KVPersist(path).load(d) == [1, 2, 3, 4]
+    # a tear inside the counted records: the complete prefix survives
+    os.truncate(path, size - 10)
+    d = KVCache(1, 2, 32, 16)
+    assert KVPersist(path).load(d) == [1, 2, 3]
+    assert torch.equal(d.keys(0, 3), c.keys(0, 3))
+
+
+def test_persist_foreign_or_absent_ignored(tmp_path):
+    path = tmp_path / "c.kv"
+    assert KVPersist(path).load(KVCache(1, 2, 32, 16)) is None
+    KVPersist(path).sync(filled(KVCache(1, 2, 32, 16), 2), [1, 2])
+    assert KVPersist(path).load(KVCache(1, 4, 32, 16)) is None       # other heads
+    assert KVPersist(path).load(KVCache(2, 2, 32, 16)) is None       # other depth
+    assert KVPersist(path).load(Q8Cache(1, 2, 32, 16)) is None       # other storage
+    assert KVPersist(path).load(KVCache(1, 2, 32, 1)) is None        # beyond capacity
+    path.write_bytes(b"garbage")
+    assert KVPersist(path).load(KVCache(1, 2, 32, 16)) is None
+    with pytest.raises(KVCacheError):
+        KVPersist(path).load(filled(KVCache(1, 2, 32, 16), 1))       # cache not empty
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from fucina.models.cache import KVCache
+    from fucina.models.kv_persist import KVPersist
+    c = KVCache(2, 2, 32, 100000)
+    p = KVPersist(sys.argv[1])
+    toks = []
+    while True:
+        n = c.len
+        for layer in range(2):
+            r = torch.full((3, 2, 32), 0.0) + (torch.arange(n, n + 3).view(3, 1, 1) % 256) * (layer + 1)
+            c.append(layer, r, -r)
+        c.advance(3)
+        toks += [n % 7, (n + 1) % 7, (n + 2) % 7]
+        p.sync(c, toks)
+        print(c.len, flush=True)
+""")
+
+
+def test_persist_survives_kill_9_mid_append(tmp_path):
+    path = tmp_path / "c.kv"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 30
+        n = 0
+        while n < 60 and time.time() < deadline:
+            n = int(proc.stdout.readline() or 0)
+        time.sleep(0.05)                # somewhere inside a later append
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert n >= 60
+    with open(path, "rb") as f:
+        assert f.read(8) == MAGIC
+        (count,) = struct.unpack("<Q", f.read(8))
+    c = KVCache(2, 2, 32, 100000)
+    toks = KVPersist(path).load(c)
+    assert toks is not None and len(toks) >= 60 and len(toks) % 3 == 0 and len(toks) <= count
+    assert toks == [i % 7 for i in range(len(toks))]
+    pos = (torch.arange(len(toks)).view(-1, 1, 1) % 256).float()
+    for layer in range(2):
+        assert torch.equal(c.keys(layer, c.len).float(), (pos * (layer + 1)).expand(-1, 2, 32))
+        assert torch.equal(c.values(layer, c.len).float(), -(pos * (layer + 1)).expand(-1, 2, 32))
