@@ -35,3 +35,7 @@ class TokenizerError(FucinaError):
 
 class SamplingError(FucinaError):
     """Sampling cannot proceed (e.g. every token masked by a logit processor)."""
+
+
+class QuantError(FucinaError):
+    """A GGML block buffer is malformed (wrong length) or its type is unknown or not encodable."""
