@@ -146,7 +146,7 @@ def tiny_llama_gguf(path, *, n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=1
     w.add_token_list(toks)
     w.add_token_types([1] * 256 + [3] * (N_VOCAB - 256))
     w.add_bos_token_id(258)
-    w.add_eos_token_id(257)
+    w.add_eos_token_id(259)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 

@@ -1,9 +1,201 @@
 """fucina.kernels: native kernels and their thin Python wrappers.
 
 `attach(weight)` gives a LinearWeight a fast `kernel` callable when a native route
-exists for its format; otherwise the weight keeps the reference path.
+exists for its format; otherwise the weight keeps the reference path
+(`fucina.quant` dequantize + torch matmul), which every kernel is tested against.
+
+The native module (`_native`, built from csrc/ by `pip install -e .`) computes
+y = x @ W.T straight off the resident GGML blocks: weights are decoded a few rows at
+a time into per-thread L1/L2 scratch, activations are quantized to int8 per 32
+values, and the dot products run as u8 x s8 integer dots (AVX-512 VNNI, AVX2, or
+scalar, picked from CPUID at import). F16/BF16/F32 weights run f32 FMA tiles.
+
+Threads: the kernels run OpenMP regions on the same libgomp torch loaded, so torch
+and the kernels share one pool; `set_threads(n)` sets both.
 """
+from __future__ import annotations
+
+import torch  # first: loads torch's libgomp, which the native module then shares
+
+from fucina.errors import FucinaError
+from fucina.gguf import TYPE_SIZES, GGMLType
+
+try:
+    from fucina.kernels import _native
+except ImportError:  # not built (e.g. a source checkout without the extension)
+    _native = None
+
+
+class KernelError(FucinaError):
+    """A kernel was called with shapes, dtypes or buffers it cannot take."""
+
+
+#: GGML types with a native matmul route
+NATIVE_TYPES = frozenset({
+    GGMLType.F32, GGMLType.F16, GGMLType.BF16,
+    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+    GGMLType.IQ4_NL, GGMLType.IQ4_XS,
+})
+
+_enabled = True
+
+
+def available() -> bool:
+    """True when the native extension is built and enabled."""
+    return _native is not None and _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the native routes on/off for weights attached from now on (tests, A/B timing)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: 'avx512', 'avx2', 'scalar' (or 'none')."""
+    return _native.get_isa() if _native is not None else "none"
+
+
+def supported_isas() -> list[str]:
+    return list(_native.supported_isas()) if _native is not None else []
+
+
+def set_isa(name: str) -> None:
+    """Force an ISA level this CPU supports (tests run every level this way)."""
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    try:
+        _native.set_isa(name)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def set_threads(n: int) -> None:
+    """Threads for both torch and the native kernels (one pool: torch's OpenMP)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KernelError(f"threads must be a positive integer, got {n!r}")
+    torch.set_num_threads(n)
+    if _native is not None:
+        _native.set_threads(n)
+
+
+def get_threads() -> int:
+    return _native.get_threads() if _native is not None else torch.get_num_threads()
+
+
+def _row_bytes(qtype: GGMLType, k: int) -> int:
+    block, size = TYPE_SIZES[qtype]
+    if k <= 0 or k % block:
+        raise KernelError(f"{qtype.name}: row length {k} is not a positive multiple of the block {block}")
+    return k // block * size
+
+
+def _check_raw(raw: torch.Tensor, qtype: GGMLType, n: int, k: int) -> int:
+    if qtype not in NATIVE_TYPES:
+        raise KernelError(f"no native route for {getattr(qtype, 'name', qtype)}")
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+        raise KernelError("weight bytes must be a CPU uint8 tensor")
+    if n <= 0:
+        raise KernelError(f"weight must have at least one row, got {n}")
+    rb = _row_bytes(qtype, k)
+    if raw.dim() != 2 or tuple(raw.shape) != (n, rb) or not raw.is_contiguous():
+        raise KernelError(f"{qtype.name} weight bytes must be contiguous [{n}, {rb}], got "
+                          f"{tuple(raw.shape)}{'' if raw.is_contiguous() else ' (strided)'}")
+    return rb
+
+
+def _prep_x(x: torch.Tensor, k: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        raise KernelError("input must be a CPU tensor")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise KernelError(f"input has shape {tuple(x.shape)}, expected [..., {k}]")
+    if x.dtype is not torch.float32:
+        if not x.is_floating_point():
+            raise KernelError(f"input dtype {x.dtype} is not floating point")
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x
+
+
+def matmul(raw: torch.Tensor, qtype: GGMLType, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+    """y[..., n] = x[..., k] @ W.T for W [n, k] given as GGML bytes raw [n, row_bytes]."""
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    qtype = GGMLType(qtype)
+    rb = _check_raw(raw, qtype, n, k)
+    x = _prep_x(x, k)
+    m = x.numel() // k
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+    if m:
+        _native.matmul(int(qtype), raw.data_ptr(), rb, n, k, x.data_ptr(), m, y.data_ptr(), n)
+    return y
+
+
+def act_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the integer kernels see them (quantized per 32, dequantized)."""
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    x = _prep_x(x, x.shape[-1]).reshape(-1)
+    if x.numel() % 32:
+        raise KernelError("act_roundtrip needs a multiple of 32 values")
+    out = torch.empty_like(x)
+    _native.act_roundtrip(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
+class _Backward(torch.autograd.Function):
+    """Gradient w.r.t. the input through the frozen weight (LoRA training)."""
+
+    @staticmethod
+    def forward(ctx, x, kernel):
+        ctx.kernel = kernel
+        return kernel.run(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        w = ctx.kernel.weight.dequantize()
+        return g.float() @ w, None
+
+
+class QuantKernel:
+    """The callable `attach` puts on a LinearWeight: validated once, cheap per call."""
+
+    __slots__ = ("weight", "raw", "qtype", "n", "k", "rb", "ptr")
+
+    def __init__(self, weight):
+        self.weight = weight
+        self.raw = weight.raw
+        self.qtype = int(weight.qtype)
+        self.n = weight.out_features
+        self.k = weight.in_features
+        self.rb = _check_raw(self.raw, GGMLType(weight.qtype), self.n, self.k)
+        self.ptr = self.raw.data_ptr()
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.k
+        if (x.dtype is not torch.float32 or not x.is_contiguous() or x.device.type != "cpu"
+                or x.dim() == 0 or x.shape[-1] != k):
+            x = _prep_x(x, k)
+        y = torch.empty(x.shape[:-1] + (self.n,), dtype=torch.float32)
+        m = x.numel() // k
+        if m:
+            _native.matmul(self.qtype, self.ptr, self.rb, self.n, k, x.data_ptr(), m, y.data_ptr(), self.n)
+        return y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _Backward.apply(x, self)
+        return self.run(x)
 
 
 def attach(weight) -> None:
+    """Give `weight` a native kernel when its format has one (else keep the reference path)."""
     weight.kernel = None
+    if not available() or weight.qtype not in NATIVE_TYPES:
+        return
+    raw = weight.raw
+    if raw.device.type != "cpu" or not raw.is_contiguous():
+        return
+    weight.kernel = QuantKernel(weight)

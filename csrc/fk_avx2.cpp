@@ -1,0 +1,84 @@
+/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products are
+ * widened to int16 and summed with vpmaddwd, which cannot saturate. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "fk_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+
+namespace fk_avx2_ns {
+
+static inline float fk_h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define FK_C 4
+template <int R, int C>
+static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kp; i += 16) {
+        __m256i w[R];
+        float ws[R];
+        for (int r = 0; r < R; r++) {
+            w[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wt + r * rowsz + i)));
+            ws[r] = ((const float *)(wt + r * rowsz + kp))[i / 4];
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xt + c * rowsz + i)));
+            const float xs = ((const float *)(xt + c * rowsz + kp))[i / 4];
+            for (int r = 0; r < R; r++) {
+                const __m256i d = _mm256_madd_epi16(w[r], xv);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws[r] * xs), acc[r][c]);
+            }
+        }
+    }
+    const int64_t n16 = kp / 16; /* a multiple of 4 */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const float *wo = (const float *)(wt + r * rowsz + 2 * kp);
+            const float *xo = (const float *)(xt + c * rowsz + 2 * kp);
+            __m128 s = _mm_setzero_ps();
+            for (int64_t j = 0; j < n16; j += 4) s = _mm_fmadd_ps(_mm_loadu_ps(wo + j), _mm_loadu_ps(xo + j), s);
+            out[r][c] = hsum8(acc[r][c]);
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            out[r][c] += _mm_cvtss_f32(s);
+        }
+}
+
+template <int R, int C>
+static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t ldx, int64_t kp, float out[][FK_C]) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kp; i += 8) {
+        __m256 w[R];
+        for (int r = 0; r < R; r++) w[r] = _mm256_loadu_ps(wt + r * ldw + i);
+        for (int c = 0; c < C; c++) {
+            const __m256 xv = _mm256_loadu_ps(xt + c * ldx + i);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(w[r], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = hsum8(acc[r][c]);
+}
+#undef FK_C
+
+#include "fk_impl.inc"
+
+}  // namespace fk_avx2_ns
+
+#pragma GCC pop_options
+
+extern "C" const fk_isa fk_isa_avx2 = {"avx2", fk_avx2_ns::fk_matmul, fk_avx2_ns::fk_act_roundtrip};

@@ -1,0 +1,210 @@
+/* Python binding of the native kernels: raw pointers and sizes in, nothing allocated.
+ * The Python wrappers (fucina.kernels) validate every tensor before a pointer gets here;
+ * the checks below are a second line that turns a bad call into ValueError, never a crash. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <omp.h>
+#include <string.h>
+
+#include "fk_common.h"
+
+static const fk_isa *g_isa = &fk_isa_scalar;
+static int g_threads = 1;
+
+#ifdef FK_X86
+static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    unsigned a, b, c, d;
+    int f16c = 0;
+    /* F16C is CPUID.1:ECX bit 29 */
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    f16c = (c >> 29) & 1;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
+}
+#else
+static int cpu_has_avx512(void) { return 0; }
+static int cpu_has_avx2(void) { return 0; }
+const fk_isa fk_isa_avx512 = {"avx512", 0, 0};
+const fk_isa fk_isa_avx2 = {"avx2", 0, 0};
+#endif
+
+static const fk_isa *isa_by_name(const char *name) {
+    if (!strcmp(name, "avx512")) return cpu_has_avx512() ? &fk_isa_avx512 : NULL;
+    if (!strcmp(name, "avx2")) return cpu_has_avx2() ? &fk_isa_avx2 : NULL;
+    if (!strcmp(name, "scalar")) return &fk_isa_scalar;
+    return NULL;
+}
+
+static int known_type(long t) {
+    switch (t) {
+    case FK_F32: case FK_F16: case FK_BF16: case FK_Q4_0: case FK_Q4_1: case FK_Q5_0: case FK_Q5_1:
+    case FK_Q8_0: case FK_Q2_K: case FK_Q3_K: case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
+    case FK_IQ4_NL: case FK_IQ4_XS:
+        return 1;
+    }
+    return 0;
+}
+
+static int type_block(long t, long *bs, long *ts) {
+    switch (t) {
+    case FK_F32: *bs = 1; *ts = 4; return 1;
+    case FK_F16: case FK_BF16: *bs = 1; *ts = 2; return 1;
+    case FK_Q4_0: *bs = 32; *ts = 18; return 1;
+    case FK_Q4_1: *bs = 32; *ts = 20; return 1;
+    case FK_Q5_0: *bs = 32; *ts = 22; return 1;
+    case FK_Q5_1: *bs = 32; *ts = 24; return 1;
+    case FK_Q8_0: *bs = 32; *ts = 34; return 1;
+    case FK_IQ4_NL: *bs = 32; *ts = 18; return 1;
+    case FK_Q2_K: *bs = 256; *ts = 84; return 1;
+    case FK_Q3_K: *bs = 256; *ts = 110; return 1;
+    case FK_Q4_K: *bs = 256; *ts = 144; return 1;
+    case FK_Q5_K: *bs = 256; *ts = 176; return 1;
+    case FK_Q6_K: *bs = 256; *ts = 210; return 1;
+    case FK_IQ4_XS: *bs = 256; *ts = 136; return 1;
+    }
+    return 0;
+}
+
+/* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy) */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 9 arguments");
+        return NULL;
+    }
+    long long v[9];
+    for (int i = 0; i < 9; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    fk_matmul_args a;
+    a.qtype = (int)v[0];
+    a.w = (const uint8_t *)(uintptr_t)v[1];
+    a.row_bytes = (size_t)v[2];
+    a.n = v[3];
+    a.k = v[4];
+    a.x = (const float *)(uintptr_t)v[5];
+    a.m = v[6];
+    a.y = (float *)(uintptr_t)v[7];
+    a.ldy = v[8];
+    a.nthreads = g_threads;
+    long bs, ts;
+    if (!known_type(a.qtype) || !type_block(a.qtype, &bs, &ts)) {
+        PyErr_Format(PyExc_ValueError, "no native route for GGML type %d", a.qtype);
+        return NULL;
+    }
+    if (a.n <= 0 || a.k <= 0 || a.m < 0 || a.k % bs || (long long)a.row_bytes != a.k / bs * ts ||
+        a.ldy < a.n || !a.w || !a.x || !a.y || a.k > (1LL << 28) || a.n > (1LL << 31)) {
+        PyErr_SetString(PyExc_ValueError, "matmul: inconsistent shapes or null pointer");
+        return NULL;
+    }
+    if (a.m == 0) Py_RETURN_NONE;
+    const fk_isa *isa = g_isa;
+    if ((double)a.m * (double)a.n * (double)a.k > 2e6) {
+        Py_BEGIN_ALLOW_THREADS
+        isa->matmul(&a);
+        Py_END_ALLOW_THREADS
+    } else {
+        isa->matmul(&a);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_act_roundtrip(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long xp, op;
+    long long k;
+    if (!PyArg_ParseTuple(args, "KLK", &xp, &k, &op)) return NULL;
+    if (!xp || !op || k <= 0 || k % 32) {
+        PyErr_SetString(PyExc_ValueError, "act_roundtrip: k must be a positive multiple of 32");
+        return NULL;
+    }
+    g_isa->act_roundtrip((const float *)(uintptr_t)xp, k, (float *)(uintptr_t)op);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 1024) {
+        PyErr_SetString(PyExc_ValueError, "threads must be in 1..1024");
+        return NULL;
+    }
+    g_threads = (int)n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_threads(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(g_threads);
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    const fk_isa *isa = isa_by_name(name);
+    if (!isa) {
+        PyErr_Format(PyExc_ValueError, "ISA %s is unknown or not supported by this CPU", name);
+        return NULL;
+    }
+    g_isa = isa;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_isa(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyUnicode_FromString(g_isa->name);
+}
+
+static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    PyObject *l = PyList_New(0);
+    if (!l) return NULL;
+    const char *names[] = {"avx512", "avx2", "scalar"};
+    for (int i = 0; i < 3; i++)
+        if (isa_by_name(names[i])) {
+            PyObject *s = PyUnicode_FromString(names[i]);
+            if (!s || PyList_Append(l, s) < 0) { Py_XDECREF(s); Py_DECREF(l); return NULL; }
+            Py_DECREF(s);
+        }
+    return l;
+}
+
+static PyObject *py_omp_max_threads(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(omp_get_max_threads());
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL,
+     "matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy): y[m,n] = x[m,k] @ W[n,k]^T"},
+    {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
+    {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
+    {"get_threads", py_get_threads, METH_NOARGS, ""},
+    {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2' or 'scalar'"},
+    {"get_isa", py_get_isa, METH_NOARGS, ""},
+    {"supported_isas", py_supported_isas, METH_NOARGS, ""},
+    {"omp_max_threads", py_omp_max_threads, METH_NOARGS, ""},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "fucina native kernels", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
+    else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
+    g_threads = omp_get_max_threads();
+    if (g_threads < 1) g_threads = 1;
+    return PyModule_Create(&moddef);
+}

@@ -1,0 +1,66 @@
+/* Portable fallback: plain C++, no target-specific instructions. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fk_common.h"
+
+namespace fk_scalar_ns {
+
+static inline float fk_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#define FK_C 4
+template <int R, int C>
+static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *wq = wt + r * rowsz;
+        const float *wls = (const float *)(wq + kp), *woff = (const float *)(wq + 2 * kp);
+        for (int c = 0; c < C; c++) {
+            const int8_t *xq = (const int8_t *)(xt + c * rowsz);
+            const float *xls = (const float *)(xt + c * rowsz + kp), *xs16 = (const float *)(xt + c * rowsz + 2 * kp);
+            float acc = 0.0f;
+            for (int64_t g = 0; g < kp / 16; g++) {
+                int32_t s = 0;
+                for (int i = 0; i < 16; i++) s += (int32_t)wq[g * 16 + i] * (int32_t)xq[g * 16 + i];
+                acc += (float)s * wls[g * 4] * xls[g * 4] + woff[g] * xs16[g];
+            }
+            out[r][c] = acc;
+        }
+    }
+}
+
+template <int R, int C>
+static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t ldx, int64_t kp, float out[][FK_C]) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < kp; i++) acc += wt[r * ldw + i] * xt[c * ldx + i];
+            out[r][c] = acc;
+        }
+}
+#undef FK_C
+
+#include "fk_impl.inc"
+
+}  // namespace fk_scalar_ns
+
+extern "C" const fk_isa fk_isa_scalar = {"scalar", fk_scalar_ns::fk_matmul, fk_scalar_ns::fk_act_roundtrip};

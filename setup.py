@@ -1,0 +1,30 @@
+"""Build of fucina's native kernels (csrc/) as fucina.kernels._native.
+
+Portable x86-64: no -march=native. Each ISA unit (scalar, AVX2, AVX-512 VNNI) carries
+its own `#pragma GCC target`, and the module picks one at import time from CPUID.
+OpenMP: the extension links libgomp by its soname, which resolves to the copy torch
+already loaded (fucina.kernels imports torch first), so torch and the kernels share
+one thread pool.
+"""
+import platform
+
+from setuptools import Extension, setup
+
+sources = ["csrc/fk_module.cpp", "csrc/fk_scalar.cpp"]
+x86 = platform.machine().lower() in ("x86_64", "amd64")
+if x86:
+    sources += ["csrc/fk_avx2.cpp", "csrc/fk_avx512.cpp"]
+
+ext = Extension(
+    "fucina.kernels._native",
+    sources=sources,
+    depends=["csrc/fk_common.h", "csrc/fk_impl.inc"],
+    include_dirs=["csrc"],
+    define_macros=[("FK_X86", "1")] if x86 else [],
+    extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                        "-Wall", "-Wno-unused-function"],
+    extra_link_args=["-fopenmp"],
+    language="c++",
+)
+
+setup(ext_modules=[ext])

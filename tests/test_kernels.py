@@ -1,0 +1,179 @@
+"""Native quantized matmul vs the reference path (dequantize + f64 matmul).
+
+Random blocks of every native format (scale fields set to sane f16 values, every other
+bit random), odd shapes, m = 1..n rows, on every ISA level this CPU supports.
+The integer kernels quantize activations to int8 per 32 values; against activations
+put through that same round trip they must agree to float rounding, and against the
+exact f32 activations to the int8 quantization error.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from fucina.gguf import TYPE_SIZES, GGMLType as T
+import fucina.kernels as K
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
+
+FLOATS = {T.F32, T.F16, T.BF16}
+# byte offsets of the f16 scale fields in each block (everything else is random bits)
+F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+              T.IQ4_NL: [0], T.IQ4_XS: [0]}
+TYPES = sorted(K.NATIVE_TYPES, key=int)
+
+
+def rand_weight(qt: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    bs, ts = TYPE_SIZES[qt]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if qt == T.F32:
+        return w.view(np.uint8).reshape(n, -1)
+    if qt == T.F16:
+        return w.astype(np.float16).view(np.uint8).reshape(n, -1)
+    if qt == T.BF16:
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, -1)
+    raw = rng.integers(0, 256, (n * (k // bs), ts), dtype=np.uint8)
+    for o in F16_FIELDS[qt]:
+        d = (rng.standard_normal(raw.shape[0]) * 0.05).astype(np.float16)
+        raw[:, o:o + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, qt: T, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(quants.dequantize(raw, qt), dtype=np.float64).reshape(n, k))
+
+
+def check(qt: T, n: int, k: int, m: int, rng, lead=()) -> None:
+    raw = rand_weight(qt, n, k, rng)
+    W = reference(raw, qt, n, k)
+    x = torch.randn(*lead, m, k)
+    y = K.matmul(torch.from_numpy(raw), qt, n, k, x)
+    assert y.shape == (*lead, m, n) and y.dtype == torch.float32
+    x2 = x.reshape(-1, k)
+    xr = x2 if qt in FLOATS else K.act_roundtrip(x2).reshape(-1, k)
+    scale = xr.abs().double() @ W.abs().T + 1e-30
+    y2 = y.reshape(-1, n).double()
+    err_rt = ((y2 - xr.double() @ W.T).abs() / scale).max().item()
+    err_true = ((y2 - x2.double() @ W.T).abs() / scale).max().item()
+    assert err_rt < 2e-6, f"{qt.name} n={n} k={k} m={m}: {err_rt:.2e} against the round-tripped input"
+    assert err_true < 1e-2, f"{qt.name} n={n} k={k} m={m}: {err_true:.2e} against the f32 input"
+
+
+@pytest.fixture(params=K.supported_isas())
+def isa(request):
+    before = K.isa()
+    K.set_isa(request.param)
+    yield request.param
+    K.set_isa(before)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_every_format_every_isa(isa, qt):
+    rng = np.random.default_rng(int(qt) * 7 + len(isa))
+    bs = max(TYPE_SIZES[qt][0], 32)
+    for n, k, m in [(1, bs, 1), (7, 3 * bs, 2), (13, 2 * bs, 3), (5, bs, 4), (33, 512, 5), (6, 256, 11)]:
+        check(qt, n, k, m, rng)
+
+
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_m_one_to_n(qt):
+    rng = np.random.default_rng(1)
+    k = 512
+    for m in range(1, 10):
+        check(qt, 9, k, m, rng)
+    check(qt, 9, k, 4, rng, lead=(2,))  # leading batch dims
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_prefill_blocks(qt):
+    """Enough rows that activations are processed in several L2-sized passes."""
+    check(qt, 37, 4096, 45, np.random.default_rng(2))
+
+
+def test_threads_agree():
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(rand_weight(T.Q4_K, 300, 1024, rng))
+    x = torch.randn(3, 1024)
+    n0 = K.get_threads()
+    try:
+        K.set_threads(1)
+        a = K.matmul(raw, T.Q4_K, 300, 1024, x)
+        K.set_threads(2)
+        assert torch.get_num_threads() == 2
+        b = K.matmul(raw, T.Q4_K, 300, 1024, x)
+    finally:
+        K.set_threads(n0)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_one_openmp_runtime():
+    """The kernels share torch's libgomp: one thread pool, no oversubscription."""
+    with open("/proc/self/maps") as f:
+        libs = {m.group(0) for m in re.finditer(r"\S*libgomp[^/\s]*\.so[.\d]*", f.read())}
+    assert len(libs) <= 1, libs
+
+
+def test_attach_routes_linear_weight():
+    from fucina.weights import LinearWeight
+    rng = np.random.default_rng(4)
+    n, k = 17, 256
+    raw = rand_weight(T.Q4_K, n, k, rng)
+    w = LinearWeight(torch.from_numpy(raw.reshape(-1).copy()), T.Q4_K, n, k, "w")
+    K.attach(w)
+    assert w.kernel is not None
+    x = torch.randn(2, 3, k)
+    y = w.linear(x)
+    ref = (x.reshape(-1, k).double() @ reference(raw, T.Q4_K, n, k).T).reshape(2, 3, n)
+    assert (y.double() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    # fused weights get a kernel too, equal to the parts
+    f = LinearWeight.fuse([w, w], "ww")
+    assert f.kernel is not None
+    torch.testing.assert_close(f.linear(x), torch.cat([y, y], dim=-1))
+
+
+def test_grad_through_kernel():
+    from fucina.weights import LinearWeight
+    rng = np.random.default_rng(5)
+    n, k = 8, 64
+    raw = rand_weight(T.Q8_0, n, k, rng)
+    w = LinearWeight(torch.from_numpy(raw.reshape(-1).copy()), T.Q8_0, n, k, "w")
+    K.attach(w)
+    x = torch.randn(3, k, requires_grad=True)
+    w.linear(x).sum().backward()
+    torch.testing.assert_close(x.grad, reference(raw, T.Q8_0, n, k).float().sum(0).expand(3, k))
+
+
+def test_bad_calls_raise_typed_errors():
+    raw = torch.zeros(4, 18, dtype=torch.uint8)
+    x = torch.randn(2, 32)
+    with pytest.raises(K.KernelError):
+        K.matmul(raw, T.Q4_0, 4, 33, x)                     # k not a block multiple
+    with pytest.raises(K.KernelError):
+        K.matmul(raw, T.Q4_0, 5, 32, x)                     # rows do not match the bytes
+    with pytest.raises(K.KernelError):
+        K.matmul(raw, T.Q4_0, 4, 32, torch.randn(2, 64))    # input features
+    with pytest.raises(K.KernelError):
+        K.matmul(raw, T.Q4_0, 4, 32, torch.ones(2, 32, dtype=torch.int32))
+    with pytest.raises(K.KernelError):
+        K.matmul(raw.float(), T.Q4_0, 4, 32, x)             # not bytes
+    with pytest.raises(K.KernelError):
+        K.matmul(torch.zeros(18, 8, dtype=torch.uint8).T, T.Q4_0, 8, 32, x)  # strided bytes
+    with pytest.raises(K.KernelError):
+        K.matmul(raw, T.Q8_K, 4, 256, x)                    # no native route
+    with pytest.raises(K.KernelError):
+        K.set_threads(0)
+    with pytest.raises(K.KernelError):
+        K.set_isa("sse9")
+    # the C layer refuses inconsistent raw calls by itself too
+    with pytest.raises(ValueError):
+        K._native.matmul(int(T.Q4_0), raw.data_ptr(), 17, 4, 32, x.data_ptr(), 2, 0, 4)
+    # empty batch is fine
+    assert K.matmul(raw, T.Q4_0, 4, 32, torch.randn(0, 32)).shape == (0, 4)
+    # strided / f64 input is accepted (copied)
+    y = K.matmul(raw, T.Q4_0, 4, 32, torch.randn(32, 2, dtype=torch.float64).T)
+    assert y.shape == (2, 4)
