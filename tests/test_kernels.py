@@ -118,14 +118,18 @@ def test_one_openmp_runtime():
     assert len(libs) <= 1, libs
 
 
-def test_attach_routes_linear_weight():
+def linear_weight(qt: T, n: int, k: int, seed: int):
     from fucina.weights import LinearWeight
-    rng = np.random.default_rng(4)
-    n, k = 17, 256
-    raw = rand_weight(T.Q4_K, n, k, rng)
-    w = LinearWeight(torch.from_numpy(raw.reshape(-1).copy()), T.Q4_K, n, k, "w")
+    raw = rand_weight(qt, n, k, np.random.default_rng(seed))
+    w = LinearWeight(torch.from_numpy(raw.reshape(-1).copy()), qt, n, k, "w")
     K.attach(w)
     assert w.kernel is not None
+    return w, raw
+
+
+def test_attach_routes_linear_weight():
+    n, k = 17, 256
+    w, raw = linear_weight(T.Q4_K, n, k, 4)
     x = torch.randn(2, 3, k)
     y = w.linear(x)
     ref = (x.reshape(-1, k).double() @ reference(raw, T.Q4_K, n, k).T).reshape(2, 3, n)
@@ -137,12 +141,8 @@ def test_attach_routes_linear_weight():
 
 
 def test_grad_through_kernel():
-    from fucina.weights import LinearWeight
-    rng = np.random.default_rng(5)
     n, k = 8, 64
-    raw = rand_weight(T.Q8_0, n, k, rng)
-    w = LinearWeight(torch.from_numpy(raw.reshape(-1).copy()), T.Q8_0, n, k, "w")
-    K.attach(w)
+    w, raw = linear_weight(T.Q8_0, n, k, 5)
     x = torch.randn(3, k, requires_grad=True)
     w.linear(x).sum().backward()
     torch.testing.assert_close(x.grad, reference(raw, T.Q8_0, n, k).float().sum(0).expand(3, k))
