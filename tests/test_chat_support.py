@@ -80,6 +80,7 @@ class ScriptedDecoder(DecoderBase):
                                  rope_base=10000.0, n_rot=32)
         self.marker = FakeTokenizer().encode("<|im_start|>assistant\n")
         self.steps = 0
+        self.forwarded = 0
 
     def init_cache(self, capacity=None, dtype=torch.float16):
         return KVCache(self.config.n_layer, 1, 32, capacity or 512, dtype)
@@ -117,6 +118,7 @@ class ScriptedDecoder(DecoderBase):
     def forward_step(self, cache, tokens, pos0):
         self._hidden(cache, tokens, pos0)
         self.steps += 1
+        self.forwarded += len(tokens)
         return self.logits_for(None)
 
     def forward_step_all_logits(self, cache, tokens, pos0):

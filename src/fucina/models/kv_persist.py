@@ -89,6 +89,10 @@ class KVPersist:
                 raw = np.frombuffer(f.read(n * rec), dtype=np.uint8).reshape(n, rec)
         except FileNotFoundError:
             return None
+        self._armed_for = want
+        if n == 0:
+            self.tokens = []
+            return []
         tokens = raw[:, :4].copy().view("<u4").reshape(-1).astype(np.int64).tolist()
         col = 4
         for nbytes, t in layout:
@@ -97,7 +101,6 @@ class KVPersist:
             col += nbytes
         cache.len = n
         self.tokens = tokens
-        self._armed_for = want
         return tokens
 
     # -- writing ---------------------------------------------------------------

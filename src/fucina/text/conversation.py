@@ -1,0 +1,161 @@
+"""Multi-turn chat over one persistent KV cache.
+
+Each turn renders the whole message history with the chat template. When the new
+rendering extends what the cache already holds (the usual case), only the new text is
+tokenized and prefilled; otherwise (a template that rewrites history, e.g. dropping
+past reasoning, or a reply cut at a stop string) the cache is rewound to the longest
+common token prefix with a fresh tokenization and the rest is prefilled. Either way the
+cache ends up holding what a stateless prefill of the rendered history would hold.
+
+`send_messages`/`send_tokens` are the stateless-server seam: a full history (or its ids)
+reconciled against whatever this conversation's cache holds, reusing the longest common
+token prefix (`last.reused_tokens` is OpenAI's cached_tokens).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from fucina.models.cache_q8 import make_cache
+from fucina.models.kv_persist import KVPersist
+from fucina.text.chat_template import ChatTemplate, prompt_ids
+from fucina.text.generate import Reply, decode, pieces_text, prefill, run
+from fucina.text.logit_processor import LogitProcessor
+from fucina.text.sampler import Sampler, SamplingConfig
+
+
+class Conversation:
+    def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
+                 system: str | None = None, max_tokens: int = 1024, think: bool = True,
+                 sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
+                 stop_ids: Sequence[int] = (), processor: LogitProcessor | None = None,
+                 capacity: int | None = None, cache_type: str = "f16", cache=None,
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 persist: str | os.PathLike | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        if template is None:
+            meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
+            template = ChatTemplate.from_metadata(meta, tokenizer)
+        self.template = template
+        self.system, self.max_tokens, self.think, self.tools = system, max_tokens, think, tools
+        self.stop = list(stop)
+        self.stop_ids = set(template.stop_ids(tokenizer)) | {int(i) for i in stop_ids}
+        self.sampler = Sampler(sampling, processor)
+        self.cache = cache if cache is not None else make_cache(model, capacity, cache_type)
+        self.tokens: list[int] = []            # the ids the cache holds, position by position
+        self.messages: list[dict[str, Any]] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.last: Reply | None = None
+        self._committed_text: str | None = None  # the text whose tokens are self.tokens
+        self._persist = KVPersist(persist) if persist is not None else None
+        if self._persist is not None:
+            self._resume()
+        elif self.cache.len:
+            self.cache.reset()
+
+    # -- public ------------------------------------------------------------------
+    @property
+    def fired_stop(self) -> int | None:
+        return self.last.fired_stop if self.last else None
+
+    def send(self, text: str, *, on_piece: Callable[[str], None] | None = None,
+             max_tokens: int | None = None) -> str:
+        """Add a user turn, generate the assistant's reply, return its text."""
+        return run(self.stream(text, max_tokens=max_tokens), on_piece)
+
+    def stream(self, text: str, *, max_tokens: int | None = None) -> Iterator[str]:
+        """As send, yielding UTF-8-safe text pieces as they are decided."""
+        msgs = self.messages + [{"role": "user", "content": text}]
+        full = self._render(msgs)
+        return self._turn(msgs, full, self._ids_for(full), max_tokens)
+
+    def send_messages(self, messages: Sequence[Mapping[str, Any]], *,
+                      on_piece: Callable[[str], None] | None = None,
+                      max_tokens: int | None = None) -> str:
+        """Stateless form: answer a full message history, reusing the cache's longest
+        common token prefix with it."""
+        msgs = [dict(m) for m in messages]
+        full = self._render(msgs)
+        return run(self._turn(msgs, full, prompt_ids(self.tokenizer, full), max_tokens), on_piece)
+
+    def send_tokens(self, ids: Sequence[int], *, on_piece: Callable[[str], None] | None = None,
+                    max_tokens: int | None = None) -> Reply:
+        """Pre-encoded prompt ids with prefix reuse (the server's slot seam). The message
+        list is left alone; returns the Reply."""
+        gen = self._generate(list(ids), max_tokens)
+        return run(gen, on_piece)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens.clear()
+        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+        self._committed_text = None
+        self.last = None
+        self._sync()
+
+    # -- turns -------------------------------------------------------------------
+    def _render(self, msgs: list[dict[str, Any]]) -> str:
+        return self.template.render(msgs, add_generation_prompt=True, tools=self.tools,
+                                    enable_thinking=self.think)
+
+    def _ids_for(self, full: str) -> list[int]:
+        done = self._committed_text
+        if self.tokens and done is not None and full.startswith(done) and len(full) > len(done):
+            delta = self.tokenizer.encode(full[len(done):], add_special=False, parse_special=True)
+            return self.tokens + delta
+        return prompt_ids(self.tokenizer, full)
+
+    def _turn(self, msgs: list[dict[str, Any]], full: str, ids: list[int],
+              max_tokens: int | None) -> Iterator[str]:
+        reply = yield from self._generate(ids, max_tokens, msgs, full)
+        return reply.text
+
+    def _generate(self, ids: list[int], max_tokens: int | None,
+                  msgs: list[dict[str, Any]] | None = None, prompt_text: str | None = None):
+        if self.sampler.processor is not None:
+            self.sampler.processor.reset()
+        logits, reused = prefill(self.model, self.cache, self.tokens, ids)
+        self._committed_text = None
+        reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
+        try:
+            yield from decode(self.model, self.cache, self.tokens, logits, self.sampler, self.tokenizer,
+                              max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+                              stop_ids=self.stop_ids, stop=self.stop, reply=reply)
+        finally:
+            self.last = reply
+            if msgs is not None:
+                self.messages = msgs + [{"role": "assistant", "content": reply.text}]
+                if len(self.tokens) == len(ids) + len(reply.tokens):
+                    self._committed_text = prompt_text + pieces_text(self.tokenizer, reply.tokens)
+            self._sync()
+        return reply
+
+    # -- persistence ---------------------------------------------------------------
+    def _meta_path(self) -> Path:
+        return Path(str(self._persist.path) + ".json")
+
+    def _resume(self) -> None:
+        self.cache.reset()
+        toks = self._persist.load(self.cache)
+        if not toks:
+            return
+        self.tokens = list(toks)
+        try:
+            meta = json.loads(self._meta_path().read_text())
+        except (OSError, ValueError):
+            return
+        if meta.get("n_tokens") == len(toks) and isinstance(meta.get("messages"), list):
+            self.messages = meta["messages"]
+            self._committed_text = meta.get("committed_text")
+
+    def _sync(self) -> None:
+        if self._persist is None:
+            return
+        self._persist.sync(self.cache, self.tokens)
+        tmp = Path(str(self._meta_path()) + ".tmp")
+        tmp.write_text(json.dumps({"n_tokens": len(self.tokens), "messages": self.messages,
+                                   "committed_text": self._committed_text}, ensure_ascii=False))
+        os.replace(tmp, self._meta_path())
