@@ -163,6 +163,9 @@ def tiny_llama_gguf(path, *, n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=1
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
         t(p + "attn_q.weight", n_head * head_dim, n_embd)
         t(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
         t(p + "attn_v.weight", n_head_kv * head_dim, n_embd)

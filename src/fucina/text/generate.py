@@ -122,52 +122,79 @@ def prefill(model, cache, history: list[int], ids: Sequence[int]) -> tuple[torch
     return logits, keep
 
 
+class ReplyDecoder:
+    """One reply's per-token logic, independent of how logits are computed (one stream
+    or a lockstep batch): `step(logits)` samples, applies the stop rules and commits,
+    returning (token to forward, or None when the reply is over; text to emit)."""
+
+    def __init__(self, cache, history: list[int], sampler: Sampler, tokenizer, *, max_tokens: int,
+                 stop_ids: Iterable[int] = (), stop: Sequence[str] = (), reply: Reply | None = None):
+        self.cache, self.history, self.sampler = cache, history, sampler
+        self.max_tokens = max_tokens
+        self.stop_ids = set(int(i) for i in stop_ids)
+        self.stream, self.scan = PieceStream(tokenizer), StopScanner(stop)
+        self.reply = reply if reply is not None else Reply()
+        self.done = False
+
+    def step(self, logits: torch.Tensor) -> tuple[int | None, str]:
+        r = self.reply
+        if len(r.tokens) >= self.max_tokens:
+            r.finish_reason = "length"
+            return None, self._finish()
+        tok = self.sampler.next(logits, self.history)
+        if tok in self.stop_ids:
+            r.finish_reason, r.stop_token = "stop", tok
+            return None, self._finish()
+        if self.cache.len >= self.cache.capacity:
+            r.finish_reason = "context"
+            return None, self._finish()
+        piece = self.scan.feed(self.stream.push(tok))
+        if self.scan.fired is not None:
+            r.finish_reason, r.fired_stop = "stop", self.scan.fired
+            self.done = True
+            return None, piece
+        self.history.append(tok)
+        r.tokens.append(tok)
+        return tok, piece
+
+    def _finish(self) -> str:
+        self.done = True
+        tail = self.scan.feed(self.stream.flush())
+        if self.scan.fired is not None:
+            self.reply.finish_reason, self.reply.fired_stop = "stop", self.scan.fired
+        else:
+            tail += self.scan.flush()
+        return tail
+
+    def close(self) -> Reply:
+        """Settle the reply; a token committed but never forwarded (an abandoned
+        stream) is taken back so that history matches the cache again."""
+        extra = len(self.history) - self.cache.len
+        if extra > 0:
+            del self.history[self.cache.len:]
+            del self.reply.tokens[len(self.reply.tokens) - extra:]
+        self.reply.text = self.scan.reply
+        return self.reply
+
+
 def decode(model, cache, history: list[int], logits: torch.Tensor, sampler: Sampler, tokenizer, *,
            max_tokens: int, stop_ids: Iterable[int] = (), stop: Sequence[str] = (),
            reply: Reply | None = None) -> Generator[str, None, Reply]:
     """Generate one reply after a prefill. Yields text pieces; returns the Reply (filled
     in place when given, so an abandoned stream's partial reply stays readable)."""
-    stop_ids = set(int(i) for i in stop_ids)
-    stream, scan = PieceStream(tokenizer), StopScanner(stop)
-    reply = reply if reply is not None else Reply()
+    rd = ReplyDecoder(cache, history, sampler, tokenizer, max_tokens=max_tokens,
+                      stop_ids=stop_ids, stop=stop, reply=reply)
     try:
         while True:
-            if len(reply.tokens) >= max_tokens:
-                reply.finish_reason = "length"
-                break
-            tok = sampler.next(logits, history)
-            if tok in stop_ids:
-                reply.finish_reason, reply.stop_token = "stop", tok
-                break
-            if cache.len >= cache.capacity:
-                reply.finish_reason = "context"
-                break
-            piece = scan.feed(stream.push(tok))
-            if scan.fired is not None:
-                reply.finish_reason, reply.fired_stop = "stop", scan.fired
-                if piece:
-                    yield piece
-                break
-            history.append(tok)
-            reply.tokens.append(tok)
+            tok, piece = rd.step(logits)
             if piece:
                 yield piece
+            if tok is None:
+                break
             logits = model.forward_step(cache, [tok], cache.len)
-        if scan.fired is None:
-            tail = scan.feed(stream.flush())
-            if scan.fired is not None:
-                reply.finish_reason, reply.fired_stop = "stop", scan.fired
-            else:
-                tail += scan.flush()
-            if tail:
-                yield tail
     finally:
-        extra = len(history) - cache.len     # a stream abandoned between commit and forward
-        if extra > 0:
-            del history[cache.len:]
-            del reply.tokens[len(reply.tokens) - extra:]
-        reply.text = scan.reply
-    return reply
+        rd.close()
+    return rd.reply
 
 
 def run(gen: Generator[str, None, Reply], on_piece: Callable[[str], None] | None = None) -> Reply:
