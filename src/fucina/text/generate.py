@@ -17,7 +17,7 @@ from typing import Callable, Generator, Iterable, Sequence
 
 import torch
 
-from fucina.errors import ContextFull
+from fucina.errors import ContextFull, FucinaError
 from fucina.text.sampler import Sampler
 
 
@@ -111,7 +111,7 @@ def prefill(model, cache, history: list[int], ids: Sequence[int]) -> tuple[torch
     At least one token is always forwarded (logits are not cached state)."""
     ids = [int(i) for i in ids]
     if not ids:
-        raise ValueError("prefill needs at least one token")
+        raise FucinaError("the prompt is empty: nothing to prefill")
     if len(ids) > cache.capacity:
         raise ContextFull(f"prompt of {len(ids)} tokens exceeds the context of {cache.capacity}")
     keep = min(common_prefix(history, ids), len(ids) - 1, cache.len)

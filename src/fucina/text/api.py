@@ -1,0 +1,109 @@
+"""The Python API.
+
+    import fucina
+    llm = fucina.load()                       # the default model (SmolLM2-135M-Instruct)
+    llm.generate("The capital of France is", max_tokens=16)
+    for piece in llm.stream("Once upon a time", temperature=0.8, seed=1):
+        print(piece, end="")
+    chat = llm.chat(system="Be terse.")
+    chat.send("Hi!")                          # -> str; chat.stream("...") yields pieces
+
+Sampling keywords follow llama.cpp/OpenAI: temperature, top_k, top_p, min_p,
+repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus stop
+(a string or a list of strings). The default is greedy (temperature 0).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Sequence
+
+from fucina.models.cache_q8 import make_cache
+from fucina.text.chat_template import ChatTemplate
+from fucina.text.conversation import Conversation
+from fucina.text.generate import Reply, decode, prefill, run
+from fucina.text.sampler import SAMPLING_KEYS, Sampler, SamplingConfig
+
+
+def _split_options(kw: dict[str, Any]) -> tuple[SamplingConfig, list[str]]:
+    stop = kw.pop("stop", None)
+    unknown = sorted(set(kw) - SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"unknown option(s): {', '.join(unknown)}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return SamplingConfig.from_kwargs(**kw), stops
+
+
+class LLM:
+    """A loaded model with its tokenizer and chat template."""
+
+    def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
+                 n_ctx: int | None = None, cache_type: str = "f16"):
+        self.model, self.tokenizer = model, tokenizer
+        meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
+        self.template = template or ChatTemplate.from_metadata(meta, tokenizer)
+        self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
+        self.cache_type = cache_type
+        self._cache = None
+        self._history: list[int] = []
+        self.last: Reply | None = None
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # -- raw completion ----------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **options: Any) -> Iterator[str]:
+        """Continue `prompt` (text, or token ids), yielding UTF-8-safe text pieces. The
+        cache is kept between calls and its longest common prefix with the next prompt
+        is reused."""
+        cfg, stops = _split_options(dict(options))
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if self._cache is None:
+            self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
+        return self._complete(ids, max_tokens, Sampler(cfg), stops)
+
+    def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]):
+        logits, reused = prefill(self.model, self._cache, self._history, ids)
+        reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
+        stop_ids = set(getattr(self.tokenizer, "eog_ids", ()) or ())
+        try:
+            yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
+                              max_tokens=max_tokens, stop_ids=stop_ids, stop=stops, reply=reply)
+        finally:
+            self.last = reply
+        return reply.text
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **options: Any) -> str:
+        """Continue `prompt`; returns the generated text (`llm.last` has the details)."""
+        return run(self.stream(prompt, max_tokens, **options))
+
+    # -- chat --------------------------------------------------------------------------
+    def chat(self, system: str | None = None, max_tokens: int = 1024, *, think: bool = True,
+             tools: Sequence[dict] | None = None, persist: str | os.PathLike | None = None,
+             **options: Any) -> Conversation:
+        """A new multi-turn Conversation with its own KV cache."""
+        cfg, stops = _split_options(dict(options))
+        return Conversation(self.model, self.tokenizer, self.template, system=system,
+                            max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
+                            capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
+                            persist=persist)
+
+    def __repr__(self) -> str:
+        path = getattr(getattr(self.model, "gguf", None), "path", "?")
+        return f"LLM({os.path.basename(str(path))}, arch={self.config.arch}, template={self.template.name})"
+
+
+def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
+         cache_type: str = "f16") -> LLM:
+    """Open a GGUF (None: the default model, fetched on first use) as an LLM."""
+    from fucina.models import load_model, resolve_model
+    from fucina.text.tokenizer import Tokenizer
+
+    model = load_model(resolve_model(path))
+    return LLM(model, Tokenizer.from_metadata(model.gguf.metadata), n_ctx=n_ctx, cache_type=cache_type)
