@@ -68,7 +68,454 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 }
 #undef FK_C
 
+static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst);
+static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst);
+#define FK_FAST_DECODE fast_decode
+static bool gemv_ok(int qt);
+static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                      const uint8_t *act, float *y);
+#define FK_FAST_GEMV_OK gemv_ok
+#define FK_FAST_GEMV gemv_rows
+#define FK_FAST_QUANT_ACT fast_quant_act
+
+static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, float *__restrict dst) {
+    if (qt == FK_F32) {
+        memcpy(dst, src, (size_t)k * 4);
+    } else {
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + 2 * i));
+            _mm512_storeu_ps(dst + i, qt == FK_F16 ? _mm512_cvtph_ps(h)
+                                                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+        for (; i < k; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            if (qt == FK_F16) {
+                dst[i] = _cvtsh_ss(h);
+            } else {
+                const uint32_t v = (uint32_t)h << 16;
+                memcpy(dst + i, &v, 4);
+            }
+        }
+    }
+    for (int64_t i = k; i < kp; i++) dst[i] = 0.0f;
+    return true;
+}
+#define FK_FAST_DECODE_F32 fast_decode_f32
+
 #include "fk_impl.inc"
+
+/* ---- AVX-512 row decoders for the formats real models carry ------------------------ */
+
+static inline __m512 two_scales(float a, float b) {  /* [a x8, b x8] */
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+static inline __m256i nibbles32(const uint8_t *qs) {  /* 16 bytes -> 32 values: lo then hi */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+    return _mm256_and_si256(v, _mm256_set1_epi8(15));
+}
+
+/* 32-element formats: Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1, Q8_0 */
+static inline __m256i block32(int qt, const uint8_t *p) {
+    switch (qt) {
+    case FK_Q8_0:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
+    case FK_Q4_0: return nibbles32(p + 2);
+    case FK_Q4_1: return nibbles32(p + 4);
+    case FK_IQ4_NL: {
+        const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_iq4_u8));
+        return _mm256_shuffle_epi8(t, nibbles32(p + 2));
+    }
+    default: { /* Q5_0 / Q5_1 */
+        const int ho = qt == FK_Q5_1 ? 4 : 2;
+        uint32_t qh;
+        memcpy(&qh, p + ho, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_movm_epi8((__mmask32)qh), _mm256_set1_epi8(16));
+        return _mm256_or_si256(nibbles32(p + ho + 4), hi);
+    }
+    }
+}
+
+static inline void scale32(int qt, const uint8_t *p, float *s, float *o) {
+    const float d = rdh(p);
+    *s = d;
+    switch (qt) {
+    case FK_Q4_0: *o = -8.0f * d; break;
+    case FK_Q5_0: *o = -16.0f * d; break;
+    case FK_Q4_1: case FK_Q5_1: *o = rdh(p + 2); break;
+    default: *o = -128.0f * d; break; /* Q8_0, IQ4_NL */
+    }
+}
+
+template <int QT>
+static void decode32(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp, int bs) {
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const int64_t nb = k / 32;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p0 = src + b * bs, *p1 = p0 + bs;
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(block32(QT, p0)), block32(QT, p1), 1);
+        _mm512_storeu_si512((void *)(dst + b * 32), v);
+        float s0, o0, s1, o1;
+        scale32(QT, p0, &s0, &o0);
+        scale32(QT, p1, &s1, &o1);
+        _mm512_storeu_ps(ls + b * 8, two_scales(s0, s1));
+        _mm_storeu_ps(off + b * 2, _mm_setr_ps(o0, o0, o1, o1));
+    }
+    if (b < nb) {
+        const uint8_t *p0 = src + b * bs;
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), block32(QT, p0));
+        float s0, o0;
+        scale32(QT, p0, &s0, &o0);
+        _mm256_storeu_ps(ls + b * 8, _mm256_set1_ps(s0));
+        off[b * 2] = off[b * 2 + 1] = o0;
+    }
+}
+
+static const int32_t kDup2[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+
+/* Q4_K / Q5_K: 8 groups of 32 per 256, 6-bit scales and mins */
+template <int QT>
+static void decode_q45k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
+    const int bs = QT == FK_Q4_K ? 144 : 176;
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
+    const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * bs, *sc = p + 4;
+        const uint8_t *qs = p + (QT == FK_Q4_K ? 16 : 48);
+        const float d = rdh(p), dmin = rdh(p + 2);
+        float s[8], o[8];
+        for (int j = 0; j < 8; j++) {
+            int a, mn;
+            k4_scale_min(sc, j, &a, &mn);
+            s[j] = d * (float)a;
+            o[j] = -dmin * (float)mn;
+        }
+        __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+        uint8_t *u = dst + b * 256;
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (QT == FK_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            _mm512_storeu_si512((void *)(u + 64 * j), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+            _mm512_storeu_ps(ls + b * 64 + 16 * j, two_scales(s[2 * j], s[2 * j + 1]));
+        }
+        _mm512_storeu_ps(off + b * 16, _mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(o))));
+    }
+}
+
+static const int32_t kQuad[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+/* Q6_K: 16 groups of 16 per 256, int8 scales */
+static void decode_q6k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 210;
+        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+        _mm512_storeu_ps(off + b * 16, _mm512_mul_ps(S, _mm512_set1_ps(-32.0f)));
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(ls + b * 64 + 16 * c,
+                             _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * c)), S));
+        for (int n = 0; n < 2; n++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+            const __m256i e0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            const __m256i e1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            const __m256i e2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+            const __m256i e3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            uint8_t *u = dst + b * 256 + n * 128;
+            _mm512_storeu_si512((void *)u, _mm512_inserti64x4(_mm512_castsi256_si512(e0), e1, 1));
+            _mm512_storeu_si512((void *)(u + 64), _mm512_inserti64x4(_mm512_castsi256_si512(e2), e3, 1));
+        }
+    }
+}
+
+/* Q2_K / Q3_K: 16 groups of 16 per 256; group g covers elements 16g..16g+15 */
+static inline void store_group16(float *ls, float *off, const __m512 S, const __m512 O) {
+    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
+    _mm512_storeu_ps(off, O);
+    for (int c = 0; c < 4; c++)
+        _mm512_storeu_ps(ls + 16 * c, _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * c)), S));
+}
+
+static void decode_q2k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 84;
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
+        const __m512 O = _mm512_mul_ps(_mm512_set1_ps(-rdh(p + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
+        store_group16(ls + b * 64, off + b * 16, S, O);
+        for (int n = 0; n < 2; n++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * n));
+            uint8_t *u = dst + b * 256 + n * 128;
+            _mm256_storeu_si256((__m256i *)u, _mm256_and_si256(q, m3));
+            _mm256_storeu_si256((__m256i *)(u + 32), _mm256_and_si256(_mm256_srli_epi16(q, 2), m3));
+            _mm256_storeu_si256((__m256i *)(u + 64), _mm256_and_si256(_mm256_srli_epi16(q, 4), m3));
+            _mm256_storeu_si256((__m256i *)(u + 96), _mm256_and_si256(_mm256_srli_epi16(q, 6), m3));
+        }
+    }
+}
+
+static void decode_q3k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 110, *s = p + 96;
+        int32_t sc[16];
+        for (int j = 0; j < 16; j++) {
+            const int lo = j < 8 ? (s[j] & 15) : (s[j - 8] >> 4);
+            const int hi = (s[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+            sc[j] = (lo | (hi << 4)) - 32;
+        }
+        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 108)), _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)sc)));
+        store_group16(ls + b * 64, off + b * 16, S, _mm512_mul_ps(S, _mm512_set1_ps(-4.0f)));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)p);
+        for (int n = 0; n < 2; n++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * n));
+            uint8_t *u = dst + b * 256 + n * 128;
+            for (int j = 0; j < 4; j++) {
+                const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), m3);
+                const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * n + j)), one);
+                _mm256_storeu_si256((__m256i *)(u + 32 * j), _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)));
+            }
+        }
+    }
+}
+
+static void decode_iq4xs(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
+    float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_iq4_u8));
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 136;
+        const float d = rdh(p);
+        const uint16_t sh = rd16(p + 2);
+        float sv[8];
+        for (int ib = 0; ib < 8; ib++)
+            sv[ib] = d * (float)((((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
+        for (int j = 0; j < 4; j++) {
+            const __m256i v0 = _mm256_shuffle_epi8(t, nibbles32(p + 8 + 32 * j));
+            const __m256i v1 = _mm256_shuffle_epi8(t, nibbles32(p + 8 + 32 * j + 16));
+            _mm512_storeu_si512((void *)(dst + b * 256 + 64 * j), _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1));
+            _mm512_storeu_ps(ls + b * 64 + 16 * j, two_scales(sv[2 * j], sv[2 * j + 1]));
+        }
+        const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
+        _mm512_storeu_ps(off + b * 16, _mm512_mul_ps(_mm512_set1_ps(-128.0f),
+                                                     _mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(sv)))));
+    }
+}
+
+static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst) {
+    switch (qt) {
+    case FK_Q2_K: decode_q2k(src, k, dst, kp); return true;
+    case FK_Q3_K: decode_q3k(src, k, dst, kp); return true;
+    case FK_IQ4_XS: decode_iq4xs(src, k, dst, kp); return true;
+    case FK_Q4_0: decode32<FK_Q4_0>(src, k, dst, kp, 18); return true;
+    case FK_Q4_1: decode32<FK_Q4_1>(src, k, dst, kp, 20); return true;
+    case FK_IQ4_NL: decode32<FK_IQ4_NL>(src, k, dst, kp, 18); return true;
+    case FK_Q5_0: decode32<FK_Q5_0>(src, k, dst, kp, 22); return true;
+    case FK_Q5_1: decode32<FK_Q5_1>(src, k, dst, kp, 24); return true;
+    case FK_Q8_0: decode32<FK_Q8_0>(src, k, dst, kp, 34); return true;
+    case FK_Q4_K: decode_q45k<FK_Q4_K>(src, k, dst, kp); return true;
+    case FK_Q5_K: decode_q45k<FK_Q5_K>(src, k, dst, kp); return true;
+    case FK_Q6_K: decode_q6k(src, k, dst, kp); return true;
+    }
+    return false;
+}
+
+/* ---- fused GEMV (m = 1): decode in registers, never through memory ------------------- */
+
+template <int QT>
+static float gemv32(const uint8_t *__restrict p, int bs, int64_t k, int64_t kp, const uint8_t *__restrict act) {
+    const int8_t *xq = (const int8_t *)act;
+    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+    __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    float oacc = 0.0f;
+    const int64_t nb = k / 32;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p0 = p + b * bs, *p1 = p0 + bs;
+        _mm_prefetch((const char *)p0 + 768, _MM_HINT_T0);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(block32(QT, p0)), block32(QT, p1), 1);
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(xq + b * 32)));
+        float s0, o0, s1, o1;
+        scale32(QT, p0, &s0, &o0);
+        scale32(QT, p1, &s1, &o1);
+        const __m512 sc = _mm512_mul_ps(two_scales(s0, s1), _mm512_loadu_ps(xls + b * 8));
+        if (b & 2) acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc2);
+        else acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc);
+        oacc += o0 * (s16[2 * b] + s16[2 * b + 1]) + o1 * (s16[2 * b + 2] + s16[2 * b + 3]);
+    }
+    float r = 0.0f;
+    if (b < nb) {
+        const uint8_t *p0 = p + b * bs;
+        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), block32(QT, p0),
+                                              _mm256_loadu_si256((const __m256i *)(xq + b * 32)));
+        float s0, o0;
+        scale32(QT, p0, &s0, &o0);
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xls + b * 8));
+        r = s0 * _mm512_reduce_add_ps(_mm512_insertf32x8(_mm512_setzero_ps(), t, 0));
+        oacc += o0 * (s16[2 * b] + s16[2 * b + 1]);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2)) + r + oacc;
+}
+
+template <int QT>
+static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
+    const int bs = QT == FK_Q4_K ? 144 : 176;
+    const int8_t *xq = (const int8_t *)act;
+    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+    const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
+    const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * bs, *sc = p + 4;
+        const uint8_t *qs = p + (QT == FK_Q4_K ? 16 : 48);
+        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 1088, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 1152, _MM_HINT_T0);
+        const float d = rdh(p), dmin = rdh(p + 2);
+        float s[8], o[8];
+        for (int j = 0; j < 8; j++) {
+            int a, mn;
+            k4_scale_min(sc, j, &a, &mn);
+            s[j] = d * (float)a;
+            o[j] = -dmin * (float)mn;
+        }
+        __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+        const int8_t *x = xq + b * 256;
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (QT == FK_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            const __m512 scv = _mm512_mul_ps(two_scales(s[2 * j], s[2 * j + 1]), _mm512_loadu_ps(xls + b * 64 + 16 * j));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc);
+        }
+        oacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(o))),
+                               _mm512_loadu_ps(s16 + b * 16), oacc);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
+}
+
+static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
+    const int8_t *xq = (const int8_t *)act;
+    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 210;
+        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 1088, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 1152, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 1216, _MM_HINT_T0);
+        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+        oacc = _mm512_fmadd_ps(_mm512_mul_ps(S, _mm512_set1_ps(-32.0f)), _mm512_loadu_ps(s16 + b * 16), oacc);
+        const int8_t *x = xq + b * 256;
+        const float *xl = xls + b * 64;
+        for (int n = 0; n < 2; n++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+            const __m256i e0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            const __m256i e1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            const __m256i e2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+            const __m256i e3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            const __m512i v0 = _mm512_inserti64x4(_mm512_castsi256_si512(e0), e1, 1);
+            const __m512i v1 = _mm512_inserti64x4(_mm512_castsi256_si512(e2), e3, 1);
+            const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512((const void *)(x + 128 * n)));
+            const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v1, _mm512_loadu_si512((const void *)(x + 128 * n + 64)));
+            const __m512 c0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n)), S),
+                                            _mm512_loadu_ps(xl + 32 * n));
+            const __m512 c1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n + 4)), S),
+                                            _mm512_loadu_ps(xl + 32 * n + 16));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), c0, acc);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), c1, acc);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
+}
+
+static bool gemv_ok(int qt) {
+    switch (qt) {
+    case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
+    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
+        return true;
+    }
+    return false;
+}
+
+template <int QT>
+static void gemv32_rows(const uint8_t *w, size_t rb, int bs, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                        const uint8_t *act, float *y) {
+    for (int64_t r = r0; r < r1; r++) y[r] = gemv32<QT>(w + r * rb, bs, k, kp, act);
+}
+
+static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                      const uint8_t *act, float *y) {
+    switch (qt) {
+    case FK_Q4_0: gemv32_rows<FK_Q4_0>(w, rb, 18, r0, r1, k, kp, act, y); break;
+    case FK_Q4_1: gemv32_rows<FK_Q4_1>(w, rb, 20, r0, r1, k, kp, act, y); break;
+    case FK_IQ4_NL: gemv32_rows<FK_IQ4_NL>(w, rb, 18, r0, r1, k, kp, act, y); break;
+    case FK_Q5_0: gemv32_rows<FK_Q5_0>(w, rb, 22, r0, r1, k, kp, act, y); break;
+    case FK_Q5_1: gemv32_rows<FK_Q5_1>(w, rb, 24, r0, r1, k, kp, act, y); break;
+    case FK_Q8_0: gemv32_rows<FK_Q8_0>(w, rb, 34, r0, r1, k, kp, act, y); break;
+    case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
+    case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
+    case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;
+    }
+}
+
+/* ---- activations ------------------------------------------------------------------ */
+
+static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst) {
+    int8_t *q = (int8_t *)dst;
+    float *ls = (float *)(dst + kp), *s16 = (float *)(dst + 2 * kp);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < kp / 32; b++) {
+        const int64_t e0 = b * 32;
+        if (e0 >= k) {
+            _mm256_storeu_si256((__m256i *)(q + e0), _mm256_setzero_si256());
+            _mm256_storeu_ps(ls + b * 8, _mm256_setzero_ps());
+            s16[2 * b] = s16[2 * b + 1] = 0.0f;
+            continue;
+        }
+        const __m512 x0 = _mm512_loadu_ps(x + e0), x1 = _mm512_loadu_ps(x + e0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q + e0), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + e0 + 16), _mm512_cvtsepi32_epi8(q1));
+        _mm256_storeu_ps(ls + b * 8, _mm256_set1_ps(d));
+        s16[2 * b] = d * (float)_mm512_reduce_add_epi32(q0);
+        s16[2 * b + 1] = d * (float)_mm512_reduce_add_epi32(q1);
+    }
+    return true;
+}
 
 }  // namespace fk_avx512_ns
 
