@@ -237,11 +237,11 @@ def test_special_overlap_uses_llama_cpp_order():
     specials = [("bcd", 1, 8), ("ab", 0, 8)]
     sp = SpecialSplitter(specials)
     assert sp.exact
-    assert sp.split("abcd") == ["a", 1]
+    assert sp.split("abcd") == ["a", 1, ""]
     # runs of one character may overlap each other and still take the fast path
     runs = SpecialSplitter([("\n" * k, k, 16) for k in range(3, 0, -1)])
     assert not runs.exact
-    assert runs.split("x\n\n\n\n\ny") == ["x", 3, 2, "y"]
+    assert runs.split("x\n\n\n\n\ny") == ["x", 3, "", 2, "y"]
 
 
 def test_spm_pieces_merge_like_the_whole_fragment(vocab):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fucina.text.tokenizer import unicode as U
-from fucina.text.tokenizer.bpe import merge_short
+from fucina.text.tokenizer.bpe import bpe_merge
 from fucina.text.tokenizer.merge import heap_merge
 from fucina.text.tokenizer.pretokenize import PATTERNS, PRE_SPECS, Splitter, translate
 
@@ -223,4 +223,4 @@ def test_short_and_heap_merges_agree():
     for _ in range(2000):
         s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
         heap = heap_merge(list(s), lambda a, b: ranks.get(a + " " + b))
-        assert merge_short(s, ranks) == heap, s
+        assert bpe_merge(s, ranks) == heap, s

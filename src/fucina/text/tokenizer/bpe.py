@@ -8,12 +8,14 @@ is one regex pass plus dictionary lookups.
 """
 from __future__ import annotations
 
-from fucina.text.tokenizer.merge import encode_cached, heap_merge
+from itertools import repeat
+
+from fucina.text.tokenizer.merge import LIST_MAX, encode_cached, heap_merge, list_merge
 from fucina.text.tokenizer.pretokenize import Splitter
 from fucina.text.tokenizer.unicode import BYTES_TO_UNICODE
 from fucina.text.tokenizer.vocab import Vocab
 
-_SHORT = 40   # words up to this many bytes use the simple quadratic loop
+_NONE = 1 << 62   # "no such merge" rank
 
 
 class ByteBPE:
@@ -27,24 +29,40 @@ class ByteBPE:
         self.splitter = Splitter(vocab.pre_spec.kind)
         self.cache: dict[str, tuple[int, ...]] = {}
 
-    def encode(self, text: str, out: list[int]) -> None:
-        encode_cached(self.splitter.split(text), self.cache, self.encode_word, out)
+    def split(self, text: str) -> list[str]:
+        return self.splitter.split(text)
 
-    def encode_word(self, word: str) -> tuple[int, ...]:
+    def sequence(self, parts: list, text: str = "") -> list[str | int]:
+        """[fragment, id, fragment, ...] -> pretokens and special ids, in order."""
+        if len(parts) == 1:
+            return self.splitter.split(parts[0])
+        seq: list[str | int] = []
+        split = self.splitter.split
+        for k, part in enumerate(parts):
+            if k & 1:
+                seq.append(part)
+            elif part:
+                seq.extend(split(part))
+        return seq
+
+    def encode(self, text: str, out: list[int]) -> None:
+        encode_cached(self.splitter.split(text), self.cache, self.encode_piece, out)
+
+    def encode_piece(self, word: str | int) -> tuple[int, ...]:
+        if isinstance(word, int):
+            return (word,)
         s = word.encode("utf-8", "surrogatepass").decode("latin-1").translate(BYTES_TO_UNICODE)
         t2i = self.token_to_id
         if self.ignore_merges or len(s) == 1:
             tid = t2i.get(s)
             if tid is not None:
                 return (tid,)
-        if len(s) <= _SHORT:
-            syms = merge_short(s, self.ranks)
-        else:
-            get = self.ranks.get
-            syms = heap_merge(list(s), lambda a, b: get(a + " " + b))
+        syms = bpe_merge(s, self.ranks)
+        ids = tuple(map(t2i.get, syms))
+        if None not in ids:
+            return ids
         out: list[int] = []
-        for sym in syms:
-            tid = t2i.get(sym)
+        for sym, tid in zip(syms, ids):
             if tid is not None:
                 out.append(tid)
                 continue
@@ -57,19 +75,11 @@ class ByteBPE:
         return tuple(out)
 
 
-def merge_short(s: str, ranks: dict[str, int]) -> list[str]:
-    """Repeatedly merge the lowest-ranked adjacent pair, leftmost on a tie."""
+def bpe_merge(s: str, ranks: dict[str, int]) -> list[str]:
+    """Merge the lowest-ranked adjacent pair (leftmost on a tie) until none is ranked."""
     syms = list(s)
     get = ranks.get
-    while len(syms) > 1:
-        best_rank = None
-        best = 0
-        for i in range(len(syms) - 1):
-            r = get(syms[i] + " " + syms[i + 1])
-            if r is not None and (best_rank is None or r < best_rank):
-                best_rank = r
-                best = i
-        if best_rank is None:
-            break
-        syms[best:best + 2] = [syms[best] + syms[best + 1]]
-    return syms
+    if len(syms) > LIST_MAX:
+        return heap_merge(syms, lambda a, b: get(a + " " + b))
+    keys = list(map(get, map(" ".join, zip(syms, syms[1:])), repeat(_NONE)))
+    return list_merge(syms, keys, lambda a, b: get(a + " " + b, _NONE), _NONE)

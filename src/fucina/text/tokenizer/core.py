@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fucina.errors import TokenizerError
+from fucina.text.tokenizer.merge import encode_cached
 from fucina.text.tokenizer.special import SpecialSplitter
 from fucina.text.tokenizer.unicode import BYTE_OF_CHAR
 from fucina.text.tokenizer.vocab import (
@@ -115,7 +116,7 @@ class Tokenizer:
             if v.ids["bos"] is None:
                 raise TokenizerError("vocabulary asks for BOS but has no BOS token")
             out.append(v.ids["bos"])
-        self._encode(text, parse_special, out, prev_special=True)
+        self._encode(text, parse_special, out)
         if add_special and v.add_eos:
             if v.ids["eos"] is None:
                 raise TokenizerError("vocabulary asks for EOS but has no EOS token")
@@ -125,7 +126,7 @@ class Tokenizer:
     def encode_raw(self, text: str | bytes, parse_special: bool = True) -> list[int]:
         """Token ids without BOS/EOS (chat templates own the structure)."""
         out: list[int] = []
-        self._encode(text, parse_special, out, prev_special=True)
+        self._encode(text, parse_special, out)
         return out
 
     def _splitter(self, parse_special: bool) -> SpecialSplitter:
@@ -134,7 +135,7 @@ class Tokenizer:
             sp = self._splitters[parse_special] = SpecialSplitter(self.vocab.special_tokens(parse_special))
         return sp
 
-    def _encode(self, text: str | bytes, parse_special: bool, out: list[int], prev_special: bool) -> None:
+    def _encode(self, text: str | bytes, parse_special: bool, out: list[int]) -> None:
         if not isinstance(text, str):
             data = bytes(text)
             try:
@@ -145,20 +146,8 @@ class Tokenizer:
         if not text:
             return
         engine = self._engine
-        spm = self.kind == "spm"
-        prefix = spm and self.vocab.add_space_prefix
-        for part in self._splitter(parse_special).split(text):
-            if isinstance(part, int):
-                out.append(part)
-                prev_special = True
-                continue
-            if spm:
-                if prefix and prev_special:
-                    part = " " + part
-                engine.encode(part.replace(" ", "\u2581"), out)
-            else:
-                engine.encode(part, out)
-            prev_special = False
+        seq = engine.sequence(self._splitter(parse_special).split(text), text)
+        encode_cached(seq, engine.cache, engine.encode_piece, out)
 
     def _encode_malformed(self, data: bytes, parse_special: bool, out: list[int]) -> None:
         """Bytes that are not valid UTF-8, as llama.cpp treats them.
@@ -171,20 +160,18 @@ class Tokenizer:
         F4 90+); we read it as U+FFFD.
         """
         text = data.decode("utf-8", "surrogateescape")   # invalid bytes -> U+DC80..U+DCFF
-        prev_special = True
-        for part in self._splitter(parse_special).split(text):
-            if isinstance(part, int):
+        engine = self._engine
+        for k, part in enumerate(self._splitter(parse_special).split(text)):
+            if k & 1:
                 out.append(part)
-                prev_special = True
                 continue
             raw = part.encode("utf-8", "surrogateescape")
             if self.kind == "spm":
-                if self.vocab.add_space_prefix and prev_special:
+                if self.vocab.add_space_prefix and raw:
                     raw = b" " + raw
-                self._engine.encode_bytes(raw.replace(b" ", "\u2581".encode()), out)
-            else:
-                self._engine.encode(lenient_utf8_decode(raw), out)
-            prev_special = False
+                engine.encode_bytes(raw.replace(b" ", "\u2581".encode()), out)
+            elif raw:
+                encode_cached(engine.split(lenient_utf8_decode(raw)), engine.cache, engine.encode_piece, out)
 
     # ---- decoding ----
     def token_to_piece(self, token_id: int, special: bool = True) -> bytes:

@@ -2,26 +2,51 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from itertools import chain
 from typing import Any, TypeVar
 
 Sym = TypeVar("Sym", str, bytes)
 CACHE_MAX = 1 << 18   # pieces remembered before a cache starts over
+LIST_MAX = 64         # pieces up to this many symbols merge with list scans, longer with a heap
 
 
-def encode_cached(pieces: Iterable[str], cache: dict[str, tuple[int, ...]],
-                  miss: Callable[[str], tuple[int, ...]], out: list[int]) -> None:
-    """out += ids of every piece; a piece's ids never depend on its neighbours."""
-    get = cache.get
-    extend = out.extend
-    for piece in pieces:
-        ids = get(piece)
-        if ids is None:
-            ids = miss(piece)
-            if len(cache) >= CACHE_MAX:
-                cache.clear()
-            cache[piece] = ids
-        extend(ids)
+def encode_cached(pieces: list[Any], cache: dict[Any, tuple[int, ...]],
+                  miss: Callable[[Any], tuple[int, ...]], out: list[int]) -> None:
+    """out += ids of every piece; a piece's ids never depend on its neighbours.
+
+    Written as whole-list passes (set difference, map, chain) so the per-piece work
+    runs in C; only pieces never seen before reach Python (`miss`). A piece may be an
+    int: an already-resolved token id, standing for itself.
+    """
+    missing = set(pieces).difference(cache)
+    if missing:
+        if len(cache) + len(missing) > CACHE_MAX:
+            cache.clear()
+            missing = set(pieces)
+        for piece in missing:
+            cache[piece] = miss(piece)
+    out.extend(chain.from_iterable(map(cache.__getitem__, pieces)))
+
+
+def list_merge(syms: list[Sym], keys: list[Any], key_of: Callable[[Sym, Sym], Any], none: Any) -> list[Sym]:
+    """Merge adjacent symbols best key first (smallest; leftmost on a tie) until every
+    pair's key is `none`. keys[i] is the key of (syms[i], syms[i+1]). Quadratic in C
+    (min/index over a short list), linear in Python: the fast path for short pieces."""
+    while keys:
+        k = min(keys)
+        if k == none:
+            break
+        i = keys.index(k)
+        a = syms[i] + syms[i + 1]
+        syms[i] = a
+        del syms[i + 1]
+        del keys[i]
+        if i:
+            keys[i - 1] = key_of(syms[i - 1], a)
+        if i < len(keys):
+            keys[i] = key_of(a, syms[i + 1])
+    return syms
 
 
 def heap_merge(syms: list[Sym], priority: Callable[[Sym, Sym], Any]) -> list[Sym]:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fucina.text.tokenizer.unicode import CATEGORY_RANGES, class_body, classes
+from fucina.text.tokenizer.unicode import CATEGORY_RANGES, bmp_ranges, class_body, classes, collapse_astral
 
 # Contractions, spelled case-insensitively the way llama.cpp adapts them for std::regex.
 _CONTR = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -115,7 +115,7 @@ def translate(pattern: str) -> str:
     cls = classes()
     named = dict(cls)
     # letters other than ASCII a-z / other than ASCII A-Z (for o200k-style case splits)
-    letters = CATEGORY_RANGES["L"]
+    letters = bmp_ranges(CATEGORY_RANGES["L"])
     named["Lx"] = class_body([r for r in letters if r != (0x61, 0x7A)])
     named["Ly"] = class_body([r for r in letters if r != (0x41, 0x5A)])
     for k in ("Lu", "Ll", "Lt", "Lm", "Lo"):   # llama.cpp folds every letter class into \p{L}
@@ -167,6 +167,16 @@ class Splitter:
         self.patterns = compiled(kind)
 
     def split(self, text: str) -> list[str]:
+        if text.isascii() or max(text) <= "\uffff":
+            return self._split(text)
+        # astral characters: split a same-length stand-in text, cut the original alike
+        out, pos = [], 0
+        for part in self._split(collapse_astral(text)):
+            out.append(text[pos:pos + len(part)])
+            pos += len(part)
+        return out
+
+    def _split(self, text: str) -> list[str]:
         *firsts, last = self.patterns
         if not firsts:
             parts = last.findall(text)

@@ -57,7 +57,8 @@ def _overlapping(texts: list[str], pattern: re.Pattern[str]) -> bool:
 
 
 class SpecialSplitter:
-    """text -> list of raw str fragments and int token ids, in order."""
+    """text -> [fragment, id, fragment, id, ..., fragment]: text fragments (str, maybe
+    empty) at even positions, special token ids at odd ones."""
 
     def __init__(self, specials: list[tuple[str, int, int]]):
         self.specials = specials                      # (text, id, attr), longest first
@@ -68,20 +69,18 @@ class SpecialSplitter:
         self.pattern = re.compile("(" + _trie_regex(texts) + ")") if texts else None
         self.exact = bool(texts) and _overlapping(texts, self.pattern)
 
-    def split(self, text: str) -> list[str | int]:
-        if self.pattern is None or not text:
-            return [text] if text else []
+    def split(self, text: str) -> list:
+        if self.pattern is None:
+            return [text]
         if self.exact:
-            parts = self._split_exact(text)
+            parts = _alternating(self._split_exact(text))
         else:
-            pieces = self.pattern.split(text)
-            parts = []
-            for k, p in enumerate(pieces):
-                if k % 2:
-                    parts.append(self.by_text[p])
-                elif p:
-                    parts.append(p)
-        return self._apply_strip(parts) if self.strip else parts
+            parts = self.pattern.split(text)
+            if len(parts) > 1:
+                parts[1::2] = map(self.by_text.__getitem__, parts[1::2])
+        if self.strip and len(parts) > 1:
+            self._apply_strip(parts)
+        return parts
 
     def _split_exact(self, text: str) -> list[str | int]:
         frags: list[str | int] = [text]
@@ -102,13 +101,22 @@ class SpecialSplitter:
             frags = out
         return frags
 
-    def _apply_strip(self, parts: list[str | int]) -> list[str | int]:
-        out = list(parts)
-        for k, p in enumerate(out):
-            if isinstance(p, int) and p in self.strip:
-                flags = self.strip[p]
-                if flags & ATTR_LSTRIP and k > 0 and isinstance(out[k - 1], str):
-                    out[k - 1] = out[k - 1].rstrip(_CSPACE)
-                if flags & ATTR_RSTRIP and k + 1 < len(out) and isinstance(out[k + 1], str):
-                    out[k + 1] = out[k + 1].lstrip(_CSPACE)
-        return [p for p in out if p != ""]
+    def _apply_strip(self, parts: list) -> None:
+        for k in range(1, len(parts), 2):
+            flags = self.strip.get(parts[k], 0)
+            if flags & ATTR_LSTRIP:
+                parts[k - 1] = parts[k - 1].rstrip(_CSPACE)
+            if flags & ATTR_RSTRIP:
+                parts[k + 1] = parts[k + 1].lstrip(_CSPACE)
+
+
+def _alternating(parts: list[str | int]) -> list:
+    out: list = []
+    for p in parts:
+        if isinstance(p, int):
+            if not out or isinstance(out[-1], int):
+                out.append("")
+        out.append(p)
+    if not out or isinstance(out[-1], int):
+        out.append("")
+    return out

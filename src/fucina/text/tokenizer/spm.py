@@ -15,12 +15,17 @@ inside a token is ">" (in ">▁</").
 from __future__ import annotations
 
 import re
+from operator import add
+
+import numpy as np
 
 from fucina.errors import TokenizerError
-from fucina.text.tokenizer.merge import Sym, encode_cached, heap_merge
+from fucina.text.tokenizer.merge import LIST_MAX, Sym, encode_cached, heap_merge, list_merge
 from fucina.text.tokenizer.vocab import Vocab
 
 SPACE = "\u2581"
+_SEPARATORS = ("\ufdd0", "\ufdd1", "\U0010fffe", "\x00")   # rare first
+_NONE = float("inf")   # "forms no token" key (list merging needs finite scores)
 _SPACE_B = SPACE.encode()
 
 
@@ -28,6 +33,8 @@ class SentencePiece:
     def __init__(self, vocab: Vocab):
         if vocab.scores is None:
             raise TokenizerError("SentencePiece vocabulary without tokenizer.ggml.scores")
+        # list merging marks "no token" with +inf: only exact while every score is finite
+        self._finite = bool(np.isfinite(vocab.scores).all())
         self.vocab = vocab
         self.token_to_id = vocab.token_to_id
         self._scores: list[float] | None = None
@@ -35,12 +42,12 @@ class SentencePiece:
         unsafe = sorted({t[i - 1] for t in vocab.tokens if SPACE in t[1:]
                          for i in range(1, len(t)) if t[i] == SPACE and t[i - 1] != SPACE})
         self.unsafe = frozenset(unsafe)
-        if unsafe:
-            u = "".join(re.escape(c) for c in unsafe)
-            self._pieces = re.compile(f"{SPACE}*(?:[^{SPACE}{u}]|[{u}]{SPACE}*)+|{SPACE}+")
-        else:
-            self._pieces = re.compile(f"{SPACE}*[^{SPACE}]+|{SPACE}+")
+        self.add_space_prefix = vocab.add_space_prefix
+        self._u = "".join(re.escape(c) for c in unsafe)
+        self._pieces = self._piece_regex("")
+        self._by_sep: dict[str, re.Pattern[str]] = {}
         self._bytes_vocab: dict[bytes, int] | None = None
+        self._pairs: frozenset[str] | None = None
         self._byte_ids: list[int] | None = None
 
     @property
@@ -49,18 +56,96 @@ class SentencePiece:
             self._scores = self.vocab.scores.tolist()
         return self._scores
 
+    def _piece_regex(self, sep: str) -> re.Pattern[str]:
+        """Pieces: a run of "▁" and what follows up to the next "▁" that starts a piece
+        (none after an unsafe character); `sep` stands alone and breaks pieces."""
+        u, x = self._u, re.escape(sep)
+        if u:
+            return re.compile(f"{x + '|' if x else ''}{SPACE}*(?:[^{SPACE}{u}{x}]+|[{u}]{SPACE}*)+|{SPACE}+")
+        return re.compile(f"{x + '|' if x else ''}{SPACE}*[^{SPACE}{x}]+|{SPACE}+")
+
+    def split(self, text: str) -> list[str]:
+        """Independently mergeable pieces of a fragment whose spaces are escaped to "▁"."""
+        return self._pieces.findall(text)
+
+    def sequence(self, parts: list, text: str = "") -> list[str | int]:
+        """[fragment, id, fragment, ...] -> pieces and special ids, in order.
+
+        llama.cpp prefixes a space to every fragment that follows a special token (or
+        starts the text) when add_space_prefix, then escapes spaces. Fragments are
+        joined around a separator character absent from the text so that one regex
+        pass cuts them all (Gemma's newlines and space runs are special tokens:
+        thousands of fragments per page)."""
+        frags = parts[0::2]
+        if self.add_space_prefix:
+            frags = [" " + f if f else f for f in frags]
+        if len(parts) == 1:
+            return self._pieces.findall(frags[0].replace(" ", SPACE))
+        sep = next((c for c in _SEPARATORS if c not in text), None) if text else None
+        if sep is None:
+            return self._sequence_slow(frags, parts[1::2])
+        pat = self._by_sep.get(sep)
+        if pat is None:
+            pat = self._by_sep[sep] = self._piece_regex(sep)
+        pieces = pat.findall(sep.join(frags).replace(" ", SPACE))
+        it = iter(parts[1::2])
+        return [next(it) if p == sep else p for p in pieces]
+
+    def _sequence_slow(self, frags: list[str], ids: list[int]) -> list[str | int]:
+        seq: list[str | int] = []
+        for k, frag in enumerate(frags):
+            if k:
+                seq.append(ids[k - 1])
+            if frag:
+                seq.extend(self.split(frag.replace(" ", SPACE)))
+        return seq
+
+    @property
+    def pairs(self) -> frozenset[str]:
+        """Every two-character string found inside some token (plus a few harmless
+        extras around the separator)."""
+        if self._pairs is None:
+            big = "\0".join(self.vocab.tokens)
+            self._pairs = frozenset(map(add, big, big[1:]))
+        return self._pairs
+
     def encode(self, text: str, out: list[int]) -> None:
         """Encode one fragment whose spaces are already escaped to "▁"."""
-        encode_cached(self._pieces.findall(text), self.cache, self._encode_piece, out)
+        encode_cached(self._pieces.findall(text), self.cache, self.encode_piece, out)
 
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        tid = self.token_to_id.get(piece)
-        if tid is not None and len(piece) == 1:
-            return (tid,)
-        syms = merge(list(piece), self.token_to_id, self.scores)
+    def encode_piece(self, piece: str | int) -> tuple[int, ...]:
+        if isinstance(piece, int):
+            return (piece,)
+        if len(piece) == 1:
+            tid = self.token_to_id.get(piece)
+            return (tid,) if tid is not None else self._merge_piece(piece)
+        # Two neighbours that sit together in no token are never merged: cut there too
+        # (Gemma-3 keeps punctuation apart from letters) and cache the parts.
+        inside = list(map(self.pairs.__contains__, map(add, piece, piece[1:])))
+        if all(inside):
+            return self._merge_piece(piece)
         out: list[int] = []
-        for sym in syms:
-            tid = self.token_to_id.get(sym)
+        cache = self.cache
+        start = 0
+        for i, ok in enumerate(inside + [False], 1):
+            if ok:
+                continue
+            sub = piece[start:i]
+            ids = cache.get(sub)
+            if ids is None:
+                ids = cache[sub] = self.encode_piece(sub)
+            out.extend(ids)
+            start = i
+        return tuple(out)
+
+    def _merge_piece(self, piece: str) -> tuple[int, ...]:
+        t2i = self.token_to_id
+        syms = merge(list(piece), t2i, self.scores, self._finite)
+        ids = tuple(map(t2i.get, syms))
+        if None not in ids:
+            return ids
+        out: list[int] = []
+        for sym, tid in zip(syms, ids):
             if tid is not None:
                 out.append(tid)
             else:
@@ -105,7 +190,7 @@ class SentencePiece:
             if k < len(syms) and not (syms[k] == _SPACE_B and syms[k - 1] != _SPACE_B
                                       and syms[k - 1].decode("utf-8", "replace") not in self.unsafe):
                 continue
-            for sym in merge(syms[start:k], self._bytes_vocab, self.scores):
+            for sym in merge(syms[start:k], self._bytes_vocab, self.scores, self._finite):
                 tid = self._bytes_vocab.get(sym)
                 if tid is not None:
                     out.append(tid)
@@ -118,12 +203,18 @@ def _utf8_len(lead: int) -> int:
     return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[lead >> 4]
 
 
-def merge(syms: list[Sym], t2i: dict[Sym, int], scores: list[float]) -> list[Sym]:
+def merge(syms: list[Sym], t2i: dict[Sym, int], scores: list[float], finite: bool = True) -> list[Sym]:
     """Merge the adjacent pair forming the best-scoring token, leftmost on a tie."""
     get = t2i.get
+    if len(syms) > LIST_MAX or not finite:
+        def priority(a: Sym, b: Sym) -> float | None:
+            tid = get(a + b)
+            return None if tid is None else -scores[tid]
+        return heap_merge(syms, priority)
 
-    def priority(a: Sym, b: Sym) -> float | None:
+    def key(a: Sym, b: Sym) -> float:
         tid = get(a + b)
-        return None if tid is None else -scores[tid]
+        return _NONE if tid is None else -scores[tid]
 
-    return heap_merge(syms, priority)
+    keys = [_NONE if t is None else -scores[t] for t in map(get, map(add, syms, syms[1:]))]
+    return list_merge(syms, keys, key, _NONE)
