@@ -227,3 +227,21 @@ def test_persist_survives_kill_9_mid_append(tmp_path):
     for layer in range(2):
         assert torch.equal(c.keys(layer, c.len).float(), (pos * (layer + 1)).expand(-1, 2, 32))
         assert torch.equal(c.values(layer, c.len).float(), -(pos * (layer + 1)).expand(-1, 2, 32))
+
+
+@pytest.mark.slow
+def test_q8_cache_tracks_f16_on_smollm2():
+    path = "/root/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not os.path.exists(path):
+        pytest.skip("SmolLM2 GGUF not cached")
+    from fucina.models import load_model
+    from fucina.text.genbench import greedy_run
+    m = load_model(path)
+    ids = [1, 4093, 314, 253, 1345, 2415, 30, 216] * 4
+    seq = ids + greedy_run(m, ids, 48, "f16")
+    a = m.forward_step_all_logits(make_cache(m, len(seq), "f16"), seq, 0)[len(ids) - 1:-1]
+    b = m.forward_step_all_logits(make_cache(m, len(seq), "q8_0"), seq, 0)[len(ids) - 1:-1]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+    pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+    assert (pa.exp() * (pa - pb)).sum(-1).mean() < 0.02
+    assert make_cache(m, 4096, "q8_0").nbytes() / make_cache(m, 4096, "f16").nbytes() == pytest.approx(34 / 64)
