@@ -75,3 +75,28 @@ def test_batch_errors(tmp_path):
     m.forward_step(full, [1], 0)
     with pytest.raises(KVCacheError):
         forward_step_batch(m, [full], [2])
+
+
+def test_send_batch_equals_plain_sends(tmp_path):
+    from fucina.text.chat_template import ChatTemplate
+    from fucina.text.conversation import Conversation, send_batch
+    from fucina.text.logit_processor import BanTokens
+    m = tiny_llama(str(tmp_path))
+    tok = FakeTokenizer()
+    t = ChatTemplate.builtin("chatml")
+    ban = lambda: BanTokens([i for i in range(300) if i not in set(b"abcdefgh ") | {257}])
+
+    def make(i):
+        return Conversation(m, tok, t, system=f"S{i}", max_tokens=6, capacity=128, processor=ban(),
+                            sampling=SamplingConfig(temperature=0.8, seed=i))
+
+    plain, lock = [make(i) for i in range(3)], [make(i) for i in range(3)]
+    users = ["hi", "hello there", "x"]
+    for turn in range(2):
+        want = [c.send(u) for c, u in zip(plain, users)]
+        got = send_batch(lock, users)
+        assert got == want
+        assert [c.tokens for c in lock] == [c.tokens for c in plain]
+        assert [c.messages for c in lock] == [c.messages for c in plain]
+    with pytest.raises(FucinaError):
+        send_batch([lock[0], lock[0]], ["a", "b"])

@@ -106,25 +106,33 @@ def generate_batch(model, tokenizer, prompts: Sequence[Sequence[int]], samplers:
         decoders.append(ReplyDecoder(caches[s], histories[s], samplers[s], tokenizer,
                                      max_tokens=max_tokens, stop_ids=stop_ids, stop=stop,
                                      reply=Reply(prompt_tokens=len(prompts[s]), reused_tokens=reused)))
-    live = list(range(n))
     try:
-        while live:
-            forward = []
-            for s in live:
-                tok, piece = decoders[s].step(logits[s])
-                if piece and on_piece is not None:
-                    on_piece(s, piece)
-                if tok is not None:
-                    forward.append((s, tok))
-            if not forward:
-                break
-            out = forward_step_batch(model, [caches[s] for s, _ in forward], [t for _, t in forward])
-            for row, (s, _) in enumerate(forward):
-                logits[s] = out[row]
-            live = [s for s, _ in forward]
+        lockstep(model, decoders, logits, on_piece)
     finally:
         replies = [d.close() for d in decoders]
     return replies
+
+
+def lockstep(model, decoders: Sequence[ReplyDecoder], logits: list[torch.Tensor],
+             on_piece: Callable[[int, str], None] | None = None) -> None:
+    """Step N ReplyDecoders together until all are done: each step samples every live
+    stream from its own logits row, then forwards the streams that continue in one
+    batched step. (The caller closes the decoders.)"""
+    live = list(range(len(decoders)))
+    while live:
+        forward = []
+        for s in live:
+            tok, piece = decoders[s].step(logits[s])
+            if piece and on_piece is not None:
+                on_piece(s, piece)
+            if tok is not None:
+                forward.append((s, tok))
+        if not forward:
+            return
+        out = forward_step_batch(model, [decoders[s].cache for s, _ in forward], [t for _, t in forward])
+        for row, (s, _) in enumerate(forward):
+            logits[s] = out[row]
+        live = [s for s, _ in forward]
 
 
 def bench_streams(model, n_streams: int = 4, n_tokens: int = 32, prompt_len: int = 16) -> dict:

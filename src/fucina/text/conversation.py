@@ -18,10 +18,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from fucina.errors import FucinaError
 from fucina.models.cache_q8 import make_cache
 from fucina.models.kv_persist import KVPersist
 from fucina.text.chat_template import ChatTemplate, prompt_ids
-from fucina.text.generate import Reply, decode, pieces_text, prefill, run
+from fucina.text.generate import Reply, ReplyDecoder, drive, pieces_text, prefill, run
 from fucina.text.logit_processor import LogitProcessor
 from fucina.text.sampler import Sampler, SamplingConfig
 
@@ -115,23 +116,35 @@ class Conversation:
 
     def _generate(self, ids: list[int], max_tokens: int | None,
                   msgs: list[dict[str, Any]] | None = None, prompt_text: str | None = None):
+        rd, logits = self._begin(ids, max_tokens)
+        try:
+            yield from drive(self.model, rd, logits)
+        finally:
+            self._end(rd, ids, msgs, prompt_text)
+        return rd.reply
+
+    def _begin(self, ids: list[int], max_tokens: int | None) -> tuple[ReplyDecoder, Any]:
+        """Turn prologue: re-arm the processor, prefill (reusing the common prefix)."""
         if self.sampler.processor is not None:
             self.sampler.processor.reset()
         logits, reused = prefill(self.model, self.cache, self.tokens, ids)
         self._committed_text = None
-        reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
-        try:
-            yield from decode(self.model, self.cache, self.tokens, logits, self.sampler, self.tokenizer,
-                              max_tokens=self.max_tokens if max_tokens is None else max_tokens,
-                              stop_ids=self.stop_ids, stop=self.stop, reply=reply)
-        finally:
-            self.last = reply
-            if msgs is not None:
-                self.messages = msgs + [{"role": "assistant", "content": reply.text}]
-                if len(self.tokens) == len(ids) + len(reply.tokens):
-                    self._committed_text = prompt_text + pieces_text(self.tokenizer, reply.tokens)
-            self._sync()
-        return reply
+        rd = ReplyDecoder(self.cache, self.tokens, self.sampler, self.tokenizer,
+                          max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+                          stop_ids=self.stop_ids, stop=self.stop,
+                          reply=Reply(prompt_tokens=len(ids), reused_tokens=reused))
+        return rd, logits
+
+    def _end(self, rd: ReplyDecoder, ids: list[int], msgs, prompt_text) -> None:
+        """Turn epilogue (every exit path): settle the reply, record the messages,
+        remember the committed text for the next turn's delta, persist."""
+        reply = rd.close()
+        self.last = reply
+        if msgs is not None:
+            self.messages = msgs + [{"role": "assistant", "content": reply.text}]
+            if len(self.tokens) == len(ids) + len(reply.tokens):
+                self._committed_text = prompt_text + pieces_text(self.tokenizer, reply.tokens)
+        self._sync()
 
     # -- persistence ---------------------------------------------------------------
     def _meta_path(self) -> Path:
@@ -159,3 +172,34 @@ class Conversation:
         tmp.write_text(json.dumps({"n_tokens": len(self.tokens), "messages": self.messages,
                                    "committed_text": self._committed_text}, ensure_ascii=False))
         os.replace(tmp, self._meta_path())
+
+
+def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,
+               on_piece: Callable[[int, str], None] | None = None,
+               max_tokens: int | None = None) -> list[str]:
+    """One user message on each of N sibling conversations (same model), decoded in
+    lockstep: each step forwards one token per live stream through one batched
+    weight pass, then samples each stream with its own sampler and history. Per-stream
+    results equal N plain `send` calls. `on_piece(i, text)` streams stream i's text."""
+    from fucina.text.batch import lockstep
+
+    if len(convos) != len(users):
+        raise FucinaError(f"send_batch: {len(convos)} conversations for {len(users)} messages")
+    if len({id(c) for c in convos}) != len(convos):
+        raise FucinaError("send_batch: the same conversation appears twice")
+    if any(c.model is not convos[0].model for c in convos):
+        raise FucinaError("send_batch: the conversations must share one model")
+    turns, logits = [], []
+    try:
+        for c, text in zip(convos, users):      # prologues: render + per-stream prefill
+            msgs = c.messages + [{"role": "user", "content": text}]
+            full = c._render(msgs)
+            ids = c._ids_for(full)
+            rd, lg = c._begin(ids, max_tokens)
+            turns.append((c, rd, ids, msgs, full))
+            logits.append(lg)
+        lockstep(convos[0].model, [t[1] for t in turns], logits, on_piece)
+    finally:
+        for c, rd, ids, msgs, full in turns:
+            c._end(rd, ids, msgs, full)
+    return [rd.reply.text for _, rd, *_ in turns]

@@ -184,6 +184,11 @@ def decode(model, cache, history: list[int], logits: torch.Tensor, sampler: Samp
     in place when given, so an abandoned stream's partial reply stays readable)."""
     rd = ReplyDecoder(cache, history, sampler, tokenizer, max_tokens=max_tokens,
                       stop_ids=stop_ids, stop=stop, reply=reply)
+    return (yield from drive(model, rd, logits))
+
+
+def drive(model, rd: ReplyDecoder, logits: torch.Tensor) -> Generator[str, None, Reply]:
+    """Run one ReplyDecoder with single-stream forward steps; yields its text."""
     try:
         while True:
             tok, piece = rd.step(logits)
@@ -191,7 +196,7 @@ def decode(model, cache, history: list[int], logits: torch.Tensor, sampler: Samp
                 yield piece
             if tok is None:
                 break
-            logits = model.forward_step(cache, [tok], cache.len)
+            logits = model.forward_step(rd.cache, [tok], rd.cache.len)
     finally:
         rd.close()
     return rd.reply
