@@ -280,3 +280,14 @@ def test_clean_spaces_matches_llama_detokenize():
     assert _clean_spaces(b"it ' s") == b"it's"
     assert _clean_spaces(b"he 's I 'm we 're they 've you 'll I 'd") == \
         b"he's I'm we're they've you 'll I 'd"
+
+
+def test_cache_overflow_starts_a_new_cache(vocab, monkeypatch):
+    import fucina.text.tokenizer.merge as merge_mod
+    _, tok = vocab
+    text = (DATA / "corpus" / "prose_en.txt").read_text("utf-8")
+    want = tok.encode(text)
+    monkeypatch.setattr(merge_mod, "CACHE_MAX", 8)
+    before = tok._engine.cache
+    assert tok.encode(text) == want
+    assert tok._engine.cache is not before and len(before) > 8    # replaced, not cleared

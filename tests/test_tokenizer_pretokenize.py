@@ -10,7 +10,7 @@ import pytest
 from fucina.text.tokenizer import unicode as U
 from fucina.text.tokenizer.bpe import bpe_merge
 from fucina.text.tokenizer.merge import heap_merge
-from fucina.text.tokenizer.pretokenize import PATTERNS, PRE_SPECS, Splitter, translate
+from fucina.text.tokenizer.pretokenize import FUSED, PATTERNS, PRE_SPECS, Splitter, translate
 
 OUT = -1
 
@@ -169,6 +169,14 @@ def test_multi_regex_pipeline_refines_pieces():
         assert "".join(parts) == text and all(parts)
         # every number char stands alone
         assert all(len(p) == 1 for p in parts if U.flags(ord(p[0])) & U.NUMBER)
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_fused_regex_equals_pipeline(kind):
+    fast, slow = Splitter(kind), Splitter(kind, fused=False)
+    assert len(fast.patterns) == 1
+    for text in _random_texts(17, 3000):
+        assert fast.split(text) == slow.split(text), repr(text)
 
 
 @pytest.mark.parametrize("kind", sorted(PATTERNS))

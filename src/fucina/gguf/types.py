@@ -11,6 +11,8 @@ GGMLType = GGMLQuantizationType
 
 #: type -> (elements per block, bytes per block)
 TYPE_SIZES: dict[GGMLType, tuple[int, int]] = dict(GGML_QUANT_SIZES)
+# gguf 0.19 still lists Q8_1 with two f32 fields (40 B); ggml's block_q8_1 is two f16 + 32 int8.
+TYPE_SIZES[GGMLType.Q8_1] = (32, 36)
 
 
 def type_name(t: int) -> str:

@@ -1,0 +1,32 @@
+"""The parity cases shared by the golden maker and the parity tests."""
+from __future__ import annotations
+
+import gguf
+
+from synth import write_model
+
+TEXT = ("The history of the city goes back more than two thousand years. In the Middle Ages "
+        "it was a busy market town on the river, and merchants came from far away to trade "
+        "wool, salt and wine. Today it is known for its old bridges, its university and its ")
+
+LONG_TEXT = " ".join(
+    f"Chapter {i}. The traveller walked along the road to the {w} village, counting the "
+    f"stones and the trees, and wrote down what each person said about the weather."
+    for i, w in zip(range(1, 40), ["northern", "southern", "eastern", "western", "old", "new"] * 7))
+
+TOPK = 10
+GREEDY = 32
+
+
+def qwen3_synth(path, vocab):
+    """The small random-weight Qwen3 the project writes itself (Qwen3 vocabulary)."""
+    return write_model(path, "qwen3", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
+                       ffn=256, vocab=str(vocab), qtype=gguf.GGMLQuantizationType.Q8_0, seed=7)
+
+
+# name -> (model source, prompt text, positions scored: "all" or last N)
+CASES = {
+    "smollm2": ("smollm2", TEXT + LONG_TEXT[:2500], "all"),  # ~590 positions: top-1 needs a sample
+    "gemma3": ("gemma3", LONG_TEXT, 96),     # > 512 tokens: crosses the sliding window
+    "qwen3-synth": ("qwen3-synth", TEXT, "all"),
+}
