@@ -192,3 +192,14 @@ def test_two_turn_incremental_equals_stateless_prefill(tmp_path):
     a = m.forward_step(fresh, [probe], len(ids))
     b = m.forward_step(c.cache, [probe], len(ids))
     assert torch.allclose(a, b, atol=1e-3)
+
+
+def test_warm_cache_adoption_reuses_prefix():
+    a = convo()
+    hist = [{"role": "user", "content": "Hi"}]
+    a.send_messages(hist)
+    cache, tokens = a.take_cache()
+    b = convo(cache=cache, tokens=tokens)
+    assert b.cache.len == len(tokens)
+    b.send_messages(hist + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}])
+    assert b.last.reused_tokens == len(tokens)

@@ -4,7 +4,7 @@ are read once for all streams; RoPE positions, KV appends and attention stay per
 stream (ragged: each row against its own cache at its own position).
 
 `forward_step_batch(model, caches, tokens)` uses, in order: the model's own
-`forward_step_batch(caches, tokens)` when it has one; the llama-family trunk below for
+`forward_step_batch(caches, tokens)` when it has one and sets `supports_batch`; the llama-family trunk below for
 models whose block is llama's (llama, qwen3); else N sequential `forward_step` calls
 (correct, no weight-pass saving).
 
@@ -77,7 +77,7 @@ def forward_step_batch(model, caches: Sequence, tokens: Sequence[int]) -> torch.
     tokens = [int(t) for t in tokens]
     _check(model, caches, tokens)
     native = getattr(model, "forward_step_batch", None)
-    if callable(native):
+    if callable(native) and getattr(model, "supports_batch", False):
         return native(caches, tokens)
     if _llama_trunk(model):
         return _llama_batch(model, caches, tokens)

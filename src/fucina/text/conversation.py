@@ -33,7 +33,7 @@ class Conversation:
                  sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                  stop_ids: Sequence[int] = (), processor: LogitProcessor | None = None,
                  capacity: int | None = None, cache_type: str = "f16", cache=None,
-                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 tokens: Sequence[int] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                  persist: str | os.PathLike | None = None):
         self.model, self.tokenizer = model, tokenizer
         if template is None:
@@ -54,6 +54,9 @@ class Conversation:
         self._persist = KVPersist(persist) if persist is not None else None
         if self._persist is not None:
             self._resume()
+        elif tokens is not None:          # a warm cache: `tokens` describes its positions
+            self.cache.truncate(len(tokens))
+            self.tokens = [int(t) for t in tokens[:self.cache.len]]
         elif self.cache.len:
             self.cache.reset()
 
@@ -88,6 +91,15 @@ class Conversation:
         list is left alone; returns the Reply."""
         gen = self._generate(list(ids), max_tokens)
         return run(gen, on_piece)
+
+    def take_cache(self) -> tuple[Any, list[int]]:
+        """Release the cache and the ids describing its positions (a server slot keeps
+        them for the next request: `Conversation(..., cache=c, tokens=t)`)."""
+        cache, tokens = self.cache, list(self.tokens[:self.cache.len])
+        self.cache = make_cache(self.model, 1, "f16")
+        self.tokens = []
+        self._committed_text = None
+        return cache, tokens
 
     def reset(self) -> None:
         self.cache.reset()
