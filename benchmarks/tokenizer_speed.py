@@ -9,7 +9,8 @@ topics: English prose with code samples) topped up with standard-library source;
     llama-tokenize -m M.gguf -f FILE --ids --log-disable --no-escape
 
 Encode figures exclude load. "cold" is a fresh tokenizer's first pass (its piece cache
-empty), "warm" the best of three further passes.
+empty), "warm" the best of three further passes; MB/s from wall time, and in brackets
+from process CPU time (steadier on a shared machine).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def bench_text() -> str:
 
     parts = ["\n\n".join(topics.topics[k] for k in sorted(topics.topics))]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("textwrap.py", "argparse.py", "difflib.py", "inspect.py", "typing.py"):
+    for name in ("textwrap.py", "argparse.py", "difflib.py", "inspect.py", "typing.py",
+                 "turtle.py", "tarfile.py", "pathlib.py"):
         parts.append((stdlib / name).read_text("utf-8"))
     data = "\n\n".join(parts).encode("utf-8")[:SIZE]
     return data.decode("utf-8", "ignore")
@@ -45,7 +47,15 @@ def main() -> None:
     ap.add_argument("models", nargs="*", type=Path)
     ap.add_argument("--text", type=Path)
     ap.add_argument("--write-text", type=Path)
+    ap.add_argument("--once", action="store_true",
+                    help="load the first model, encode --text once, print the ids (for "
+                         "whole-process timing beside llama-tokenize --ids)")
     args = ap.parse_args()
+    if args.once:
+        from fucina.text.tokenizer import Tokenizer
+        tok = Tokenizer.from_gguf(args.models[0])
+        print(tok.encode(args.text.read_bytes()))
+        return
     text = args.text.read_text("utf-8") if args.text else bench_text()
     nbytes = len(text.encode("utf-8"))
     if args.write_text:
@@ -55,7 +65,8 @@ def main() -> None:
     from fucina.gguf import GGUFFile
     from fucina.text.tokenizer import Tokenizer
 
-    print(f"{'vocabulary':38} {'read':>6} {'build':>6} {'cold MB/s':>9} {'warm MB/s':>9} {'tokens':>8}")
+    print(f"{'vocabulary':34} {'read s':>6} {'build s':>7} {'cold MB/s (cpu)':>16} "
+          f"{'warm MB/s (cpu)':>16} {'tokens':>8}")
     for path in args.models or DEFAULT_MODELS:
         if not path.exists():
             print(f"{path.name}: missing", file=sys.stderr)
@@ -66,17 +77,18 @@ def main() -> None:
         tok = Tokenizer.from_metadata(meta)
         tok.encode("warm up the special-token splitter")
         t2 = time.perf_counter()
-        ids = tok.encode(text)
-        t3 = time.perf_counter()
-        warm = min(_timed(tok, text) for _ in range(3))
-        print(f"{path.name:38} {t1 - t0:6.2f} {t2 - t1:6.2f} {nbytes / (t3 - t2) / 1e6:9.2f} "
-              f"{nbytes / warm / 1e6:9.2f} {len(ids):8d}")
+        cold = _timed(tok, text)
+        warm = [_timed(tok, text) for _ in range(3)]
+        w, c = min(x[0] for x in warm), min(x[1] for x in warm)
+        mb = nbytes / 1e6
+        print(f"{path.name:34} {t1 - t0:6.2f} {t2 - t1:7.2f} {mb / cold[0]:8.2f} ({mb / cold[1]:5.2f}) "
+              f"{mb / w:8.2f} ({mb / c:5.2f}) {cold[2]:8d}")
 
 
-def _timed(tok, text: str) -> float:
-    t = time.perf_counter()
-    tok.encode(text)
-    return time.perf_counter() - t
+def _timed(tok, text: str) -> tuple[float, float, int]:
+    t, c = time.perf_counter(), time.process_time()
+    n = len(tok.encode(text))
+    return time.perf_counter() - t, time.process_time() - c, n
 
 
 if __name__ == "__main__":

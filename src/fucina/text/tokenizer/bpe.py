@@ -46,7 +46,7 @@ class ByteBPE:
         return seq
 
     def encode(self, text: str, out: list[int]) -> None:
-        encode_cached(self.splitter.split(text), self.cache, self.encode_piece, out)
+        self.cache = encode_cached(self.splitter.split(text), self.cache, self.encode_piece, out)
 
     def encode_piece(self, word: str | int) -> tuple[int, ...]:
         if isinstance(word, int):

@@ -147,7 +147,7 @@ class Tokenizer:
             return
         engine = self._engine
         seq = engine.sequence(self._splitter(parse_special).split(text), text)
-        encode_cached(seq, engine.cache, engine.encode_piece, out)
+        engine.cache = encode_cached(seq, engine.cache, engine.encode_piece, out)
 
     def _encode_malformed(self, data: bytes, parse_special: bool, out: list[int]) -> None:
         """Bytes that are not valid UTF-8, as llama.cpp treats them.
@@ -171,7 +171,8 @@ class Tokenizer:
                     raw = b" " + raw
                 engine.encode_bytes(raw.replace(b" ", "\u2581".encode()), out)
             elif raw:
-                encode_cached(engine.split(lenient_utf8_decode(raw)), engine.cache, engine.encode_piece, out)
+                engine.cache = encode_cached(engine.split(lenient_utf8_decode(raw)), engine.cache,
+                                             engine.encode_piece, out)
 
     # ---- decoding ----
     def token_to_piece(self, token_id: int, special: bool = True) -> bytes:

@@ -12,21 +12,23 @@ LIST_MAX = 64         # pieces up to this many symbols merge with list scans, lo
 
 
 def encode_cached(pieces: list[Any], cache: dict[Any, tuple[int, ...]],
-                  miss: Callable[[Any], tuple[int, ...]], out: list[int]) -> None:
+                  miss: Callable[[Any], tuple[int, ...]], out: list[int]) -> dict[Any, tuple[int, ...]]:
     """out += ids of every piece; a piece's ids never depend on its neighbours.
 
     Written as whole-list passes (set difference, map, chain) so the per-piece work
     runs in C; only pieces never seen before reach Python (`miss`). A piece may be an
-    int: an already-resolved token id, standing for itself.
+    int: an already-resolved token id, standing for itself. Returns the cache to keep:
+    a full one is replaced, never cleared, so a concurrent caller's view stays whole.
     """
     missing = set(pieces).difference(cache)
     if missing:
         if len(cache) + len(missing) > CACHE_MAX:
-            cache.clear()
+            cache = {}
             missing = set(pieces)
         for piece in missing:
             cache[piece] = miss(piece)
     out.extend(chain.from_iterable(map(cache.__getitem__, pieces)))
+    return cache
 
 
 def list_merge(syms: list[Sym], keys: list[Any], key_of: Callable[[Sym, Sym], Any], none: Any) -> list[Sym]:

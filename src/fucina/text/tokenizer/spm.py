@@ -6,11 +6,12 @@ first on a tie) until no pair forms a token; a final piece that is not a token f
 back to its bytes (<0xXX>).
 
 llama.cpp merges over a whole fragment. A merge can only cross the boundary between
-two characters if some token contains that character pair, so we cut fragments
-before every "▁" whose left neighbour never precedes "▁" inside a token: the pieces
-merge independently (the priority order between pieces is irrelevant), which makes
-them cacheable like BPE words. For Gemma-3 the only character that precedes "▁"
-inside a token is ">" (in ">▁</").
+two characters if some token contains that character pair, so the pieces on either
+side of such a boundary merge independently (the priority order between them is
+irrelevant) and can be cached like BPE words. We cut with a regex before every "▁"
+whose left neighbour never precedes "▁" inside a token (for Gemma-3 only ">" does,
+in ">▁</"), and cut a new piece again wherever two neighbours sit together in no
+token (Gemma-3 keeps punctuation apart from letters: "word," is "word" + ",").
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class SentencePiece:
 
     def encode(self, text: str, out: list[int]) -> None:
         """Encode one fragment whose spaces are already escaped to "▁"."""
-        encode_cached(self._pieces.findall(text), self.cache, self.encode_piece, out)
+        self.cache = encode_cached(self._pieces.findall(text), self.cache, self.encode_piece, out)
 
     def encode_piece(self, piece: str | int) -> tuple[int, ...]:
         if isinstance(piece, int):
