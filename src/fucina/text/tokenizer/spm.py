@@ -103,10 +103,11 @@ class SentencePiece:
 
     @property
     def pairs(self) -> frozenset[str]:
-        """Every two-character string found inside some token (plus a few harmless
-        extras around the separator)."""
+        """Every two-character string inside a token that has a character other than
+        letters and "▁" (plus harmless extras around the separator). Pairs of two
+        letters are never cut, so only those tokens can hold a pair we ask about."""
         if self._pairs is None:
-            big = "\0".join(self.vocab.tokens)
+            big = "\0".join([t for t in self.vocab.tokens if not t.replace(SPACE, "").isalpha()])
             self._pairs = frozenset(map(add, big, big[1:]))
         return self._pairs
 
@@ -122,15 +123,18 @@ class SentencePiece:
             return (tid,) if tid is not None else self._merge_piece(piece)
         # Two neighbours that sit together in no token are never merged: cut there too
         # (Gemma-3 keeps punctuation apart from letters) and cache the parts.
-        inside = list(map(self.pairs.__contains__, map(add, piece, piece[1:])))
-        if all(inside):
+        if piece.lstrip(SPACE).isalpha():
+            return self._merge_piece(piece)
+        pairs = self.pairs
+        cuts = [i for i, (a, b) in enumerate(zip(piece, piece[1:]), 1)
+                if a + b not in pairs and not (a.isalpha() and b.isalpha())
+                and a != SPACE and b != SPACE]
+        if not cuts:
             return self._merge_piece(piece)
         out: list[int] = []
         cache = self.cache
         start = 0
-        for i, ok in enumerate(inside + [False], 1):
-            if ok:
-                continue
+        for i in cuts + [len(piece)]:
             sub = piece[start:i]
             ids = cache.get(sub)
             if ids is None:
