@@ -177,35 +177,63 @@ static void decode32(const uint8_t *__restrict src, int64_t k, uint8_t *__restri
 
 static const int32_t kDup2[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 
+/* Q4_K / Q5_K pieces: the 8 group scales and offsets, and 64 values [lo nibbles, hi nibbles] */
+static inline void q45k_scales(const uint8_t *p, float *s, float *o) {
+    const float d = rdh(p), dmin = rdh(p + 2);
+    for (int j = 0; j < 8; j++) {
+        int a, mn;
+        k4_scale_min(p + 4, j, &a, &mn);
+        s[j] = d * (float)a;
+        o[j] = -dmin * (float)mn;
+    }
+}
+
+template <int QT>
+static inline __m512i q45k_chunk(const uint8_t *qs, int j, __m256i &qh) {
+    const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (QT == FK_Q5_K) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
+        qh = _mm256_srli_epi16(qh, 2);
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Q6_K pieces: the 16 group scales, and the 128 values of half n as two zmm */
+static inline __m512 q6k_scales(const uint8_t *p) {
+    return _mm512_mul_ps(_mm512_set1_ps(rdh(p + 208)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+}
+
+static inline void q6k_half(const uint8_t *p, int n, __m512i &v0, __m512i &v1) {
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+    const __m256i e0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+    const __m256i e1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+    const __m256i e2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+    const __m256i e3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+    v0 = _mm512_inserti64x4(_mm512_castsi256_si512(e0), e1, 1);
+    v1 = _mm512_inserti64x4(_mm512_castsi256_si512(e2), e3, 1);
+}
+
 /* Q4_K / Q5_K: 8 groups of 32 per 256, 6-bit scales and mins */
 template <int QT>
 static void decode_q45k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
     const int bs = QT == FK_Q4_K ? 144 : 176;
     float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
     const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
-    const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *p = src + b * bs, *sc = p + 4;
-        const uint8_t *qs = p + (QT == FK_Q4_K ? 16 : 48);
-        const float d = rdh(p), dmin = rdh(p + 2);
+        const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
         float s[8], o[8];
-        for (int j = 0; j < 8; j++) {
-            int a, mn;
-            k4_scale_min(sc, j, &a, &mn);
-            s[j] = d * (float)a;
-            o[j] = -dmin * (float)mn;
-        }
+        q45k_scales(p, s, o);
         __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
-        uint8_t *u = dst + b * 256;
         for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (QT == FK_Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
-                qh = _mm256_srli_epi16(qh, 2);
-            }
-            _mm512_storeu_si512((void *)(u + 64 * j), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+            _mm512_storeu_si512((void *)(dst + b * 256 + 64 * j), q45k_chunk<QT>(qs, j, qh));
             _mm512_storeu_ps(ls + b * 64 + 16 * j, two_scales(s[2 * j], s[2 * j + 1]));
         }
         _mm512_storeu_ps(off + b * 16, _mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(o))));
@@ -218,27 +246,18 @@ static const int32_t kQuad[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3
 static void decode_q6k(const uint8_t *__restrict src, int64_t k, uint8_t *__restrict dst, int64_t kp) {
     float *ls = (float *)(dst + kp), *off = (float *)(dst + 2 * kp);
     const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 210;
-        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 208)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+        const __m512 S = q6k_scales(p);
         _mm512_storeu_ps(off + b * 16, _mm512_mul_ps(S, _mm512_set1_ps(-32.0f)));
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(ls + b * 64 + 16 * c,
                              _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * c)), S));
         for (int n = 0; n < 2; n++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
-            const __m256i e0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-            const __m256i e1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-            const __m256i e2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
-            const __m256i e3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-            uint8_t *u = dst + b * 256 + n * 128;
-            _mm512_storeu_si512((void *)u, _mm512_inserti64x4(_mm512_castsi256_si512(e0), e1, 1));
-            _mm512_storeu_si512((void *)(u + 64), _mm512_inserti64x4(_mm512_castsi256_si512(e2), e3, 1));
+            __m512i v0, v1;
+            q6k_half(p, n, v0, v1);
+            _mm512_storeu_si512((void *)(dst + b * 256 + n * 128), v0);
+            _mm512_storeu_si512((void *)(dst + b * 256 + n * 128 + 64), v1);
         }
     }
 }
@@ -380,34 +399,17 @@ static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, con
     const int8_t *xq = (const int8_t *)act;
     const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
     const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
-    const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
     __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *p = src + b * bs, *sc = p + 4;
-        const uint8_t *qs = p + (QT == FK_Q4_K ? 16 : 48);
-        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + 1088, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + 1152, _MM_HINT_T0);
-        const float d = rdh(p), dmin = rdh(p + 2);
+        const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
+        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
         float s[8], o[8];
-        for (int j = 0; j < 8; j++) {
-            int a, mn;
-            k4_scale_min(sc, j, &a, &mn);
-            s[j] = d * (float)a;
-            o[j] = -dmin * (float)mn;
-        }
+        q45k_scales(p, s, o);
         __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         const int8_t *x = xq + b * 256;
         for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (QT == FK_Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
-                qh = _mm256_srli_epi16(qh, 2);
-            }
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            const __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            const __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q45k_chunk<QT>(qs, j, qh),
+                                                   _mm512_loadu_si512((const void *)(x + 64 * j)));
             const __m512 scv = _mm512_mul_ps(two_scales(s[2 * j], s[2 * j + 1]), _mm512_loadu_ps(xls + b * 64 + 16 * j));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc);
         }
@@ -421,30 +423,17 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     const int8_t *xq = (const int8_t *)act;
     const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
     const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 210;
-        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + 1088, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + 1152, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + 1216, _MM_HINT_T0);
-        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p + 208)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+        const __m512 S = q6k_scales(p);
         oacc = _mm512_fmadd_ps(_mm512_mul_ps(S, _mm512_set1_ps(-32.0f)), _mm512_loadu_ps(s16 + b * 16), oacc);
         const int8_t *x = xq + b * 256;
         const float *xl = xls + b * 64;
         for (int n = 0; n < 2; n++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
-            const __m256i e0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-            const __m256i e1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-            const __m256i e2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
-            const __m256i e3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-            const __m512i v0 = _mm512_inserti64x4(_mm512_castsi256_si512(e0), e1, 1);
-            const __m512i v1 = _mm512_inserti64x4(_mm512_castsi256_si512(e2), e3, 1);
+            __m512i v0, v1;
+            q6k_half(p, n, v0, v1);
             const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512((const void *)(x + 128 * n)));
             const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v1, _mm512_loadu_si512((const void *)(x + 128 * n + 64)));
             const __m512 c0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n)), S),
