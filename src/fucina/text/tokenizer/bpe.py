@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from fucina.text.tokenizer.merge import LIST_MAX, encode_cached, heap_merge, list_merge
+from fucina.text.tokenizer.merge import LIST_MAX, encode_cached, heap_merge
 from fucina.text.tokenizer.pretokenize import Splitter
 from fucina.text.tokenizer.unicode import BYTES_TO_UNICODE
 from fucina.text.tokenizer.vocab import Vocab
@@ -81,5 +81,18 @@ def bpe_merge(s: str, ranks: dict[str, int]) -> list[str]:
     get = ranks.get
     if len(syms) > LIST_MAX:
         return heap_merge(syms, lambda a, b: get(a + " " + b))
-    keys = list(map(get, map(" ".join, zip(syms, syms[1:])), repeat(_NONE)))
-    return list_merge(syms, keys, lambda a, b: get(a + " " + b, _NONE), _NONE)
+    ranks_of = list(map(get, map(" ".join, zip(syms, syms[1:])), repeat(_NONE)))
+    # list_merge, inlined: this loop is most of a cold encode's time
+    while ranks_of:
+        r = min(ranks_of)
+        if r == _NONE:
+            break
+        i = ranks_of.index(r)
+        merged = syms[i] + syms.pop(i + 1)
+        syms[i] = merged
+        del ranks_of[i]
+        if i:
+            ranks_of[i - 1] = get(syms[i - 1] + " " + merged, _NONE)
+        if i < len(ranks_of):
+            ranks_of[i] = get(merged + " " + syms[i + 1], _NONE)
+    return syms

@@ -25,8 +25,7 @@ def encode_cached(pieces: list[Any], cache: dict[Any, tuple[int, ...]],
         if len(cache) + len(missing) > CACHE_MAX:
             cache = {}
             missing = set(pieces)
-        for piece in missing:
-            cache[piece] = miss(piece)
+        cache.update(zip(missing, map(miss, missing)))
     out.extend(chain.from_iterable(map(cache.__getitem__, pieces)))
     return cache
 
