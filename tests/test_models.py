@@ -25,6 +25,16 @@ def model(request, tmp_path_factory):
 IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200]
 
 
+def assert_close(got, want):
+    """Row-wise agreement. Native kernels round activations to int8 (as ggml does), so two
+    mathematically equal schedules (one pass vs token by token) differ by rounding noise
+    that random tiny models amplify; f32 reference weights agree to ~1e-4."""
+    got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.999, cos.min()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
 def test_meets_contract(model):
     assert isinstance(model, Decoder)
     assert model.config.n_vocab == 260
@@ -35,13 +45,13 @@ def test_cached_equals_uncached(model):
     cache = model.init_cache(32)
     steps = [model.forward_step(cache, [t], i) for i, t in enumerate(IDS)]
     assert cache.len == len(IDS)
-    torch.testing.assert_close(torch.stack(steps), full, rtol=1e-3, atol=2e-3)
+    assert_close(torch.stack(steps), full)
     # uneven chunks agree too
     cache = model.init_cache(32)
     a = model.forward_step_all_logits(cache, IDS[:5], 0)
     b = model.forward_step_all_logits(cache, IDS[5:], 5)
-    torch.testing.assert_close(torch.cat([a, b]), full, rtol=1e-3, atol=2e-3)
-    torch.testing.assert_close(model.forward_last_logits(IDS), full[-1], rtol=1e-3, atol=2e-3)
+    assert_close(torch.cat([a, b]), full)
+    assert_close(model.forward_last_logits(IDS), full[-1])
 
 
 def test_truncate_rewinds_exactly(model):
@@ -50,7 +60,7 @@ def test_truncate_rewinds_exactly(model):
     cache.truncate(4)
     again = model.forward_step_all_logits(cache, IDS[4:8], 4)
     fresh = model.forward_step_all_logits(model.init_cache(32), IDS[:8], 0)[4:]
-    torch.testing.assert_close(again, fresh, rtol=1e-3, atol=2e-3)
+    assert_close(again, fresh)
 
 
 def test_sliding_window_matters_only_for_gemma(model):
@@ -84,8 +94,7 @@ def test_copy_rows(model):
     b = model.init_cache(32)
     b.copy_rows(a, 0, 6)
     assert b.len == 6
-    torch.testing.assert_close(model.forward_step(b, IDS[6:], 6), model.forward_last_logits(IDS),
-                               rtol=1e-3, atol=2e-3)
+    assert_close(model.forward_step(b, IDS[6:], 6), model.forward_last_logits(IDS))
     with pytest.raises(KVCacheError):
         b.copy_rows(a, 0, 3)
 
@@ -114,3 +123,50 @@ def test_weights_stay_in_their_type(tmp_path):
     L = m.layers[0]
     assert L.wq.qtype is Q.Q8_0 and L.wq.raw.dtype == torch.uint8
     assert L.wq.nbytes == (4 * 32) * 64 // 32 * 34  # [heads*head_dim, hidden] in Q8_0 blocks
+
+
+def test_forward_step_batch_equals_sequential(model):
+    prompts = [IDS[:3], IDS[2:7], IDS[5:6]]
+    seq_caches, bat_caches = [], []
+    for p in prompts:
+        for lst in (seq_caches, bat_caches):
+            c = model.init_cache(16)
+            model.forward_step(c, p, 0)
+            lst.append(c)
+    nxt = [11, 12, 13]
+    want = torch.stack([model.forward_step(c, [t], c.len) for c, t in zip(seq_caches, nxt)])
+    got = model.forward_step_batch(bat_caches, nxt)
+    assert_close(got, want)
+    assert [c.len for c in bat_caches] == [4, 6, 2]
+    with pytest.raises(KVCacheError):
+        model.forward_step_batch([bat_caches[0], bat_caches[0]], [1, 2])
+
+
+def test_q8_cache_type(model):
+    if model.config.head_dim % 32:
+        with pytest.raises(KVCacheError):
+            model.init_cache(16, cache_type="q8_0")
+        return
+    c = model.init_cache(16, cache_type="q8_0")
+    got = model.forward_step(c, IDS[:6], 0)
+    want = model.forward_last_logits(IDS[:6])
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
+    with pytest.raises(KVCacheError):
+        model.init_cache(16, cache_type="q4")
+
+
+def test_cached_equals_uncached_exactly_on_reference_path(tmp_path):
+    """Without the int8 activation rounding of the native kernels the two schedules agree
+    to float precision: the cache mechanics themselves add no error."""
+    import fucina.kernels as kernels
+    path = write_model(tmp_path / "q.gguf", "qwen3", layers=3, hidden=64, heads=4, kv_heads=2,
+                       head_dim=32, qtype=Q.Q8_0)
+    kernels.set_enabled(False)
+    try:
+        m = load_model(path)
+    finally:
+        kernels.set_enabled(True)
+    full = m.forward_step_all_logits(m.init_cache(32), IDS, 0)
+    cache = m.init_cache(32)
+    steps = torch.stack([m.forward_step(cache, [t], i) for i, t in enumerate(IDS)])
+    torch.testing.assert_close(steps, full, rtol=1e-3, atol=2e-3)

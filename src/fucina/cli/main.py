@@ -77,7 +77,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from fucina.text.evaluate import greedy
+    from fucina.text.api import LLM
 
     model = _load(args)
     tok = _tokenizer(model)
@@ -87,17 +87,21 @@ def cmd_run(args) -> int:
     if len(ids) + args.gen > model.config.n_ctx_train:
         raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen} exceeds the model's "
                           f"context of {model.config.n_ctx_train}")
-    from fucina.text.tokenizer import StreamDecoder
-
-    sd = StreamDecoder(tok)
+    llm = LLM(model, tok, n_ctx=len(ids) + args.gen + 1, cache_type=args.cache_type)
+    opts = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                seed=args.seed)
+    opts = {k: v for k, v in opts.items() if v is not None}
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
-    out = greedy(model, ids, args.gen, stop=tok.is_eog,
-                 on_token=lambda t: (sys.stdout.write(sd.push(t)), sys.stdout.flush()))
-    sys.stdout.write(sd.flush() + "\n")
+    for piece in llm.stream(ids, args.gen, stop=args.stop or [], **opts):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     if args.ids_out:
         with open(args.ids_out, "w") as fh:
-            fh.writelines(f"{t}\n" for t in out)
+            fh.writelines(f"{t}\n" for t in llm.last.tokens)
     return 0
 
 
@@ -181,6 +185,9 @@ def cmd_bench(args) -> int:
 
     model = _load(args)
     res = bench(model, args.pp, args.tg, args.reps)
+    if args.streams > 1:
+        from fucina.text.batch import bench_streams
+        res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
     res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg,
                model=os.path.basename(str(model.gguf.path)))
     try:
@@ -205,14 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("names", nargs="*", help="smollm2 (default) and/or gemma3")
     s.set_defaults(func=cmd_pull)
 
-    s = sub.add_parser("run", help="greedy continuation of a prompt")
+    from fucina.cli.chat import add_sampling_args
+
+    s = sub.add_parser("run", help="continue a prompt (greedy unless sampling flags are given)")
     s.add_argument("model", nargs="?", help=model_help)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--prompt", "-p", help="prompt text")
     g.add_argument("--tokens", help="prompt token ids: 1,2,3 or @FILE")
-    s.add_argument("--gen", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    s.add_argument("--gen", "-n", type=int, default=64, help="max tokens to generate (default 64)")
     s.add_argument("--ids-out", help="write generated ids here, one per line")
+    s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16", help="KV cache storage")
     s.add_argument("--threads", "-t", type=int)
+    add_sampling_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")
@@ -249,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tg", type=int, default=64)
     s.add_argument("--reps", type=int, default=3)
     s.add_argument("--threads", "-t", type=int, default=2)
+    s.add_argument("--streams", type=int, default=1,
+                   help="also time N lockstep decode streams against N sequential ones")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_bench)
 

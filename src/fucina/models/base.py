@@ -13,7 +13,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from fucina.errors import FucinaError, GGUFError
+from fucina.errors import FucinaError, GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models.cache import KVCache
 from fucina.weights import LinearWeight
@@ -82,8 +82,14 @@ class Rope:
         """x: [m, heads, head_dim] at positions pos0..pos0+m-1."""
         m = x.shape[0]
         cos, sin = self._tables(pos0 + m)
-        cos = cos[pos0:pos0 + m, None, :]
-        sin = sin[pos0:pos0 + m, None, :]
+        return self._rotate(x, cos[pos0:pos0 + m, None, :], sin[pos0:pos0 + m, None, :])
+
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [m, heads, head_dim], row r at positions[r] (ragged batches)."""
+        cos, sin = self._tables(int(positions.max()) + 1)
+        return self._rotate(x, cos[positions, None, :], sin[positions, None, :])
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.n_rot
         xr, rest = x[..., :r], x[..., r:]
         if self.neox:
@@ -130,6 +136,32 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     return out.transpose(0, 1).reshape(m, n_head * d)
 
 
+class Ragged:
+    """N streams advanced together by one token each: row r belongs to caches[r] at
+    position caches[r].len. Blocks pass it where a single cache would go."""
+
+    def __init__(self, caches: Sequence[KVCache]):
+        self.caches = list(caches)
+        self.pos0s = [c.len for c in self.caches]
+        self.positions = torch.tensor(self.pos0s)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | Ragged, layer: int,
+           pos0: int, rope: "Rope", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """RoPE q/k, append k/v to the cache, attend. With a Ragged batch each row is rotated at
+    its own position and attends over its own cache."""
+    if not isinstance(cache, Ragged):
+        q, k = rope(q, pos0), rope(k, pos0)
+        cache.append(layer, k, v)
+        return attention(q, cache, layer, pos0, scale, window, softcap)
+    q, k = rope.at(q, cache.positions), rope.at(k, cache.positions)
+    out = []
+    for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s)):
+        c.append(layer, k[r:r + 1], v[r:r + 1])
+        out.append(attention(q[r:r + 1], c, layer, p, scale, window, softcap))
+    return torch.cat(out)
+
+
 def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight | None:
     t = f.tensors.get(name)
     if t is None:
@@ -169,16 +201,40 @@ class DecoderBase:
     A family implements `embed`, `block(i, x, cache, pos0)` and `head`."""
 
     config: BaseConfig
-    supports_batch = False
+    supports_batch = False   # families whose blocks route attention through `attend` set True
 
     def kv_geometry(self) -> tuple[list[int], list[int]]:
         c = self.config
         return [c.n_head_kv] * c.n_layer, [c.head_dim] * c.n_layer
 
-    def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16) -> KVCache:
+    def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
+                   cache_type: str = "f16") -> KVCache:
+        """A cache for up to `capacity` positions; `cache_type` "f16" (default) or "q8_0"."""
         heads, dims = self.kv_geometry()
         cap = capacity or min(self.config.n_ctx_train, 4096)
+        if cache_type == "q8_0":
+            from fucina.models.cache_q8 import Q8Cache
+            return Q8Cache(self.config.n_layer, heads, dims, cap)
+        if cache_type != "f16":
+            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
         return KVCache(self.config.n_layer, heads, dims, cap, dtype)
+
+    @torch.inference_mode()
+    def forward_step_batch(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        """Advance N caches by one token each in one weight pass; logits [N, n_vocab]."""
+        if len(caches) != len(tokens) or not caches:
+            raise FucinaError(f"forward_step_batch: {len(caches)} caches for {len(tokens)} tokens")
+        if len({id(c) for c in caches}) != len(caches):
+            raise KVCacheError("forward_step_batch: the same cache appears twice")
+        for c in caches:
+            c.check_room(1)
+        batch = Ragged(caches)
+        x = self.embed(as_ids(tokens, self.config.n_vocab))
+        for i in range(self.config.n_layer):
+            x = self.block(i, x, batch, 0)
+        for c in caches:
+            c.advance(1)
+        return self.head(x)
 
     def _hidden(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
         if cache.len != pos0:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fucina.gguf import GGUFFile, meta_float_opt, meta_int_opt
 from fucina.models import llama
-from fucina.models.base import DecoderBase, Rope, attention, check_shape, load_linear, load_vector, rms_norm
+from fucina.models.base import Rope, attend, check_shape, load_linear, load_vector, rms_norm
 from fucina.models.cache import KVCache
 
 
@@ -83,9 +83,7 @@ class Model(llama.Model):
         k = rms_norm(L.wk(h).view(m, c.n_head_kv, c.head_dim), L.k_norm, c.rms_eps)
         v = L.wv(h).view(m, c.n_head_kv, c.head_dim)
         rope = self.rope_local if local else self.rope_global
-        q, k = rope(q, pos0), rope(k, pos0)
-        cache.append(i, k, v)
-        a = attention(q * c.attn_scale, cache, i, pos0, 1.0, c.sliding_window if local else 0)
+        a = attend(q * c.attn_scale, k, v, cache, i, pos0, rope, 1.0, c.sliding_window if local else 0)
         x = x + rms_norm(L.wo(a), L.post_attn_norm, c.rms_eps)
         h = rms_norm(x, L.ffn_norm, c.rms_eps)
         ff = L.down(F.gelu(L.gate(h), approximate="tanh") * L.up(h))

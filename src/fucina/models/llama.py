@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fucina.gguf import GGUFFile, meta_float, meta_float_opt, meta_int, meta_int_opt
-from fucina.models.base import (BaseConfig, DecoderBase, Rope, attention, attn_scale, check_shape,
+from fucina.models.base import (BaseConfig, DecoderBase, Rope, attend, attn_scale, check_shape,
                                 load_linear, load_vector, rms_norm)
 from fucina.models.cache import KVCache
 
@@ -64,6 +64,8 @@ class Layer:
 
 
 class Model(DecoderBase):
+    supports_batch = True
+
     def __init__(self, f: GGUFFile, config: Config | None = None):
         c = self.config = config or Config.from_gguf(f)
         self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
@@ -92,9 +94,7 @@ class Model(DecoderBase):
             q = rms_norm(q, L.q_norm, c.rms_eps)
         if L.k_norm is not None:
             k = rms_norm(k, L.k_norm, c.rms_eps)
-        q, k = self.rope(q, pos0), self.rope(k, pos0)
-        cache.append(i, k, v)
-        return L.wo(attention(q, cache, i, pos0, self.scale))
+        return L.wo(attend(q, k, v, cache, i, pos0, self.rope, self.scale))
 
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         L, eps = self.layers[i], self.config.rms_eps
