@@ -27,7 +27,7 @@ def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
 
 
 def _byte_vocab(w: gguf.GGUFWriter) -> int:
-    """A 260-token GPT-2-style vocab: 4 specials + 256 byte tokens, no merges."""
+    """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -37,12 +37,12 @@ def _byte_vocab(w: gguf.GGUFWriter) -> int:
             cs.append(256 + n)
             n += 1
     byte_tok = dict(zip(bs, (chr(c) for c in cs)))
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"] + [byte_tok[b] for b in range(256)]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "ab"] + [byte_tok[b] for b in range(256)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3, 3] + [1] * 256)
-    w.add_token_merges([])
+    w.add_token_types([3, 3, 3, 1] + [1] * 256)
+    w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
