@@ -1,0 +1,48 @@
+"""`fucina serve [MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+[--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--queue N]`.
+
+OpenAI- and Anthropic-compatible HTTP server (see fucina.serve). Binds to loopback
+unless --host says otherwise.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from fucina.cli.chat import MODEL_HELP, load_llm
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=os.environ.get("FUCINA_API_KEY"),
+                   help="require this key (Authorization: Bearer / x-api-key); default $FUCINA_API_KEY")
+    s.add_argument("--allow-host", action="append", default=[], metavar="H",
+                   help="accept only requests whose Host header names H (repeatable; DNS-rebinding guard)")
+    s.add_argument("--ctx", "-c", type=int, default=None, help="context per slot (default min(train, 4096))")
+    s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4)")
+    s.add_argument("--batch", type=int, default=1, help="decode up to N requests in lockstep (default 1)")
+    s.add_argument("--queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
+    s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
+    s.add_argument("--threads", "-t", type=int)
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from fucina.errors import FucinaError
+    from fucina.serve import Server, run
+
+    for name, v in (("--slots", args.slots), ("--batch", args.batch), ("--queue", args.queue)):
+        if v < 1:
+            raise FucinaError(f"{name} must be at least 1, got {v}")
+    llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    server = Server.from_llm(llm, slots=args.slots, batch=args.batch, api_key=args.api_key,
+                             allow_hosts=args.allow_host, max_queue=args.queue)
+    print(f"fucina: serving {server.model_id} on http://{args.host}:{args.port} "
+          f"(ctx {server.engine.n_ctx}, slots {len(server.engine.pool.slots)}, batch {server.engine.batch})",
+          file=sys.stderr)
+    run(server, args.host, args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,247 @@
+"""The ASGI app (Starlette) and the `Server` that holds the engine and scheduler.
+
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
+POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models,
+/v1/models/{id}, /health.
+
+Policy, in one place:
+- errors come in the dialect of the route (Anthropic's schema under /v1/messages,
+  OpenAI's elsewhere): malformed JSON and invalid fields 400 naming the field, a
+  prompt that cannot fit the context 400 (`context_length_exceeded`), a full queue
+  429 with `Retry-After`, unknown routes 404, a failure inside the engine 500;
+- `model` in a request is accepted whatever it names: the loaded model answers, and
+  responses carry its id (clients such as agent frameworks send their own default
+  names; a server with one model has nothing else to route to);
+- with an API key, every /v1 route needs `Authorization: Bearer KEY` or
+  `x-api-key: KEY` (/health stays open); with `allow_hosts`, a request whose Host
+  header names another host is refused with 403 (the DNS-rebinding guard).
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+from typing import Any, Callable, Iterable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fucina.errors import ContextFull, FucinaError, SamplingError
+from fucina.serve import anthropic, openai
+from fucina.serve.engine import Engine, QueueFull, Scheduler, check_fits
+from fucina.serve.protocol import ApiError
+from fucina.serve.turn import ClientGone, Turn
+from fucina.text.chat_template import ChatTemplateError
+
+log = logging.getLogger("fucina.serve")
+
+MAX_BODY = 32 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+class Server:
+    def __init__(self, engine: Engine, *, api_key: str | None = None, allow_hosts: Iterable[str] = (),
+                 max_queue: int = 64, model_id: str | None = None):
+        self.engine = engine
+        self.scheduler = Scheduler(engine, max_queue)
+        self.api_key = api_key or None
+        self.allow_hosts = {h.lower().strip() for h in allow_hosts if h.strip()}
+        self.model_id = model_id or engine.name
+        self.fingerprint = "fucina"
+
+    @classmethod
+    def from_llm(cls, llm, *, slots: int = 1, batch: int = 1, **kw) -> "Server":
+        import os
+
+        path = str(getattr(getattr(llm.model, "gguf", None), "path", "model"))
+        name = os.path.basename(path).removesuffix(".gguf")
+        engine = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
+                        cache_type=llm.cache_type, name=name)
+        return cls(engine, **kw)
+
+    # -- helpers the dialects call ---------------------------------------------------
+    def render(self, fn: Callable[[], Any]):
+        """Run a render (template + tokenizer), turning its failures into 400s."""
+        try:
+            prompt = fn()
+        except ChatTemplateError as e:
+            raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages")
+        try:
+            check_fits(prompt.ids, self.engine.n_ctx)
+        except ContextFull as e:
+            raise ApiError(400, str(e), param="messages", code="context_length_exceeded")
+        except FucinaError as e:
+            raise ApiError(400, str(e), param="messages")
+        return prompt
+
+    def api_error(self, e: BaseException) -> ApiError:
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, QueueFull):
+            return ApiError(429, str(e), kind="rate_limit_error", code="queue_full",
+                            headers={"Retry-After": "1"})
+        if isinstance(e, ContextFull):
+            return ApiError(400, str(e), code="context_length_exceeded")
+        if isinstance(e, SamplingError):
+            return ApiError(400, str(e))
+        if not isinstance(e, FucinaError):
+            log.error("internal error: %r", e)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+
+    # -- request plumbing --------------------------------------------------------------
+    def guard(self, request: Request, *, auth: bool = True) -> None:
+        if self.allow_hosts:
+            host = (request.headers.get("host") or "").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            name = name.strip("[]")
+            if name not in self.allow_hosts and host not in self.allow_hosts:
+                raise ApiError(403, f"host {host!r} is not allowed", kind="permission_error")
+        if auth and self.api_key:
+            given = request.headers.get("x-api-key")
+            a = request.headers.get("authorization", "")
+            if given is None and a[:7].lower() == "bearer ":
+                given = a[7:].strip()
+            if given is None or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key)",
+                               kind="authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request body exceeds {MAX_BODY >> 20} MiB")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+
+    def error_response(self, e: BaseException, dialect: str) -> JSONResponse:
+        err = self.api_error(e)
+        body = anthropic.error_body(err) if dialect == "anthropic" else openai.error_body(err)
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+    async def handle(self, request: Request, parse, respond, stream, dialect: str = "openai") -> Response:
+        try:
+            self.guard(request)
+            body = await self.read_json(request)
+            turn, opt = parse(self, body)
+            turn.submit()
+        except Exception as e:
+            return self.error_response(e, dialect)
+        if opt["stream"]:
+            return StreamingResponse(_guarded(turn, stream(self, turn, opt)), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            await turn.run(request)
+        except ClientGone:
+            return Response(status_code=499)
+        if turn.error is not None:
+            return self.error_response(turn.error, dialect)
+        return JSONResponse(respond(self, turn, opt))
+
+    # -- routes ----------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self.handle(request, openai.parse_chat, openai.respond_chat, openai.stream_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, openai.parse_completion, openai.respond_completion,
+                                 openai.stream_completion)
+
+    async def responses(self, request: Request) -> Response:
+        return await self.handle(request, openai.parse_response, openai.respond_response,
+                                 openai.stream_response)
+
+    async def messages(self, request: Request) -> Response:
+        return await self.handle(request, anthropic.parse, anthropic.respond, anthropic.stream, "anthropic")
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self.guard(request)
+            return JSONResponse(anthropic.count_tokens(self, await self.read_json(request)))
+        except Exception as e:
+            return self.error_response(e, "anthropic")
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "fucina",
+                "type": "model", "display_name": self.model_id, "created_at": "1970-01-01T00:00:00Z",
+                "meta": {"n_ctx": self.engine.n_ctx, "arch": getattr(self.engine.model.config, "arch", None)}}
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.guard(request)
+        except ApiError as e:
+            return self.error_response(e, "openai")
+        card = self._model_card()
+        return JSONResponse({"object": "list", "data": [card], "has_more": False,
+                             "first_id": card["id"], "last_id": card["id"]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.guard(request)
+        except ApiError as e:
+            return self.error_response(e, "openai")
+        return JSONResponse(self._model_card())     # any name: the loaded model (see policy)
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self.guard(request, auth=False)
+        except ApiError as e:
+            return self.error_response(e, "openai")
+        return JSONResponse({"status": "ok", "model": self.model_id, "queue": self.scheduler.depth,
+                             "max_queue": self.scheduler.max_queue, "batch": self.engine.batch,
+                             "n_ctx": self.engine.n_ctx, "slots": self.engine.pool.stats(),
+                             "requests": dict(self.engine.stats)})
+
+
+async def _guarded(turn: Turn, chunks):
+    """An SSE body whose end (finished, failed, or the client gone) always settles the job."""
+    try:
+        async for c in chunks:
+            yield c
+    finally:
+        if not turn.done:
+            turn.cancel()
+
+
+def create_app(server: Server) -> Starlette:
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        dialect = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+        msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404
+                                                          else exc.detail)
+        return server.error_response(ApiError(exc.status_code, msg, kind="not_found_error"
+                                              if exc.status_code == 404 else "invalid_request_error"), dialect)
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        return server.error_response(exc, "anthropic" if request.url.path.startswith("/v1/messages") else "openai")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: not_found, Exception: crashed})
+    app.state.server = server
+    return app
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,123 @@
+"""Request validation shared by the dialects, and the error every dialect renders.
+
+`Fields` reads one JSON object, checking types and ranges; a bad value raises
+`ApiError(400, ...)` naming the field by its path (`messages[2].content`), which each
+dialect turns into its own error schema.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fucina.text.sampler import SamplingConfig
+
+_MISSING = object()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind, self.code, self.headers = kind, code, dict(headers or {})
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _tname(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+class Fields:
+    """Typed access to one JSON object, errors naming `prefix + key`."""
+
+    def __init__(self, obj: Any, prefix: str = ""):
+        if not isinstance(obj, dict):
+            raise bad(f"{prefix.rstrip('.') or 'the request body'} must be a JSON object, "
+                      f"not {_tname(obj)}", prefix.rstrip(".") or None)
+        self.obj, self.prefix = obj, prefix
+
+    def path(self, key: str) -> str:
+        return self.prefix + key
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self.obj.get(key)
+        return default if v is None else v
+
+    def require(self, key: str) -> Any:
+        v = self.obj.get(key, _MISSING)
+        if v is _MISSING or v is None:
+            raise bad(f"'{self.path(key)}' is required", self.path(key))
+        return v
+
+    def _typed(self, key, types, what, required, default):
+        v = self.require(key) if required else self.obj.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise bad(f"'{self.path(key)}' must be {what}, not {_tname(v)}", self.path(key))
+        return v
+
+    def str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+        return self._typed(key, (str,), "a string", required, default)
+
+    def bool(self, key: str, default: bool | None = None) -> bool | None:
+        return self._typed(key, (bool,), "a boolean", False, default)
+
+    def list(self, key: str, default=None, required: bool = False) -> list | None:
+        return self._typed(key, (list,), "an array", required, default)
+
+    def dict(self, key: str, default=None, required: bool = False) -> dict | None:
+        return self._typed(key, (dict,), "an object", required, default)
+
+    def num(self, key: str, default: float | None = None, lo: float | None = None,
+            hi: float | None = None) -> float | None:
+        v = self._typed(key, (int, float), "a number", False, default)
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            raise bad(f"'{self.path(key)}' must be in [{lo}, {hi}], got {v}", self.path(key))
+        return v
+
+    def int(self, key: str, default: int | None = None, lo: int | None = None,
+            hi: int | None = None, required: bool = False) -> int | None:
+        v = self._typed(key, (int,), "an integer", required, default)
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise bad(f"'{self.path(key)}' must be {rng}, got {v}", self.path(key))
+        return v
+
+    def stops(self, key: str) -> list[str]:
+        v = self.obj.get(key)
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v] if v else []
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            if len(v) > 16:
+                raise bad(f"'{self.path(key)}' may hold at most 16 sequences", self.path(key))
+            return [s for s in v if s]
+        raise bad(f"'{self.path(key)}' must be a string or an array of strings", self.path(key))
+
+
+def sampling(f: Fields, *, default_temperature: float = 1.0, seed: int | None = None) -> SamplingConfig:
+    """The sampling fields every dialect shares (OpenAI names, llama.cpp extensions)."""
+    import random
+
+    s = f.int("seed", None)
+    if s is None:
+        s = seed if seed is not None else random.getrandbits(32)
+    return SamplingConfig(
+        temperature=f.num("temperature", default_temperature, 0.0, 2.0),
+        top_p=f.num("top_p", 1.0, 0.0, 1.0) or 1e-9,
+        top_k=f.int("top_k", 0, 0),
+        min_p=f.num("min_p", 0.0, 0.0, 1.0),
+        frequency_penalty=f.num("frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=f.num("presence_penalty", 0.0, -2.0, 2.0),
+        repeat_penalty=f.num("repeat_penalty", 1.0, 0.0, 10.0) or 1.0,
+        repeat_last_n=f.int("repeat_last_n", 64, -1),
+        seed=s & 0xFFFFFFFF)
