@@ -3,10 +3,10 @@ step, the dense trunk (QKV, O, FFN, lm_head) running as ONE m=N pass so the weig
 are read once for all streams; RoPE positions, KV appends and attention stay per
 stream (ragged: each row against its own cache at its own position).
 
-`forward_step_batch(model, caches, tokens)` uses, in order: the model's own
-`forward_step_batch(caches, tokens)` when it has one and sets `supports_batch`; the llama-family trunk below for
-models whose block is llama's (llama, qwen3); else N sequential `forward_step` calls
-(correct, no weight-pass saving).
+`forward_step_batch(model, caches, tokens)` uses the model's own one-pass
+`forward_step_batch(caches, tokens)` when it sets `supports_batch` (every family whose
+blocks route attention through `fucina.models.base.attend`: llama, qwen3, gemma3), else
+N sequential `forward_step` calls (correct, no weight-pass saving).
 
 `generate_batch` drives it: per-stream prefill, then lockstep sampling with one
 Sampler per stream, each stream stopping on its own.
@@ -16,11 +16,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from fucina.errors import FucinaError, KVCacheError
-from fucina.models import llama
-from fucina.models.base import as_ids, attention, rms_norm
 from fucina.text.generate import Reply, ReplyDecoder, prefill
 from fucina.text.sampler import Sampler
 
@@ -39,48 +36,13 @@ def _check(model, caches: Sequence, tokens: Sequence[int]) -> None:
         c.check_room(1)
 
 
-def _llama_trunk(model) -> bool:
-    return (isinstance(model, llama.Model) and type(model).block is llama.Model.block
-            and type(model).attn is llama.Model.attn and type(model).head is llama.Model.head)
-
-
-@torch.inference_mode()
-def _llama_batch(model, caches: Sequence, tokens: Sequence[int]) -> torch.Tensor:
-    c, n = model.config, len(caches)
-    pos = [cache.len for cache in caches]
-    x = model.embed(as_ids(tokens, c.n_vocab))
-    for i, L in enumerate(model.layers):
-        h = rms_norm(x, L.attn_norm, c.rms_eps)
-        q = L.wq(h).view(n, c.n_head, c.head_dim)
-        k = L.wk(h).view(n, c.n_head_kv, c.head_dim)
-        v = L.wv(h).view(n, c.n_head_kv, c.head_dim)
-        if L.q_norm is not None:
-            q = rms_norm(q, L.q_norm, c.rms_eps)
-        if L.k_norm is not None:
-            k = rms_norm(k, L.k_norm, c.rms_eps)
-        rows = []
-        for s, cache in enumerate(caches):   # ragged: own position, own cache
-            qs, ks = model.rope(q[s:s + 1], pos[s]), model.rope(k[s:s + 1], pos[s])
-            cache.append(i, ks, v[s:s + 1])
-            rows.append(attention(qs, cache, i, pos[s], model.scale))
-        x = x + L.wo(torch.cat(rows))
-        h = rms_norm(x, L.ffn_norm, c.rms_eps)
-        x = x + L.down(F.silu(L.gate(h)) * L.up(h))
-    for cache in caches:
-        cache.advance(1)
-    return model.head(x)
-
-
 def forward_step_batch(model, caches: Sequence, tokens: Sequence[int]) -> torch.Tensor:
     """Append one token per stream (stream s at position caches[s].len) and return the
     next-token logits [N, n_vocab]; every cache advances by one."""
     tokens = [int(t) for t in tokens]
     _check(model, caches, tokens)
-    native = getattr(model, "forward_step_batch", None)
-    if callable(native) and getattr(model, "supports_batch", False):
-        return native(caches, tokens)
-    if _llama_trunk(model):
-        return _llama_batch(model, caches, tokens)
+    if getattr(model, "supports_batch", False):
+        return model.forward_step_batch(caches, tokens)
     return torch.stack([model.forward_step(cache, [t], cache.len) for cache, t in zip(caches, tokens)])
 
 
