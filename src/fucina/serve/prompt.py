@@ -10,8 +10,10 @@ Tools go through the template when it knows about them (it mentions `tools`, as 
 Qwen family's do: hermes `<tool_call>` blocks). A template without tool support gets
 the same hermes convention spelled out in a system message, assistant tool calls
 written back as `<tool_call>` blocks and tool results as `<tool_response>` user
-turns. A forced tool choice primes the reply with `<tool_call>` (and the function's
-name when one is named), so even a weak model answers with a call.
+turns. A forced tool choice primes the reply with `<tool_call>` (and, when one
+function is named, its name and the opening `{"` of its arguments object when its
+schema has properties), so even a weak model answers with a call. This is priming,
+not constrained decoding: the arguments themselves are the model's.
 """
 from __future__ import annotations
 
@@ -107,9 +109,13 @@ def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
     if tools and tool_choice not in ("auto", None):
         primed = "<tool_call>\n"
         if isinstance(tool_choice, dict) and tool_choice.get("name"):
-            primed += '{"name": ' + json.dumps(tool_choice["name"], ensure_ascii=False) + ', "arguments": '
+            name = tool_choice["name"]
+            primed += '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+            fn = next((t.get("function", t) for t in tools if t.get("function", t).get("name") == name), {})
+            if (fn.get("parameters") or {}).get("properties"):
+                primed += '{"'       # an object with named fields: start its first key
     full = text + primed
-    reasoning = "<think>" in template.source or full.rstrip().endswith("<think>")
+    reasoning = "think>" in template.source or full.rstrip().endswith("<think>")
     return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), reasoning)
 
 
