@@ -23,20 +23,18 @@ def cached_model(name: str) -> Path | None:
         return None
 
 
-@pytest.fixture(scope="session")
-def smollm2_path():
-    p = cached_model("smollm2")
-    if p is None:
-        pytest.skip("SmolLM2 GGUF unavailable")
-    return p
+def _model_fixture(name: str):
+    @pytest.fixture(scope="session")
+    def path():
+        p = cached_model(name)
+        if p is None:
+            pytest.skip(f"{name} GGUF unavailable")
+        return p
+    return path
 
 
-@pytest.fixture(scope="session")
-def gemma3_path():
-    p = cached_model("gemma3")
-    if p is None:
-        pytest.skip("Gemma-3 GGUF unavailable")
-    return p
+smollm2_path = _model_fixture("smollm2")
+gemma3_path = _model_fixture("gemma3")
 
 
 @pytest.fixture(scope="session")
