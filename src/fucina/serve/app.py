@@ -132,6 +132,12 @@ class Server:
         except Exception as e:
             return self.error_response(e, dialect)
         if opt["stream"]:
+            try:
+                await turn.wait_started(request)
+            except ClientGone:
+                return Response(status_code=499)
+            if turn.error is not None:          # failed before its first byte: a real status
+                return self.error_response(turn.error, dialect)
             return StreamingResponse(_guarded(turn, stream(self, turn, opt)), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         try:

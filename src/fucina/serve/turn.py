@@ -45,6 +45,7 @@ class Turn:
         self.done = False
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._peeked = None
         self.job = Job(req, self._sink)
 
     # -- plumbing ------------------------------------------------------------------
@@ -61,10 +62,25 @@ class Turn:
         self.job.cancel()
 
     # -- events --------------------------------------------------------------------
+    async def _next(self):
+        if self._peeked is not None:
+            ev, self._peeked = self._peeked, None
+            return ev
+        return await self._queue.get()
+
+    async def wait_started(self, request=None) -> None:
+        """Wait for the worker to take the job (its prefill done, or its failure), so a
+        stream can still answer with an error status. Raises ClientGone."""
+        async def first():
+            self._peeked = await self._queue.get()
+            if isinstance(self._peeked, Finished):
+                self.reply, self.error = self._peeked.reply, self._peeked.error
+        await self._race(first(), request)
+
     async def events(self) -> AsyncIterator[object]:
         early = list(self.parser.events)        # from primed text (a forced tool call)
         while True:
-            ev = await self._queue.get()
+            ev = await self._next()
             if isinstance(ev, Started):
                 self.reused = ev.reused_tokens
                 yield ev
@@ -110,7 +126,11 @@ class Turn:
         async def drain():
             async for _ in self.events():
                 pass
-        task = asyncio.ensure_future(drain())
+        await self._race(drain(), request)
+
+    async def _race(self, coro, request) -> None:
+        """Run coro; if the client disconnects first, cancel the job and raise ClientGone."""
+        task = asyncio.ensure_future(coro)
         waits = {task}
         watch = None
         if request is not None:
@@ -122,7 +142,7 @@ class Turn:
                 raise ClientGone()
             task.result()
         finally:
-            if not self.done:
+            if not task.done():
                 self.cancel()
                 task.cancel()
             if watch is not None:

@@ -1,0 +1,190 @@
+"""Bounded load test of an OpenAI-compatible server on loopback.
+
+    python benchmarks/serve_load.py --server fucina --clients 32 --duration 60 --runs 2
+    python benchmarks/serve_load.py --server llama --clients 32 --duration 60 --runs 2
+
+Starts the server itself (fucina: `python -m fucina serve`; llama: the reference
+`llama-server`, laid out runnable as tests/oracle.py does) on 127.0.0.1 only, then
+N clients each send streaming chat completions back to back until the deadline
+(requests in flight then are finished and counted). Per run: requests/s, p50/p99
+time to first token (first content delta), aggregate completion tokens/s, refusals
+(429/503), errors, the server's resident memory after the run, and for fucina the
+slot state from /health (no busy slot may remain). One JSON object per run on
+stdout. Loopback only: the URL is always 127.0.0.1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+TOPICS = ["the sea", "mountains", "a city at night", "coffee", "rain", "a library", "trains", "winter",
+          "gardens", "the moon", "bread", "rivers", "music", "bicycles", "clocks", "the desert"]
+
+
+def llama_dir() -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    os.environ.setdefault("FUCINA_LLAMA_CPP", str(ROOT.parent / "shared" / "reference" / "bin"))
+    from oracle import oracle_dir
+
+    d = oracle_dir()
+    if d is None or not (d / "llama-server").exists():
+        raise SystemExit("llama-server not found (set FUCINA_LLAMA_CPP to the reference bin/)")
+    return d
+
+
+def start(args) -> subprocess.Popen:
+    model = args.model
+    if model is None:
+        from fucina.models import resolve_model
+        model = str(resolve_model(None))
+    log = open(Path(tempfile.gettempdir()) / f"serve_load_{args.server}.log", "w")
+    if args.server == "fucina":
+        cmd = [sys.executable, "-m", "fucina", "serve", model, "--host", HOST, "--port", str(args.port),
+               "--ctx", str(args.ctx), "--slots", str(args.slots), "--batch", str(args.batch),
+               "--threads", str(args.threads), "--queue", str(args.queue), "--log-level", "warning"]
+        env = dict(os.environ)
+    else:
+        d = llama_dir()
+        cmd = [str(d / "llama-server"), "-m", model, "--host", HOST, "--port", str(args.port),
+               "-c", str(args.ctx * args.slots), "-np", str(args.slots), "-t", str(args.threads),
+               "-tb", str(args.threads), "--no-webui", "--log-disable"]
+        env = dict(os.environ, LD_LIBRARY_PATH=str(d))
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://{HOST}:{args.port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if p.poll() is not None:
+            raise SystemExit(f"server exited ({p.returncode}); see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    p.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def client(i: int, url: str, args, deadline: float, out: list) -> None:
+    n = 0
+    async with httpx.AsyncClient(timeout=600) as h:
+        while time.monotonic() < deadline:
+            topic = TOPICS[(i + n * 7) % len(TOPICS)]
+            body = {"model": "m", "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                    "seed": i * 1000 + n, "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": f"Write a few sentences about {topic}."}]}
+            n += 1
+            t0 = time.monotonic()
+            rec = {"status": None, "ttft": None, "tokens": 0, "chunks": 0}
+            try:
+                async with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    rec["status"] = r.status_code
+                    if r.status_code != 200:
+                        await r.aread()
+                        if r.status_code in (429, 503):
+                            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                    else:
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            ev = json.loads(line[6:])
+                            if ev.get("usage"):
+                                rec["tokens"] = ev["usage"].get("completion_tokens", 0)
+                            for ch in ev.get("choices") or []:
+                                if (ch.get("delta") or {}).get("content"):
+                                    rec["chunks"] += 1
+                                    if rec["ttft"] is None:
+                                        rec["ttft"] = time.monotonic() - t0
+            except httpx.HTTPError as e:
+                rec["status"] = f"error: {type(e).__name__}"
+            rec["latency"] = time.monotonic() - t0
+            out.append(rec)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def one_run(url: str, args) -> dict:
+    recs: list[dict] = []
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(i, url, args, t0 + args.duration, recs) for i in range(args.clients)))
+    wall = time.monotonic() - t0
+    ok = [r for r in recs if r["status"] == 200]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tokens = sum(r["tokens"] or r["chunks"] for r in ok)
+    return {"requests": len(recs), "ok": len(ok),
+            "refused": sum(1 for r in recs if r["status"] in (429, 503)),
+            "errors": sum(1 for r in recs if r["status"] not in (200, 429, 503)),
+            "error_kinds": sorted({str(r["status"]) for r in recs if r["status"] not in (200, 429, 503)}),
+            "wall_s": round(wall, 1), "req_s": round(len(ok) / wall, 3),
+            "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
+            "ttft_p99_s": round(pct(ttft, 0.99), 3) if ttft else None,
+            "latency_p50_s": round(statistics.median([r["latency"] for r in ok]), 3) if ok else None,
+            "tok_s": round(tokens / wall, 1), "completion_tokens": tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", choices=("fucina", "llama"), default="fucina")
+    ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds per run")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="fucina --batch")
+    ap.add_argument("--queue", type=int, default=64, help="fucina --queue")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    p = start(args)
+    url = f"http://{HOST}:{args.port}"
+    try:
+        for run in range(args.runs):
+            res = asyncio.run(one_run(url, args))
+            res.update(server=args.server, run=run + 1, clients=args.clients, max_tokens=args.max_tokens,
+                       threads=args.threads, slots=args.slots, batch=args.batch if args.server == "fucina" else None,
+                       rss_mib=round(rss_mib(p.pid), 1), load_avg=os.getloadavg()[0])
+            if args.server == "fucina":
+                time.sleep(0.5)
+                h = httpx.get(url + "/health", timeout=10).json()
+                res["busy_slots_after"] = sum(s["busy"] for s in h["slots"])
+                res["queue_after"] = h["queue"]
+            print(json.dumps(res), flush=True)
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
