@@ -408,6 +408,8 @@ def script(prompt: str) -> str:
         return CALL_REPLY
     if "slow" in last:
         return SLOW
+    if "explode" in last:
+        raise RuntimeError("scripted failure")
     return "Scripted reply."
 
 
@@ -632,3 +634,64 @@ def test_queue_full_is_429_with_retry_after(slow):
     ok = next(r for r in rs if r.status_code == 200).json()
     assert ok["choices"][0]["finish_reason"] == "length" and ok["usage"]["completion_tokens"] == 40
     assert idle(server)
+
+
+def test_failure_is_isolated_and_in_schema(slow):
+    """A request whose forward fails gets a 500 in its dialect's schema (plain and
+    streamed, before the first byte) while a stream decoding beside it finishes."""
+    url, server = slow
+    bad = [{"role": "user", "content": "explode"}]
+    out = {}
+
+    def keep():
+        chunks = [ch for ch in oai(url).chat.completions.create(
+            model="x", stream=True, temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "slow"}]) if ch.choices]
+        out["finish"] = chunks[-1].choices[0].finish_reason
+
+    t = threading.Thread(target=keep)
+    t.start()
+    time.sleep(0.2)
+    with pytest.raises(openai.InternalServerError) as e:
+        oai(url).chat.completions.create(model="x", messages=bad, temperature=0, max_tokens=4)
+    assert e.value.body["type"] == "server_error" and "scripted failure" in e.value.body["message"]
+    with pytest.raises(openai.InternalServerError):
+        list(oai(url).chat.completions.create(model="x", messages=bad, temperature=0, max_tokens=4, stream=True))
+    with pytest.raises(anthropic.InternalServerError) as e:
+        anth(url).messages.create(model="x", max_tokens=4, messages=bad)
+    assert e.value.body["error"]["type"] == "api_error"
+    t.join(60)
+    assert out["finish"] == "length"
+    assert idle(server)
+    assert server.engine.stats["failed"] >= 3
+
+
+def test_count_tokens_and_completion_extras(real):
+    url, server = real
+    n = anth(url).messages.count_tokens(model="x", messages=[{"role": "user", "content": "Hello there"}])
+    assert n.input_tokens > 3
+    c = oai(url)
+    r = c.completions.create(model="x", prompt="One, two,", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    ch = r.choices[0]
+    assert ch.text.startswith("One, two,")
+    assert len(ch.logprobs.tokens) == 3 and all(len(t) == 2 for t in ch.logprobs.top_logprobs)
+    assert "".join(ch.logprobs.tokens) == ch.text[len("One, two,"):]
+
+
+def test_langchain_tool_round_trip(scripted):
+    """LangChain's ChatOpenAI, plain and streaming, against the hermes server."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    llm = lc.ChatOpenAI(base_url=scripted[0] + "/v1", api_key=KEY, model="x", temperature=0, max_retries=0)
+    bound = llm.bind_tools([WEATHER_TOOL])
+    ai = bound.invoke([HumanMessage("What is the weather in Paris?")])
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    assert ai.tool_calls[0]["args"] == {"city": "Paris", "unit": "celsius"}
+    acc = None
+    for chunk in bound.stream([HumanMessage("What is the weather in Paris?")]):
+        acc = chunk if acc is None else acc + chunk
+    assert [(c["name"], c["args"]) for c in acc.tool_calls] == [(c["name"], c["args"]) for c in ai.tool_calls]
+    final = bound.invoke([HumanMessage("What is the weather in Paris?"), ai,
+                          ToolMessage("18", tool_call_id=ai.tool_calls[0]["id"])])
+    assert final.content == "It is 18 degrees in Paris."
