@@ -33,8 +33,11 @@ def rand_raw(qt: T, n: int, k: int, rng) -> torch.Tensor:
     bs, ts = TYPE_SIZES[qt]
     if qt == T.F32:
         return torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).view(np.uint8))
-    if qt in (T.F16, T.BF16):
+    if qt == T.F16:
         return torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).astype(np.float16).view(np.uint8))
+    if qt == T.BF16:
+        w = rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16
+        return torch.from_numpy(w.astype(np.uint16).view(np.uint8))
     raw = rng.integers(0, 256, (n * (k // bs), ts), dtype=np.uint8)
     for o in F16_FIELDS[qt]:
         raw[:, o:o + 2] = (rng.standard_normal(raw.shape[0]) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)

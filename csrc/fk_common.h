@@ -37,7 +37,11 @@ typedef struct {
     float *y;
     int64_t ldy;      /* row stride of y in floats (>= n) */
     int nthreads;
+    int prefill;      /* FK_PREFILL_*: which route serves m >= FK_PREFILL_MIN_M */
 } fk_matmul_args;
+
+enum { FK_PREFILL_INT8 = 0, FK_PREFILL_BF16 = 1 };
+#define FK_PREFILL_MIN_M 8
 
 typedef struct {
     const char *name;

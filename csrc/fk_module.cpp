@@ -10,6 +10,9 @@
 
 static const fk_isa *g_isa = &fk_isa_scalar;
 static int g_threads = 1;
+static int g_prefill = FK_PREFILL_INT8;
+
+static int cpu_has_bf16(void);
 
 #ifdef FK_X86
 static int cpu_has_avx512(void) {
@@ -29,7 +32,9 @@ static int cpu_has_avx2(void) {
     f16c = (c >> 29) & 1;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
 }
+static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 #else
+static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
 const fk_isa fk_isa_avx512 = {"avx512", 0, 0};
@@ -96,6 +101,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     a.y = (float *)(uintptr_t)v[7];
     a.ldy = v[8];
     a.nthreads = g_threads;
+    a.prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
     long bs, ts;
     if (!known_type(a.qtype) || !type_block(a.qtype, &bs, &ts)) {
         PyErr_Format(PyExc_ValueError, "no native route for GGML type %d", a.qtype);
@@ -161,6 +167,31 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_prefill(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    if (!strcmp(name, "int8")) {
+        g_prefill = FK_PREFILL_INT8;
+    } else if (!strcmp(name, "bf16") && cpu_has_bf16()) {
+        g_prefill = FK_PREFILL_BF16;
+    } else {
+        PyErr_Format(PyExc_ValueError, "prefill route %s is unknown or not supported by this CPU", name);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_prefill(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyUnicode_FromString(g_prefill == FK_PREFILL_BF16 ? "bf16" : "int8");
+}
+
+static PyObject *py_prefill_min_m(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(FK_PREFILL_MIN_M);
+}
+
 static PyObject *py_get_isa(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return PyUnicode_FromString(g_isa->name);
@@ -193,6 +224,9 @@ static PyMethodDef methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, ""},
     {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2' or 'scalar'"},
     {"get_isa", py_get_isa, METH_NOARGS, ""},
+    {"set_prefill", py_set_prefill, METH_O, "route for m >= 8: 'int8' (VNNI) or 'bf16' (AVX512_BF16)"},
+    {"get_prefill", py_get_prefill, METH_NOARGS, ""},
+    {"prefill_min_m", py_prefill_min_m, METH_NOARGS, ""},
     {"supported_isas", py_supported_isas, METH_NOARGS, ""},
     {"omp_max_threads", py_omp_max_threads, METH_NOARGS, ""},
     {NULL, NULL, 0, NULL},
@@ -203,6 +237,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "fucina na
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
+    if (cpu_has_bf16()) g_prefill = FK_PREFILL_BF16;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;

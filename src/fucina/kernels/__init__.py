@@ -15,6 +15,8 @@ and the kernels share one pool; `set_threads(n)` sets both.
 """
 from __future__ import annotations
 
+import os
+
 import torch  # first: loads torch's libgomp, which the native module then shares
 
 from fucina.errors import FucinaError
@@ -38,7 +40,8 @@ NATIVE_TYPES = frozenset({
     GGMLType.IQ4_NL, GGMLType.IQ4_XS,
 })
 
-_enabled = True
+# FUCINA_KERNELS=0 keeps every weight on the reference path (A/B timing, debugging)
+_enabled = os.environ.get("FUCINA_KERNELS", "1") != "0"
 
 
 def available() -> bool:
@@ -69,6 +72,32 @@ def set_isa(name: str) -> None:
         _native.set_isa(name)
     except ValueError as e:
         raise KernelError(str(e)) from None
+
+
+def prefill_route() -> str:
+    """The route for m >= prefill_min_m() rows: 'bf16' (AVX512_BF16 dots on weights decoded to
+    bf16) or 'int8' (VNNI/AVX2 dots on int8-quantized activations, the decode route's math)."""
+    return _native.get_prefill() if _native is not None else "none"
+
+
+def prefill_min_m() -> int:
+    return _native.prefill_min_m() if _native is not None else 0
+
+
+def set_prefill_route(name: str) -> None:
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    try:
+        _native.set_prefill(name)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def route(m: int) -> str:
+    """Which arithmetic serves an m-row call now: 'bf16' or 'int8' (quantized formats) ."""
+    if m >= prefill_min_m() and prefill_route() == "bf16" and isa() == "avx512":
+        return "bf16"
+    return "int8"
 
 
 def set_threads(n: int) -> None:
