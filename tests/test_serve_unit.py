@@ -124,3 +124,50 @@ def test_fields_name_the_field():
         Fields({"max_tokens": True}).int("max_tokens")
     assert "integer" in e.value.message
     assert sampling(Fields({"seed": 5, "temperature": 0})).seed == 5
+
+
+class _Tok:
+    bos_id = None
+
+    def encode(self, text, add_special=True, parse_special=True):
+        return [ord(c) for c in text]
+
+
+class _Engine:
+    def __init__(self, source):
+        from fucina.text.chat_template import ChatTemplate
+
+        self.template, self.tokenizer = ChatTemplate(source), _Tok()
+
+
+CHATML_NO_TOOLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                    "properties": {"a": {"type": "string"}}}}}
+
+
+def test_render_priming_by_tool_choice():
+    from fucina.serve.prompt import render_chat
+
+    e = _Engine(CHATML_NO_TOOLS)
+    msgs = [{"role": "user", "content": "hi"}]
+    auto = render_chat(e, msgs, tools=[TOOL])
+    assert auto.tools and auto.primed == "" and "<tools>" in auto.text     # hermes fallback system
+    assert render_chat(e, msgs, tools=[TOOL], tool_choice="required").primed == "<tool_call>\n"
+    named = render_chat(e, msgs, tools=[TOOL], tool_choice={"name": "f"})
+    assert named.primed == '<tool_call>\n{"name": "f", "arguments": {"'
+    assert named.text.endswith("<|im_start|>assistant\n" + named.primed) and named.ids[-1] == ord('"')
+    none = render_chat(e, msgs, tools=[TOOL], tool_choice="none")
+    assert not none.tools and "<tools>" not in none.text
+    p = OutputParser(tools=True, primed=named.opening)
+    s = summary(list(p.events) + p.feed('a": "x"}}\n</tool_call>') + p.finish())
+    assert s["calls"] == [["f", '{"a": "x"}']]
+
+
+def test_render_reasoning_detection():
+    from fucina.serve.prompt import render_chat
+
+    src = CHATML_NO_TOOLS.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+    p = render_chat(_Engine(src), [{"role": "user", "content": "hi"}])
+    assert p.reasoning and p.opening == "<think>"
+    assert not render_chat(_Engine(CHATML_NO_TOOLS), [{"role": "user", "content": "hi"}]).reasoning
