@@ -55,6 +55,15 @@ def set_enabled(on: bool) -> None:
     _enabled = bool(on)
 
 
+def _configure(setter: str, value) -> None:
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    try:
+        getattr(_native, setter)(value)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
 def isa() -> str:
     """The instruction set the kernels run with: 'avx512', 'avx2', 'scalar' (or 'none')."""
     return _native.get_isa() if _native is not None else "none"
@@ -66,12 +75,7 @@ def supported_isas() -> list[str]:
 
 def set_isa(name: str) -> None:
     """Force an ISA level this CPU supports (tests run every level this way)."""
-    if _native is None:
-        raise KernelError("native kernels are not built")
-    try:
-        _native.set_isa(name)
-    except ValueError as e:
-        raise KernelError(str(e)) from None
+    _configure("set_isa", name)
 
 
 def prefill_route() -> str:
@@ -85,12 +89,7 @@ def prefill_min_m() -> int:
 
 
 def set_prefill_route(name: str) -> None:
-    if _native is None:
-        raise KernelError("native kernels are not built")
-    try:
-        _native.set_prefill(name)
-    except ValueError as e:
-        raise KernelError(str(e)) from None
+    _configure("set_prefill", name)
 
 
 def route(m: int) -> str:
