@@ -27,4 +27,13 @@ ext = Extension(
     language="c++",
 )
 
-setup(ext_modules=[ext])
+# the tokenizer's BPE / SentencePiece merge loops (fucina.text.tokenizer falls back to
+# pure Python when this module is absent)
+tokenizer_merge = Extension(
+    "fucina.text.tokenizer._merge",
+    sources=["csrc/tokenizer/merge_module.cpp"],
+    extra_compile_args=["-O2", "-std=c++17", "-Wall"],
+    language="c++",
+)
+
+setup(ext_modules=[ext, tokenizer_merge])

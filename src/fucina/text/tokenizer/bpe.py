@@ -4,30 +4,51 @@ Each pretoken is UTF-8 encoded, every byte mapped to its printable stand-in, and
 adjacent pair with the lowest merge rank merged (leftmost first on a tie) until no
 ranked pair is left. A pretoken's ids never depend on its neighbours, so they are
 cached by pretoken: on ordinary text nearly every word is a cache hit and encoding
-is one regex pass plus dictionary lookups.
+is one regex pass plus dictionary lookups. The words a text adds to the cache merge in
+C++ when the `_merge` module is built (`_merge.Bpe`: the same loop over interned symbol
+ids), else in Python (`encode_piece_py`).
 """
 from __future__ import annotations
 
 from itertools import repeat
 
-from fucina.text.tokenizer.merge import LIST_MAX, encode_cached, heap_merge
+from fucina.text.tokenizer import merge as _m
+from fucina.text.tokenizer.merge import LIST_MAX, NativePieces, encode_cached, heap_merge
 from fucina.text.tokenizer.pretokenize import Splitter
-from fucina.text.tokenizer.unicode import BYTES_TO_UNICODE
+from fucina.text.tokenizer.unicode import BYTE_CHARS, BYTES_TO_UNICODE
 from fucina.text.tokenizer.vocab import Vocab
 
 _NONE = 1 << 62   # "no such merge" rank
 
 
 class ByteBPE:
-    def __init__(self, vocab: Vocab):
+    def __init__(self, vocab: Vocab, native: bool | None = None):
+        """native: merge in C++ (default: when built; see merge.use_native)."""
         assert vocab.pre_spec is not None
         self.token_to_id = vocab.token_to_id
-        merges = vocab.merges
-        # "left right" -> rank; a pair listed twice keeps its first rank (llama.cpp's emplace)
-        self.ranks: dict[str, int] = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+        merges = self.merges = vocab.merges
+        self._ranks: dict[str, int] | None = None
         self.ignore_merges = vocab.ignore_merges
         self.splitter = Splitter(vocab.pre_spec.kind)
         self.cache: dict[str, tuple[int, ...]] = {}
+        self.encode_piece = self.encode_piece_py
+        if _m.use_native(native):
+            try:   # a vocabulary native code refuses stays in Python
+                nat = _m.native.Bpe(list(BYTE_CHARS), merges, self.token_to_id, vocab.n_vocab,
+                                    self.ignore_merges)
+            except (TypeError, ValueError):
+                pass
+            else:
+                self.encode_piece = NativePieces(nat, self.encode_piece_py)
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Merge "left right" -> its rank; a pair listed twice keeps its first rank
+        (llama.cpp's emplace). Built on first use: the native path never needs it."""
+        if self._ranks is None:
+            m = self.merges
+            self._ranks = dict(zip(reversed(m), range(len(m) - 1, -1, -1)))
+        return self._ranks
 
     def split(self, text: str) -> list[str]:
         return self.splitter.split(text)
@@ -48,7 +69,7 @@ class ByteBPE:
     def encode(self, text: str, out: list[int]) -> None:
         self.cache = encode_cached(self.splitter.split(text), self.cache, self.encode_piece, out)
 
-    def encode_piece(self, word: str | int) -> tuple[int, ...]:
+    def encode_piece_py(self, word: str | int) -> tuple[int, ...]:
         if isinstance(word, int):
             return (word,)
         s = word.encode("utf-8", "surrogatepass").decode("latin-1").translate(BYTES_TO_UNICODE)

@@ -12,6 +12,10 @@ irrelevant) and can be cached like BPE words. We cut with a regex before every "
 whose left neighbour never precedes "▁" inside a token (for Gemma-3 only ">" does,
 in ">▁</"), and cut a new piece again wherever two neighbours sit together in no
 token (Gemma-3 keeps punctuation apart from letters: "word," is "word" + ",").
+
+With the `_merge` module built, the pieces a text adds to the cache merge whole in C++
+(`_merge.Spm`: the same loop on the piece's bytes, no cutting needed); else in Python
+(`encode_piece_py`).
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from operator import add
 import numpy as np
 
 from fucina.errors import TokenizerError
-from fucina.text.tokenizer.merge import LIST_MAX, Sym, encode_cached, heap_merge, list_merge
+from fucina.text.tokenizer import merge as _m
+from fucina.text.tokenizer.merge import (
+    LIST_MAX, NativePieces, Sym, encode_cached, heap_merge, list_merge)
 from fucina.text.tokenizer.vocab import Vocab
 
 SPACE = "\u2581"
@@ -31,7 +37,8 @@ _SPACE_B = SPACE.encode()
 
 
 class SentencePiece:
-    def __init__(self, vocab: Vocab):
+    def __init__(self, vocab: Vocab, native: bool | None = None):
+        """native: merge in C++ (default: when built; see merge.use_native)."""
         if vocab.scores is None:
             raise TokenizerError("SentencePiece vocabulary without tokenizer.ggml.scores")
         # list merging marks "no token" with +inf: only exact while every score is finite
@@ -50,6 +57,15 @@ class SentencePiece:
         self._bytes_vocab: dict[bytes, int] | None = None
         self._pairs: frozenset[str] | None = None
         self._byte_ids: list[int] | None = None
+        self.encode_piece = self.encode_piece_py
+        self._native = None
+        if _m.use_native(native):
+            try:   # a vocabulary native code refuses (NaN scores, say) stays in Python
+                self._native = _m.native.Spm(self.token_to_id, self.scores, self.byte_ids)
+            except (TypeError, ValueError):
+                self._native = None
+            else:
+                self.encode_piece = NativePieces(self._native, self.encode_piece_py)
 
     @property
     def scores(self) -> list[float]:
@@ -115,7 +131,7 @@ class SentencePiece:
         """Encode one fragment whose spaces are already escaped to "▁"."""
         self.cache = encode_cached(self._pieces.findall(text), self.cache, self.encode_piece, out)
 
-    def encode_piece(self, piece: str | int) -> tuple[int, ...]:
+    def encode_piece_py(self, piece: str | int) -> tuple[int, ...]:
         if isinstance(piece, int):
             return (piece,)
         if len(piece) == 1:
@@ -138,7 +154,7 @@ class SentencePiece:
             sub = piece[start:i]
             ids = cache.get(sub)
             if ids is None:
-                ids = cache[sub] = self.encode_piece(sub)
+                ids = cache[sub] = self.encode_piece_py(sub)
             out.extend(ids)
             start = i
         return tuple(out)
@@ -157,7 +173,9 @@ class SentencePiece:
                 out.extend(self.byte_token(b) for b in sym.encode("utf-8", "surrogatepass"))
         return tuple(out)
 
-    def byte_token(self, b: int) -> int:
+    @property
+    def byte_ids(self) -> list[int]:
+        """The token of each byte: <0xXX>, else (ASCII) the character, else unk; -1: none."""
         if self._byte_ids is None:
             ids = []
             unk = self.vocab.ids.get("unk")
@@ -169,7 +187,10 @@ class SentencePiece:
                     tid = -1 if unk is None else unk
                 ids.append(tid)
             self._byte_ids = ids
-        tid = self._byte_ids[b]
+        return self._byte_ids
+
+    def byte_token(self, b: int) -> int:
+        tid = self.byte_ids[b]
         if tid < 0:
             raise TokenizerError(f"vocabulary has no byte token for 0x{b:02X}")
         return tid
@@ -180,9 +201,6 @@ class SentencePiece:
         llama.cpp cuts symbols by the lead byte alone (a bad lead byte may swallow the
         bytes after it), never validating; we do the same, on bytes.
         """
-        if self._bytes_vocab is None:
-            self._bytes_vocab = {t.encode("utf-8", "surrogatepass"): i
-                                 for t, i in self.token_to_id.items()}
         syms: list[bytes] = []
         i = 0
         while i < len(data):
@@ -190,18 +208,33 @@ class SentencePiece:
             syms.append(data[i:i + n])
             i += n
         # cut before "▁" symbols whose left neighbour is a safe character
+        segments: list[list[bytes]] = []
         start = 0
         for k in range(1, len(syms) + 1):
             if k < len(syms) and not (syms[k] == _SPACE_B and syms[k - 1] != _SPACE_B
                                       and syms[k - 1].decode("utf-8", "replace") not in self.unsafe):
                 continue
-            for sym in merge(syms[start:k], self._bytes_vocab, self.scores, self._finite):
-                tid = self._bytes_vocab.get(sym)
-                if tid is not None:
-                    out.append(tid)
-                else:
-                    out.extend(self.byte_token(b) for b in sym)
+            segments.append(syms[start:k])
             start = k
+        # native code cuts a segment's bytes into the same symbols (by the lead byte)
+        done = (self._native.encode_many([b"".join(seg) for seg in segments])
+                if self._native is not None else [None] * len(segments))
+        for seg, ids in zip(segments, done):
+            if ids is not None:
+                out.extend(ids)
+            else:
+                self._merge_bytes(seg, out)
+
+    def _merge_bytes(self, syms: list[bytes], out: list[int]) -> None:
+        if self._bytes_vocab is None:
+            self._bytes_vocab = {t.encode("utf-8", "surrogatepass"): i
+                                 for t, i in self.token_to_id.items()}
+        for sym in merge(syms, self._bytes_vocab, self.scores, self._finite):
+            tid = self._bytes_vocab.get(sym)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self.byte_token(b) for b in sym)
 
 
 def _utf8_len(lead: int) -> int:
