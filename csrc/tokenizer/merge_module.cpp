@@ -86,16 +86,19 @@ class StrTable {
     /* the value stored for p (inserting val first when absent); overwrite replaces it.
      * False when the arena would pass 4 GiB. */
     bool insert(const char *p, size_t n, int32_t val, float aux, bool overwrite, int32_t &got) {
+        return insert(p, n, hash(p, n), val, aux, overwrite, got);
+    }
+    bool insert(const char *p, size_t n, uint64_t h, int32_t val, float aux, bool overwrite, int32_t &got) {
         if (n > UINT32_MAX || arena_.size() + n > UINT32_MAX) return false;
         if (slots_.empty() || 2 * (count_ + 1) > slots_.size()) rehash(slots_.empty() ? 16 : 2 * slots_.size());
-        const Slot *s = find(p, n, hash(p, n));
+        const Slot *s = find(p, n, h);
         if (s) {
             Slot &w = const_cast<Slot &>(*s);
             if (overwrite) { w.val = val; w.aux = aux; }
             got = w.val;
             return true;
         }
-        size_t i = hash(p, n) & mask_;
+        size_t i = h & mask_;
         while (slots_[i].val >= 0) i = (i + 1) & mask_;
         slots_[i] = Slot{head(p, n), (uint32_t)n, (uint32_t)arena_.size(), val, aux};
         if (n > 8) arena_.append(p + 8, n - 8);
@@ -164,18 +167,37 @@ class PairTable {
 };
 
 /* UTF-8 of a str, lone surrogates passed through (Python's "surrogatepass"), as the
- * Python path encodes. False (no exception pending) when it is not a str. */
+ * Python path encodes; written here to spare an allocation per string. False (no
+ * exception pending) when it is not a str. */
 bool utf8_of(PyObject *s, std::string &out) {
     if (!PyUnicode_Check(s)) return false;
     if (PyUnicode_READY(s) < 0) { PyErr_Clear(); return false; }
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    const void *data = PyUnicode_DATA(s);
     if (PyUnicode_IS_ASCII(s)) {
-        out.assign((const char *)PyUnicode_DATA(s), (size_t)PyUnicode_GET_LENGTH(s));
+        out.assign((const char *)data, (size_t)n);
         return true;
     }
-    PyObject *b = PyUnicode_AsEncodedString(s, "utf-8", "surrogatepass");
-    if (!b) { PyErr_Clear(); return false; }
-    out.assign(PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
-    Py_DECREF(b);
+    int kind = PyUnicode_KIND(s);
+    out.clear();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        if (c < 0x80) {
+            out.push_back((char)c);
+        } else if (c < 0x800) {
+            out.push_back((char)(0xC0 | (c >> 6)));
+            out.push_back((char)(0x80 | (c & 0x3F)));
+        } else if (c < 0x10000) {
+            out.push_back((char)(0xE0 | (c >> 12)));
+            out.push_back((char)(0x80 | ((c >> 6) & 0x3F)));
+            out.push_back((char)(0x80 | (c & 0x3F)));
+        } else {
+            out.push_back((char)(0xF0 | (c >> 18)));
+            out.push_back((char)(0x80 | ((c >> 12) & 0x3F)));
+            out.push_back((char)(0x80 | ((c >> 6) & 0x3F)));
+            out.push_back((char)(0x80 | (c & 0x3F)));
+        }
+    }
     return true;
 }
 
@@ -205,28 +227,40 @@ bool load_tokens(PyObject *t2i, StrTable &tab, long limit, const std::vector<flo
         return false;
     }
     tab.reserve((size_t)PyDict_GET_SIZE(t2i));
+    // in blocks: encode and prefetch a block's slots, then insert (the misses overlap)
+    constexpr int BLOCK = 32;
+    std::string key[BLOCK];
+    uint64_t hash[BLOCK];
+    int32_t ids[BLOCK];
     PyObject *k, *v;
     Py_ssize_t pos = 0;
-    std::string s;
-    while (PyDict_Next(t2i, &pos, &k, &v)) {
-        if (!PyLong_Check(v)) {
-            PyErr_SetString(PyExc_TypeError, "token_to_id values must be int");
-            return false;
+    for (bool more = true; more;) {
+        int nb = 0;
+        while (nb < BLOCK && (more = PyDict_Next(t2i, &pos, &k, &v))) {
+            if (!PyLong_Check(v)) {
+                PyErr_SetString(PyExc_TypeError, "token_to_id values must be int");
+                return false;
+            }
+            long id = PyLong_AsLong(v);
+            if (id == -1 && PyErr_Occurred()) return false;
+            if (id < 0 || id >= limit) {
+                PyErr_Format(PyExc_ValueError, "token id %ld out of range [0, %ld)", id, limit);
+                return false;
+            }
+            if (!utf8_of(k, key[nb])) {
+                PyErr_SetString(PyExc_TypeError, "token_to_id keys must be str");
+                return false;
+            }
+            ids[nb] = (int32_t)id;
+            tab.prefetch(hash[nb] = StrTable::hash(key[nb].data(), key[nb].size()));
+            nb++;
         }
-        long id = PyLong_AsLong(v);
-        if (id == -1 && PyErr_Occurred()) return false;
-        if (id < 0 || id >= limit) {
-            PyErr_Format(PyExc_ValueError, "token id %ld out of range [0, %ld)", id, limit);
-            return false;
-        }
-        if (!utf8_of(k, s)) {
-            PyErr_SetString(PyExc_TypeError, "token_to_id keys must be str");
-            return false;
-        }
-        int32_t got;
-        if (!tab.insert(s.data(), s.size(), (int32_t)id, aux ? (*aux)[id] : 0.0f, true, got)) {
-            PyErr_SetString(PyExc_ValueError, "vocabulary text too large");
-            return false;
+        for (int i = 0; i < nb; i++) {
+            int32_t got;
+            if (!tab.insert(key[i].data(), key[i].size(), hash[i], ids[i], aux ? (*aux)[ids[i]] : 0.0f, true, got)) {
+                PyErr_SetString(PyExc_ValueError, "vocabulary text too large");
+                return false;
+            }
         }
     }
     return true;
@@ -349,9 +383,9 @@ bool bpe_build(BpeObject *self, PyObject *byte_chars, PyObject *merges, PyObject
     std::vector<std::pair<uint32_t, uint32_t>> extra_span;
     std::string extra_text;
     bool ok = true;
-    auto intern = [&](const char *p, size_t n) -> int32_t {
-        int32_t id = tokens.find(p, n);
-        if (id >= 0) return id;
+    auto intern = [&](const char *p, size_t n, uint64_t h) -> int32_t {
+        const StrTable::Slot *t = tokens.find(p, n, h);
+        if (t) return t->val;
         int32_t k = (int32_t)extra_span.size(), got;
         if ((int64_t)self->n_vocab + k >= INT32_MAX || extra_text.size() + n > UINT32_MAX ||
             !extra.insert(p, n, k, 0.0f, false, got)) {
@@ -371,7 +405,7 @@ bool bpe_build(BpeObject *self, PyObject *byte_chars, PyObject *merges, PyObject
             PyErr_SetString(PyExc_ValueError, "byte_chars must be a list of 256 non-empty str");
             return false;
         }
-        self->byte_sym[b] = intern(s.data(), s.size());
+        self->byte_sym[b] = intern(s.data(), s.size(), StrTable::hash(s.data(), s.size()));
         for (int c = 0; c < b; c++)
             if (self->byte_sym[c] == self->byte_sym[b]) {
                 PyErr_SetString(PyExc_ValueError, "byte_chars must be distinct");
@@ -381,20 +415,44 @@ bool bpe_build(BpeObject *self, PyObject *byte_chars, PyObject *merges, PyObject
         self->byte_off[b + 1] = (uint32_t)self->byte_text->size();
     }
     self->pairs->reserve((size_t)n_merges);
-    std::string both;
-    for (Py_ssize_t r = 0; r < n_merges && ok; r++) {
-        // the Python path looks up left + " " + right with neither side holding a space
-        // (symbols are byte stand-ins): only a merge with exactly one inner space can match
-        if (!utf8_of(PyList_GET_ITEM(merges, r), s)) continue;
-        size_t sp = s.find(' ');
-        if (sp == std::string::npos || sp == 0 || sp + 1 == s.size() || s.find(' ', sp + 1) != std::string::npos)
-            continue;
-        int32_t a = intern(s.data(), sp);
-        int32_t b = intern(s.data() + sp + 1, s.size() - sp - 1);
-        both.assign(s, 0, sp);
-        both.append(s, sp + 1, std::string::npos);
-        int32_t m = intern(both.data(), both.size());
-        if (ok) self->pairs->insert(a, b, (int32_t)r, m);
+    // Merges go in blocks, each in three passes (parse and prefetch the texts' slots; intern
+    // and prefetch the pair's slot; insert in rank order) so that the table misses overlap.
+    struct Pending { std::string lr; size_t sp; uint64_t h[3]; int32_t id[3]; bool ok; };
+    constexpr Py_ssize_t BLOCK = 32;
+    std::vector<Pending> pend(BLOCK);
+    for (Py_ssize_t r0 = 0; r0 < n_merges && ok; r0 += BLOCK) {
+        Py_ssize_t r1 = std::min(n_merges, r0 + BLOCK);
+        for (Py_ssize_t r = r0; r < r1; r++) {
+            // the Python path looks up left + " " + right with neither side holding a space
+            // (symbols are byte stand-ins): only a merge with one inner space can match
+            Pending &q = pend[r - r0];
+            q.ok = utf8_of(PyList_GET_ITEM(merges, r), s);
+            size_t sp = q.ok ? s.find(' ') : std::string::npos;
+            q.ok = sp != std::string::npos && sp != 0 && sp + 1 != s.size() &&
+                   s.find(' ', sp + 1) == std::string::npos;
+            if (!q.ok) continue;
+            q.lr.assign(s, 0, sp);
+            q.lr.append(s, sp + 1, std::string::npos);
+            q.sp = sp;
+            const char *t = q.lr.data();
+            q.h[0] = StrTable::hash(t, sp);
+            q.h[1] = StrTable::hash(t + sp, q.lr.size() - sp);
+            q.h[2] = StrTable::hash(t, q.lr.size());
+            for (uint64_t h : q.h) tokens.prefetch(h);
+        }
+        for (Py_ssize_t r = r0; r < r1; r++) {
+            Pending &q = pend[r - r0];
+            if (!q.ok) continue;
+            const char *t = q.lr.data();
+            q.id[0] = intern(t, q.sp, q.h[0]);
+            q.id[1] = intern(t + q.sp, q.lr.size() - q.sp, q.h[1]);
+            q.id[2] = intern(t, q.lr.size(), q.h[2]);
+            self->pairs->prefetch(q.id[0], q.id[1]);
+        }
+        for (Py_ssize_t r = r0; r < r1 && ok; r++) {
+            Pending &q = pend[r - r0];
+            if (q.ok) self->pairs->insert(q.id[0], q.id[1], (int32_t)r, q.id[2]);
+        }
     }
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "merge table too large");
