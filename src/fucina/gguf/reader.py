@@ -261,6 +261,16 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
 
+    def release(self, t: TensorInfo) -> None:
+        """Drop `t`'s pages from this process's resident set (after its bytes were copied
+        into a repacked or fused weight), so the model is not held twice in memory.
+        The mapping stays valid: a later read faults the pages back in."""
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page
+        end = (t.offset + t.nbytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._parts[t.part].mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 

@@ -114,6 +114,8 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     if window > 0:
         start = max(0, pos0 - window + 1)  # no query in this step sees keys before this
         k, v = k[start:], v[start:]
+    if m == 1 and not softcap:
+        return _decode_attention(q, k, v, scale)
     k = k.float().transpose(0, 1)  # [kv_heads, n, d]
     v = v.float().transpose(0, 1)
     qh = q.transpose(0, 1)         # [heads, m, d]
@@ -134,6 +136,17 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(m, n_head * d)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row: every cached key is visible, so no mask; GQA as a grouped bmm
+    instead of repeating K/V per head (fewer ops and bytes on the decode hot path)."""
+    _, n_head, d = q.shape
+    kvh = k.shape[1]
+    qg = q.view(kvh, n_head // kvh, d)
+    s = torch.bmm(qg, k.permute(1, 2, 0).float()) * scale      # [kvh, group, n]
+    out = torch.bmm(torch.softmax(s, dim=-1), v.transpose(0, 1).float())
+    return out.reshape(1, n_head * d)
 
 
 class Ragged:

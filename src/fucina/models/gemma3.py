@@ -78,13 +78,13 @@ class Model(llama.Model):
         L, c = self.layers[i], self.config
         local = c.swa_layers[i]
         m = x.shape[0]
-        h = rms_norm(x, L.attn_norm, c.rms_eps)
-        q = rms_norm(L.wq(h).view(m, c.n_head, c.head_dim), L.q_norm, c.rms_eps)
-        k = rms_norm(L.wk(h).view(m, c.n_head_kv, c.head_dim), L.k_norm, c.rms_eps)
-        v = L.wv(h).view(m, c.n_head_kv, c.head_dim)
+        q, k, v = L.qkv(rms_norm(x, L.attn_norm, c.rms_eps))
+        q = rms_norm(q.reshape(m, c.n_head, c.head_dim), L.q_norm, c.rms_eps)
+        k = rms_norm(k.reshape(m, c.n_head_kv, c.head_dim), L.k_norm, c.rms_eps)
+        v = v.reshape(m, c.n_head_kv, c.head_dim)
         rope = self.rope_local if local else self.rope_global
         a = attend(q * c.attn_scale, k, v, cache, i, pos0, rope, 1.0, c.sliding_window if local else 0)
         x = x + rms_norm(L.wo(a), L.post_attn_norm, c.rms_eps)
-        h = rms_norm(x, L.ffn_norm, c.rms_eps)
-        ff = L.down(F.gelu(L.gate(h), approximate="tanh") * L.up(h))
+        g, u = L.gate_up(rms_norm(x, L.ffn_norm, c.rms_eps))
+        ff = L.down(F.gelu(g, approximate="tanh") * u)
         return x + rms_norm(ff, L.post_ffn_norm, c.rms_eps)

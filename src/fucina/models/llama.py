@@ -14,6 +14,7 @@ from fucina.gguf import GGUFFile, meta_float, meta_float_opt, meta_int, meta_int
 from fucina.models.base import (BaseConfig, DecoderBase, Rope, attend, attn_scale, check_shape,
                                 load_linear, load_vector, rms_norm)
 from fucina.models.cache import KVCache
+from fucina.weights import LinearWeight
 
 
 @dataclass
@@ -61,6 +62,30 @@ class Layer:
         self.gate = check_shape(load_linear(f, p + "ffn_gate.weight"), c.n_ff, c.n_embd)
         self.up = check_shape(load_linear(f, p + "ffn_up.weight"), c.n_ff, c.n_embd)
         self.down = check_shape(load_linear(f, p + "ffn_down.weight"), c.n_embd, c.n_ff)
+        # one matmul instead of three (QKV) and two (gate/up) where the types agree
+        self.wqkv = fuse(f, [self.wq, self.wk, self.wv])
+        self.w_gate_up = fuse(f, [self.gate, self.up])
+        self.split_qkv = [q_out, kv_out, kv_out]
+
+    def qkv(self, x: torch.Tensor):
+        if self.wqkv is not None:
+            return self.wqkv(x).split(self.split_qkv, dim=-1)
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def gate_up(self, x: torch.Tensor):
+        if self.w_gate_up is not None:
+            return self.w_gate_up(x).chunk(2, dim=-1)
+        return self.gate(x), self.up(x)
+
+
+def fuse(f: GGUFFile, parts: list[LinearWeight]) -> LinearWeight | None:
+    """Stack same-typed weights into one (the parts' mmap pages are then released)."""
+    if len({p.qtype for p in parts}) != 1:
+        return None
+    fused = LinearWeight.fuse(parts)
+    for p in parts:
+        f.release(f.tensor(p.name))
+    return fused
 
 
 class Model(DecoderBase):
@@ -87,9 +112,10 @@ class Model(DecoderBase):
 
     def attn(self, L: Layer, x: torch.Tensor, cache: KVCache, i: int, pos0: int) -> torch.Tensor:
         c, m = self.config, x.shape[0]
-        q = L.wq(x).view(m, c.n_head, c.head_dim)
-        k = L.wk(x).view(m, c.n_head_kv, c.head_dim)
-        v = L.wv(x).view(m, c.n_head_kv, c.head_dim)
+        q, k, v = L.qkv(x)
+        q = q.reshape(m, c.n_head, c.head_dim)
+        k = k.reshape(m, c.n_head_kv, c.head_dim)
+        v = v.reshape(m, c.n_head_kv, c.head_dim)
         if L.q_norm is not None:
             q = rms_norm(q, L.q_norm, c.rms_eps)
         if L.k_norm is not None:
@@ -99,5 +125,5 @@ class Model(DecoderBase):
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         L, eps = self.layers[i], self.config.rms_eps
         x = x + self.attn(L, rms_norm(x, L.attn_norm, eps), cache, i, pos0)
-        h = rms_norm(x, L.ffn_norm, eps)
-        return x + L.down(F.silu(L.gate(h)) * L.up(h))
+        g, u = L.gate_up(rms_norm(x, L.ffn_norm, eps))
+        return x + L.down(F.silu(g) * u)
