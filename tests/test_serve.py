@@ -287,6 +287,70 @@ def test_disconnect_mid_stream_then_normal_request(real):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
 
 
+def test_prefix_copied_from_a_busy_slot(real):
+    """A request sharing a long system prompt with a stream still decoding in another
+    slot adopts that slot's KV rows (copied, not prefilled): reported as cached."""
+    url, server = real
+    import secrets
+
+    system = f"[{secrets.token_hex(4)}] You are a careful assistant who writes plainly. " * 6
+    c = oai(url)
+    n_sys = len(server.engine.tokenizer.encode(system, add_special=False))
+    first = threading.Event()
+    out = {}
+
+    def long_one():
+        for chunk in c.chat.completions.create(model="x", stream=True, temperature=0, max_tokens=40, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": "Tell me a story."}]):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                out["finish"] = chunk.choices[0].finish_reason
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    assert first.wait(60)
+    r = c.chat.completions.create(model="x", temperature=0, max_tokens=2, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Say hi."}])
+    t.join(60)
+    assert out["finish"] == "length"
+    assert r.usage.prompt_tokens_details.cached_tokens >= n_sys
+    assert idle(server)
+
+
+def test_cli_serve_subprocess(smollm2_path):
+    """`fucina serve` as a user runs it: loopback, --api-key, --allow-host."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "fucina", "serve", str(smollm2_path), "--port", str(port),
+                          "--ctx", "256", "--slots", "1", "--threads", "1", "--api-key", "k",
+                          "--allow-host", "localhost", "--allow-host", "127.0.0.1", "--log-level", "warning"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            assert p.poll() is None, p.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert httpx.get(url + "/health", headers={"Host": "attacker.test"}).status_code == 403
+        r = oai(url, "k").chat.completions.create(model="x", messages=USER, temperature=0, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    finally:
+        p.terminate()
+        p.wait(20)
+
+
 # -- real model: bad input ---------------------------------------------------------------------
 
 def test_bad_inputs_openai(real):
