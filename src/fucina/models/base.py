@@ -69,35 +69,35 @@ class Rope:
         self.n_rot, self.neox = n_rot, neox
         inv = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
         self.inv_freq = (inv * scale)
-        self.cos = self.sin = torch.empty(0, n_rot // 2)
+        self.cis = torch.empty(0, n_rot // 2, dtype=torch.complex64)
 
-    def _tables(self, end: int):
-        if self.cos.shape[0] < end:
-            n = max(end, 2 * self.cos.shape[0], 256)
+    def _table(self, end: int) -> torch.Tensor:
+        """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
+        if self.cis.shape[0] < end:
+            n = max(end, 2 * self.cis.shape[0], 256)
             ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self.cos, self.sin = ang.cos().float(), ang.sin().float()
-        return self.cos, self.sin
+            self.cis = torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+        return self.cis
 
     def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: [m, heads, head_dim] at positions pos0..pos0+m-1."""
         m = x.shape[0]
-        cos, sin = self._tables(pos0 + m)
-        return self._rotate(x, cos[pos0:pos0 + m, None, :], sin[pos0:pos0 + m, None, :])
+        return self._rotate(x, self._table(pos0 + m)[pos0:pos0 + m, None, :])
 
     def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [m, heads, head_dim], row r at positions[r] (ragged batches)."""
-        cos, sin = self._tables(int(positions.max()) + 1)
-        return self._rotate(x, cos[positions, None, :], sin[positions, None, :])
+        return self._rotate(x, self._table(int(positions.max()) + 1)[positions, None, :])
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        # each rotated pair as one complex number: a single complex multiply per call
         r = self.n_rot
         xr, rest = x[..., :r], x[..., r:]
-        if self.neox:
-            a, b = xr[..., : r // 2], xr[..., r // 2:]
-            out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
-        else:
-            a, b = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        if self.neox:   # pairs (i, i + r/2)
+            xc = torch.view_as_complex(xr.unflatten(-1, (2, r // 2)).transpose(-1, -2).contiguous())
+            out = torch.view_as_real(xc * cis).transpose(-1, -2).flatten(-2)
+        else:           # adjacent pairs (2i, 2i + 1)
+            xc = torch.view_as_complex(xr.contiguous().unflatten(-1, (r // 2, 2)))
+            out = torch.view_as_real(xc * cis).flatten(-2)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
