@@ -277,38 +277,76 @@ PyObject *ids_tuple(const int32_t *ids, size_t n) {
     return t;
 }
 
-/* encode_many's shared loop: f(self, bytes, n, out ids) -> false declines the piece (None) */
-template <class Self, class F>
-PyObject *encode_many(Self *self, PyObject *arg, bool allow_bytes, F f) {
+/* encode_many's shared loop. A Work is one piece's list merge, advanced one round of
+ * table lookups at a time, so that WINDOW pieces in flight overlap their cache misses
+ * (the tables are megabytes; on a shared machine they are rarely in cache):
+ *   bool start(const Self *, const uint8_t *p, size_t n)  false: too long for list scans
+ *   bool step()     do the lookups prefetched last time, merge once, prefetch the next
+ *                   ones; true when no pair is left to merge
+ *   bool emit(std::vector<int32_t> &out)                   false declines the piece
+ *   static bool whole(const Self *, p, n, out)             a long piece, in one go
+ * Results land at their own index, so the order of completion does not matter. */
+constexpr int WINDOW = 8;
+
+template <class Self, class Work>
+PyObject *encode_many(const Self *self, PyObject *arg, bool allow_bytes) {
     PyObject *seq = PySequence_Fast(arg, "encode_many takes a sequence of pieces");
     if (!seq) return nullptr;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *res = PyList_New(n);
+    PyObject *res = PyList_New(n);   // items NULL until set; list_dealloc copes
     if (!res) { Py_DECREF(seq); return nullptr; }
     std::string scratch;
     std::vector<int32_t> ids;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *r;
-        if (PyLong_Check(o)) {
-            r = PyTuple_Pack(1, o);
-        } else {
-            const char *p;
-            size_t len;
-            ids.clear();
-            if (piece_bytes(o, allow_bytes, scratch, p, len) && len < (size_t)INT32_MAX &&
-                f(self, (const uint8_t *)p, len, ids)) {
-                r = ids_tuple(ids.data(), ids.size());
-            } else {
-                r = Py_None;
-                Py_INCREF(r);
+    std::vector<Work> work(WINDOW);
+    Py_ssize_t piece_of[WINDOW];
+    std::fill(piece_of, piece_of + WINDOW, -1);
+    int active = 0;
+    auto put = [&](Py_ssize_t i, PyObject *r) {
+        if (r) PyList_SET_ITEM(res, i, r);
+        return r != nullptr;
+    };
+    auto done = [&](Py_ssize_t i, bool ok) {
+        if (ok) return put(i, ids_tuple(ids.data(), ids.size()));
+        Py_INCREF(Py_None);
+        return put(i, Py_None);
+    };
+    Py_ssize_t next = 0;
+    while (next < n || active) {
+        for (int w = 0; w < WINDOW && next < n; w++) {   // fill the free places
+            while (piece_of[w] < 0 && next < n) {
+                Py_ssize_t i = next++;
+                PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+                const char *p;
+                size_t len;
+                bool ok = true;
+                if (PyLong_Check(o)) {
+                    ok = put(i, PyTuple_Pack(1, o));
+                } else if (!piece_bytes(o, allow_bytes, scratch, p, len) || len >= (size_t)INT32_MAX) {
+                    ok = done(i, false);
+                } else if (work[w].start(self, (const uint8_t *)p, len)) {
+                    piece_of[w] = i;
+                    active++;
+                } else {
+                    ids.clear();
+                    ok = done(i, Work::whole(self, (const uint8_t *)p, len, ids));
+                }
+                if (!ok) goto fail;
             }
         }
-        if (!r) { Py_DECREF(res); Py_DECREF(seq); return nullptr; }
-        PyList_SET_ITEM(res, i, r);
+        for (int w = 0; w < WINDOW; w++) {
+            if (piece_of[w] < 0 || !work[w].step()) continue;
+            ids.clear();
+            if (!done(piece_of[w], work[w].emit(ids))) goto fail;
+            piece_of[w] = -1;
+            active--;
+        }
     }
     Py_DECREF(seq);
     return res;
+fail:
+    Py_DECREF(res);
+    Py_DECREF(seq);
+    return nullptr;
 }
 
 /* the symbols of a long piece as a doubly linked list (the heap-driven merges) */
@@ -330,7 +368,7 @@ struct Chain {
 };
 
 /* encode_many as a method: refuses an object whose __init__ never succeeded */
-template <class Self, bool (*F)(Self *, const uint8_t *, size_t, std::vector<int32_t> &), bool AllowBytes>
+template <class Self, class Work, bool AllowBytes>
 PyObject *encode_many_method(PyObject *o, PyObject *arg) {
     Self *self = (Self *)o;
     if (!self->ready) {
@@ -338,7 +376,7 @@ PyObject *encode_many_method(PyObject *o, PyObject *arg) {
         return nullptr;
     }
     try {
-        return encode_many(self, arg, AllowBytes, F);
+        return encode_many<Self, Work>(self, arg, AllowBytes);
     } catch (const std::bad_alloc &) {
         return PyErr_NoMemory();
     }
@@ -478,6 +516,24 @@ bool bpe_build(BpeObject *self, PyObject *byte_chars, PyObject *merges, PyObject
     return true;
 }
 
+/* the ids of the final symbols: a token's own id, else its ASCII fallback */
+void bpe_emit(const BpeObject *self, const int32_t *syms, size_t m, std::vector<int32_t> &out) {
+    const int32_t nv = self->n_vocab;
+    const std::vector<int32_t> &off = *self->extra_off, &ids = *self->extra_ids;
+    for (size_t i = 0; i < m; i++) {
+        int32_t s = syms[i];
+        if (s < nv) out.push_back(s);
+        else out.insert(out.end(), ids.begin() + off[s - nv], ids.begin() + off[s - nv + 1]);
+    }
+}
+
+/* ignore_merges: the word's whole text, byte stand-ins and all */
+void bpe_word(const BpeObject *self, const uint8_t *p, size_t n, std::string &w) {
+    w.clear();
+    for (size_t i = 0; i < n; i++)
+        w.append(*self->byte_text, self->byte_off[p[i]], self->byte_off[p[i] + 1] - self->byte_off[p[i]]);
+}
+
 struct BpeCand {
     int32_t rank, left, right, lsym, rsym, merged;
     bool operator<(const BpeCand &o) const {   // priority_queue pops the greatest: invert
@@ -485,51 +541,84 @@ struct BpeCand {
     }
 };
 
-bool bpe_encode(BpeObject *self, const uint8_t *p, size_t n, std::vector<int32_t> &out) {
-    const PairTable &pairs = *self->pairs;
-    if (self->ignore_merges) {
-        std::string w;
-        for (size_t i = 0; i < n; i++)
-            w.append(*self->byte_text, self->byte_off[p[i]], self->byte_off[p[i] + 1] - self->byte_off[p[i]]);
-        int32_t id = self->tokens->find(w.data(), w.size());
-        if (id >= 0) {
-            out.push_back(id);
-            return true;
+/* a word of up to LIST_MAX bytes: lowest rank first, leftmost on a tie, by list scans */
+struct BpeWork {
+    const BpeObject *self;
+    const PairTable *pairs;
+    size_t m, last;
+    bool first;
+    uint64_t word_hash;
+    std::string word;
+    int32_t syms[LIST_MAX], rank[LIST_MAX], merged[LIST_MAX];
+
+    bool start(const BpeObject *s, const uint8_t *p, size_t n) {
+        if ((Py_ssize_t)n > LIST_MAX) return false;
+        self = s;
+        pairs = s->pairs;
+        m = n;
+        first = true;
+        for (size_t i = 0; i < n; i++) syms[i] = s->byte_sym[p[i]];
+        if (s->ignore_merges) {
+            bpe_word(s, p, n, word);
+            s->tokens->prefetch(word_hash = StrTable::hash(word.data(), word.size()));
         }
+        for (size_t i = 0; i + 1 < m; i++) pairs->prefetch(syms[i], syms[i + 1]);
+        return true;
     }
-    int32_t sym_buf[LIST_MAX];
-    std::vector<int32_t> sym_vec;
-    int32_t *syms = sym_buf;
-    if ((Py_ssize_t)n > LIST_MAX) {
-        sym_vec.resize(n);
-        syms = sym_vec.data();
+    void look(size_t i) {
+        const PairTable::Slot *s = pairs->find(syms[i], syms[i + 1]);
+        rank[i] = s ? s->rank : NO_RANK;
+        merged[i] = s ? s->merged : -1;
     }
-    for (size_t i = 0; i < n; i++) syms[i] = self->byte_sym[p[i]];
-    size_t m = n;
-    if ((Py_ssize_t)n <= LIST_MAX) {
-        int32_t rank[LIST_MAX], merged[LIST_MAX];
-        auto look = [&](size_t i) {
-            const PairTable::Slot *s = pairs.find(syms[i], syms[i + 1]);
-            rank[i] = s ? s->rank : NO_RANK;
-            merged[i] = s ? s->merged : -1;
-        };
-        for (size_t i = 0; i + 1 < m; i++) pairs.prefetch(syms[i], syms[i + 1]);
-        for (size_t i = 0; i + 1 < m; i++) look(i);
-        while (m > 1) {
-            size_t best = 0;
-            for (size_t i = 1; i + 1 < m; i++)
-                if (rank[i] < rank[best]) best = i;
-            if (rank[best] == NO_RANK) break;
-            syms[best] = merged[best];
-            for (size_t i = best + 1; i + 1 < m; i++) syms[i] = syms[i + 1];
-            for (size_t i = best; i + 2 < m; i++) { rank[i] = rank[i + 1]; merged[i] = merged[i + 1]; }
-            m--;
-            if (best) pairs.prefetch(syms[best - 1], syms[best]);
-            if (best + 1 < m) pairs.prefetch(syms[best], syms[best + 1]);
-            if (best) look(best - 1);
-            if (best + 1 < m) look(best);
+    bool step() {
+        if (first) {
+            first = false;
+            if (self->ignore_merges) {
+                const StrTable::Slot *t = self->tokens->find(word.data(), word.size(), word_hash);
+                if (t) {
+                    syms[0] = t->val;
+                    m = 1;
+                    return true;
+                }
+            }
+            for (size_t i = 0; i + 1 < m; i++) look(i);
+        } else {
+            if (last) look(last - 1);
+            if (last + 1 < m) look(last);
         }
-    } else {
+        if (m < 2) return true;
+        size_t best = 0;
+        for (size_t i = 1; i + 1 < m; i++)
+            if (rank[i] < rank[best]) best = i;
+        if (rank[best] == NO_RANK) return true;
+        syms[best] = merged[best];
+        for (size_t i = best + 1; i + 1 < m; i++) syms[i] = syms[i + 1];
+        for (size_t i = best; i + 2 < m; i++) { rank[i] = rank[i + 1]; merged[i] = merged[i + 1]; }
+        m--;
+        last = best;
+        if (best) pairs->prefetch(syms[best - 1], syms[best]);
+        if (best + 1 < m) pairs->prefetch(syms[best], syms[best + 1]);
+        return false;
+    }
+    bool emit(std::vector<int32_t> &out) {
+        bpe_emit(self, syms, m, out);
+        return true;
+    }
+
+    /* a longer word: the same order through a heap of candidate pairs */
+    static bool whole(const BpeObject *self, const uint8_t *p, size_t n, std::vector<int32_t> &out) {
+        const PairTable &pairs = *self->pairs;
+        if (self->ignore_merges) {
+            std::string w;
+            bpe_word(self, p, n, w);
+            int32_t id = self->tokens->find(w.data(), w.size());
+            if (id >= 0) {
+                out.push_back(id);
+                return true;
+            }
+        }
+        std::vector<int32_t> syms(n);
+        for (size_t i = 0; i < n; i++) syms[i] = self->byte_sym[p[i]];
         Chain ch(n);
         std::priority_queue<BpeCand> heap;
         auto push = [&](int32_t a, int32_t b) {
@@ -541,6 +630,7 @@ bool bpe_encode(BpeObject *self, const uint8_t *p, size_t n, std::vector<int32_t
         while (!heap.empty()) {
             BpeCand c = heap.top();
             heap.pop();
+            // stale when either side merged since
             if (syms[c.left] != c.lsym || syms[c.right] != c.rsym || ch.nxt[c.left] != c.right) continue;
             syms[c.left] = c.merged;
             syms[c.right] = -1;
@@ -548,18 +638,12 @@ bool bpe_encode(BpeObject *self, const uint8_t *p, size_t n, std::vector<int32_t
             push(ch.prv[c.left], c.left);
             push(c.left, k);
         }
-        m = 0;
-        for (int32_t i = 0; i >= 0; i = ch.nxt[i]) syms[m++] = syms[i];
+        size_t m = 0;
+        for (int32_t i = n ? 0 : -1; i >= 0; i = ch.nxt[i]) syms[m++] = syms[i];
+        bpe_emit(self, syms.data(), m, out);
+        return true;
     }
-    const int32_t nv = self->n_vocab;
-    const std::vector<int32_t> &off = *self->extra_off, &ids = *self->extra_ids;
-    for (size_t i = 0; i < m; i++) {
-        int32_t s = syms[i];
-        if (s < nv) out.push_back(s);
-        else out.insert(out.end(), ids.begin() + off[s - nv], ids.begin() + off[s - nv + 1]);
-    }
-    return true;
-}
+};
 
 void Bpe_dealloc(PyObject *o) {
     BpeObject *self = (BpeObject *)o;
@@ -610,7 +694,7 @@ int Bpe_init(PyObject *o, PyObject *args, PyObject *kw) {
 PyObject *Bpe_n_symbols(PyObject *o, void *) { return PyLong_FromLong(((BpeObject *)o)->n_symbols); }
 
 PyMethodDef Bpe_methods[] = {
-    {"encode_many", encode_many_method<BpeObject, bpe_encode, false>, METH_O,
+    {"encode_many", encode_many_method<BpeObject, BpeWork, false>, METH_O,
      "encode_many(pieces) -> list: token-id tuple per str piece, (x,) per int x, None where declined"},
     {nullptr, nullptr, 0, nullptr}};
 PyGetSetDef Bpe_getset[] = {{"n_symbols", Bpe_n_symbols, nullptr, "token ids + merge results that are no token", nullptr},
@@ -648,63 +732,105 @@ struct SpmCand {
     }
 };
 
-bool spm_encode(SpmObject *self, const uint8_t *p, size_t n, std::vector<int32_t> &out) {
-    const StrTable &tok = *self->tokens;
-    const char *c = (const char *)p;
-    std::vector<int32_t> start, len, id;   // symbols: byte spans cut by the lead byte alone
-    for (size_t i = 0; i < n;) {
-        size_t k = std::min(utf8_len(p[i]), n - i);
-        start.push_back((int32_t)i);
-        len.push_back((int32_t)k);
-        i += k;
+/* the ids of the final symbols: its token, else (a character that is no token) the
+ * token of each byte; false when a byte has none (the Python path raises the error) */
+bool spm_emit(const SpmObject *self, const uint8_t *p, const int32_t *start, const int32_t *len,
+              const int32_t *id, size_t m, std::vector<int32_t> &out) {
+    for (size_t i = 0; i < m; i++) {
+        if (id[i] >= 0) {
+            out.push_back(id[i]);
+            continue;
+        }
+        for (int32_t k = 0; k < len[i]; k++) {
+            int32_t b = self->byte_ids[p[start[i] + k]];
+            if (b < 0) return false;
+            out.push_back(b);
+        }
     }
-    size_t m = start.size();
-    id.assign(m, -1);
-    auto look_chars = [&](size_t i0, size_t i1, uint64_t *h) {   // the token of each character, if any
-        for (size_t i = i0; i < i1; i++) {
-            const StrTable::Slot *s = tok.find(c + start[i], len[i], h[i - i0]);
-            if (s) id[i] = s->val;
+    return true;
+}
+
+/* a piece of up to LIST_MAX characters: the pair forming the best-scoring token first,
+ * leftmost on a tie, by list scans. Characters are cut by the lead byte alone. */
+struct SpmWork {
+    const SpmObject *self;
+    const StrTable *tok;
+    size_t m, last;
+    bool first;
+    uint8_t buf[4 * LIST_MAX];
+    int32_t start_[LIST_MAX], len[LIST_MAX], id[LIST_MAX], pair[LIST_MAX];
+    float key[LIST_MAX];
+    uint64_t hc[LIST_MAX], hp[LIST_MAX];   // hashes of the characters, of the pairs
+
+    uint64_t hash_pair(size_t i) {
+        uint64_t h = StrTable::hash((const char *)buf + start_[i], (size_t)(len[i] + len[i + 1]));
+        tok->prefetch(h);
+        return h;
+    }
+    void look(size_t i) {
+        const StrTable::Slot *s = tok->find((const char *)buf + start_[i], (size_t)(len[i] + len[i + 1]), hp[i]);
+        pair[i] = s ? s->val : -1;
+        key[i] = s ? s->aux : 0.0f;
+    }
+    bool start(const SpmObject *s, const uint8_t *p, size_t n) {
+        if (n > sizeof buf) return false;
+        m = 0;
+        for (size_t i = 0; i < n; m++) {
+            if ((Py_ssize_t)m == LIST_MAX) return false;
+            size_t k = std::min(utf8_len(p[i]), n - i);
+            start_[m] = (int32_t)i;
+            len[m] = (int32_t)k;
+            i += k;
         }
-    };
-    if ((Py_ssize_t)m <= LIST_MAX) {
-        float key[LIST_MAX];
-        int32_t pair[LIST_MAX];   // the token the pair forms, -1: none
-        uint64_t hc[LIST_MAX], hp[LIST_MAX];
-        auto look = [&](size_t i, uint64_t hi) {
-            const StrTable::Slot *s = tok.find(c + start[i], (size_t)(len[i] + len[i + 1]), hi);
-            pair[i] = s ? s->val : -1;
-            key[i] = s ? s->aux : 0.0f;
-        };
-        auto hash = [&](size_t i) {
-            uint64_t hi = StrTable::hash(c + start[i], (size_t)(len[i] + len[i + 1]));
-            tok.prefetch(hi);
-            return hi;
-        };
-        for (size_t i = 0; i < m; i++) tok.prefetch(hc[i] = StrTable::hash(c + start[i], len[i]));
-        for (size_t i = 0; i + 1 < m; i++) hp[i] = hash(i);
-        look_chars(0, m, hc);
-        for (size_t i = 0; i + 1 < m; i++) look(i, hp[i]);
-        while (m > 1) {
-            size_t best = m;
-            for (size_t i = 0; i + 1 < m; i++)
-                if (pair[i] >= 0 && (best == m || key[i] > key[best])) best = i;
-            if (best == m) break;
-            len[best] += len[best + 1];
-            id[best] = pair[best];
-            for (size_t i = best + 1; i + 1 < m; i++) { start[i] = start[i + 1]; len[i] = len[i + 1]; id[i] = id[i + 1]; }
-            for (size_t i = best; i + 2 < m; i++) { key[i] = key[i + 1]; pair[i] = pair[i + 1]; }
-            m--;
-            uint64_t hl = best ? hash(best - 1) : 0, hr = best + 1 < m ? hash(best) : 0;
-            if (best) look(best - 1, hl);
-            if (best + 1 < m) look(best, hr);
+        self = s;
+        tok = s->tokens;
+        first = true;
+        memcpy(buf, p, n);
+        for (size_t i = 0; i < m; i++) tok->prefetch(hc[i] = StrTable::hash((const char *)buf + start_[i], len[i]));
+        for (size_t i = 0; i + 1 < m; i++) hp[i] = hash_pair(i);
+        return true;
+    }
+    bool step() {
+        if (first) {
+            first = false;
+            for (size_t i = 0; i < m; i++) {   // the characters' own tokens, for those never merged
+                const StrTable::Slot *t = tok->find((const char *)buf + start_[i], len[i], hc[i]);
+                id[i] = t ? t->val : -1;
+            }
+            for (size_t i = 0; i + 1 < m; i++) look(i);
+        } else {
+            if (last) look(last - 1);
+            if (last + 1 < m) look(last);
         }
-    } else {
-        uint64_t h[LIST_MAX];
-        for (size_t i0 = 0; i0 < m; i0 += LIST_MAX) {
-            size_t i1 = std::min(m, i0 + LIST_MAX);
-            for (size_t i = i0; i < i1; i++) tok.prefetch(h[i - i0] = StrTable::hash(c + start[i], len[i]));
-            look_chars(i0, i1, h);
+        size_t best = m;
+        for (size_t i = 0; i + 1 < m; i++)
+            if (pair[i] >= 0 && (best == m || key[i] > key[best])) best = i;
+        if (best == m) return true;
+        len[best] += len[best + 1];
+        id[best] = pair[best];
+        for (size_t i = best + 1; i + 1 < m; i++) { start_[i] = start_[i + 1]; len[i] = len[i + 1]; id[i] = id[i + 1]; }
+        for (size_t i = best; i + 2 < m; i++) { key[i] = key[i + 1]; pair[i] = pair[i + 1]; hp[i] = hp[i + 1]; }
+        m--;
+        last = best;
+        if (best) hp[best - 1] = hash_pair(best - 1);
+        if (best + 1 < m) hp[best] = hash_pair(best);
+        return false;
+    }
+    bool emit(std::vector<int32_t> &out) { return spm_emit(self, buf, start_, len, id, m, out); }
+
+    /* a longer piece: the same order through a heap of candidate pairs */
+    static bool whole(const SpmObject *self, const uint8_t *p, size_t n, std::vector<int32_t> &out) {
+        const StrTable &tok = *self->tokens;
+        const char *c = (const char *)p;
+        std::vector<int32_t> start, len, id;
+        for (size_t i = 0; i < n;) {
+            size_t k = std::min(utf8_len(p[i]), n - i);
+            start.push_back((int32_t)i);
+            len.push_back((int32_t)k);
+            id.push_back(tok.find(c + i, k));
+            i += k;
         }
+        size_t m = start.size();
         Chain ch(m);
         std::priority_queue<SpmCand> heap;
         auto push = [&](int32_t a, int32_t b) {
@@ -728,26 +854,14 @@ bool spm_encode(SpmObject *self, const uint8_t *p, size_t n, std::vector<int32_t
             push(cd.left, k);
         }
         size_t j = 0;
-        for (int32_t i = 0; i >= 0; i = ch.nxt[i]) {
+        for (int32_t i = m ? 0 : -1; i >= 0; i = ch.nxt[i]) {
             start[j] = start[i];
             len[j] = len[i];
             id[j++] = id[i];
         }
-        m = j;
+        return spm_emit(self, p, start.data(), len.data(), id.data(), j, out);
     }
-    for (size_t i = 0; i < m; i++) {
-        if (id[i] >= 0) {
-            out.push_back(id[i]);
-            continue;
-        }
-        for (int32_t k = 0; k < len[i]; k++) {   // a character that is no token: its bytes
-            int32_t b = self->byte_ids[p[start[i] + k]];
-            if (b < 0) return false;   // no byte token: the Python path raises the error
-            out.push_back(b);
-        }
-    }
-    return true;
-}
+};
 
 void Spm_dealloc(PyObject *o) {
     SpmObject *self = (SpmObject *)o;
@@ -808,7 +922,7 @@ int Spm_init(PyObject *o, PyObject *args, PyObject *kw) {
 }
 
 PyMethodDef Spm_methods[] = {
-    {"encode_many", encode_many_method<SpmObject, spm_encode, true>, METH_O,
+    {"encode_many", encode_many_method<SpmObject, SpmWork, true>, METH_O,
      "encode_many(pieces) -> list: token-id tuple per str/bytes piece, (x,) per int x, None where declined"},
     {nullptr, nullptr, 0, nullptr}};
 PyType_Slot Spm_slots[] = {

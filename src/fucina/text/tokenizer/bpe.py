@@ -40,11 +40,13 @@ class ByteBPE:
                 pass
             else:
                 self.encode_piece = NativePieces(nat, self.encode_piece_py)
+        if not isinstance(self.encode_piece, NativePieces):
+            self.ranks   # at load, not in the first encode
 
     @property
     def ranks(self) -> dict[str, int]:
         """Merge "left right" -> its rank; a pair listed twice keeps its first rank
-        (llama.cpp's emplace). Built on first use: the native path never needs it."""
+        (llama.cpp's emplace). The native path never needs it: built on first use then."""
         if self._ranks is None:
             m = self.merges
             self._ranks = dict(zip(reversed(m), range(len(m) - 1, -1, -1)))
