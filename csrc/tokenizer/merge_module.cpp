@@ -219,14 +219,40 @@ bool piece_bytes(PyObject *o, bool allow_bytes, std::string &scratch, const char
     return true;
 }
 
+/* The int objects of token_to_id's values, by id: result tuples share them as the Python
+ * path's do (fewer objects; a warm encode touches less memory). Others are made. */
+class IdObjects {
+  public:
+    ~IdObjects() {
+        for (PyObject *o : objs_) Py_XDECREF(o);
+    }
+    void resize(size_t n) { objs_.assign(n, nullptr); }
+    void keep(long id, PyObject *v) {   // id in range, checked by the caller
+        if (!objs_[id] && PyLong_CheckExact(v)) {
+            Py_INCREF(v);
+            objs_[id] = v;
+        }
+    }
+    PyObject *get(int32_t id) const {
+        PyObject *o = id >= 0 && (size_t)id < objs_.size() ? objs_[id] : nullptr;
+        if (!o) return PyLong_FromLong(id);
+        Py_INCREF(o);
+        return o;
+    }
+
+  private:
+    std::vector<PyObject *> objs_;
+};
+
 /* token_to_id (str -> int) into a StrTable; every id must be in [0, limit); aux, when
  * given, is the payload per id */
-bool load_tokens(PyObject *t2i, StrTable &tab, long limit, const std::vector<float> *aux) {
+bool load_tokens(PyObject *t2i, StrTable &tab, long limit, const std::vector<float> *aux, IdObjects &objs) {
     if (!PyDict_Check(t2i)) {
         PyErr_SetString(PyExc_TypeError, "token_to_id must be a dict");
         return false;
     }
     tab.reserve((size_t)PyDict_GET_SIZE(t2i));
+    objs.resize((size_t)limit);
     // in blocks: encode and prefetch a block's slots, then insert (the misses overlap)
     constexpr int BLOCK = 32;
     std::string key[BLOCK];
@@ -252,6 +278,7 @@ bool load_tokens(PyObject *t2i, StrTable &tab, long limit, const std::vector<flo
                 return false;
             }
             ids[nb] = (int32_t)id;
+            objs.keep(id, v);
             tab.prefetch(hash[nb] = StrTable::hash(key[nb].data(), key[nb].size()));
             nb++;
         }
@@ -266,11 +293,11 @@ bool load_tokens(PyObject *t2i, StrTable &tab, long limit, const std::vector<flo
     return true;
 }
 
-PyObject *ids_tuple(const int32_t *ids, size_t n) {
+PyObject *ids_tuple(const IdObjects &objs, const int32_t *ids, size_t n) {
     PyObject *t = PyTuple_New((Py_ssize_t)n);
     if (!t) return nullptr;
     for (size_t i = 0; i < n; i++) {
-        PyObject *x = PyLong_FromLong(ids[i]);
+        PyObject *x = objs.get(ids[i]);
         if (!x) { Py_DECREF(t); return nullptr; }
         PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
     }
@@ -306,7 +333,7 @@ PyObject *encode_many(const Self *self, PyObject *arg, bool allow_bytes) {
         return r != nullptr;
     };
     auto done = [&](Py_ssize_t i, bool ok) {
-        if (ok) return put(i, ids_tuple(ids.data(), ids.size()));
+        if (ok) return put(i, ids_tuple(*self->id_objs, ids.data(), ids.size()));
         Py_INCREF(Py_None);
         return put(i, Py_None);
     };
@@ -393,6 +420,7 @@ struct BpeObject {
     std::vector<int32_t> *extra_off;  // symbol n_vocab + k -> [extra_off[k], extra_off[k+1])
     std::vector<int32_t> *extra_ids;
     std::string *byte_text;           // the 256 byte stand-ins, UTF-8, concatenated
+    IdObjects *id_objs;
     uint32_t byte_off[257];
     int32_t byte_sym[256];
     int32_t n_vocab;
@@ -416,7 +444,7 @@ bool bpe_build(BpeObject *self, PyObject *byte_chars, PyObject *merges, PyObject
         return false;
     }
     StrTable &tokens = *self->tokens;
-    if (!load_tokens(t2i, tokens, self->n_vocab, nullptr)) return false;
+    if (!load_tokens(t2i, tokens, self->n_vocab, nullptr, *self->id_objs)) return false;
     StrTable extra;                                    // text of a symbol that is no token
     std::vector<std::pair<uint32_t, uint32_t>> extra_span;
     std::string extra_text;
@@ -652,6 +680,7 @@ void Bpe_dealloc(PyObject *o) {
     delete self->extra_off;
     delete self->extra_ids;
     delete self->byte_text;
+    delete self->id_objs;
     PyTypeObject *tp = Py_TYPE(o);
     tp->tp_free(o);
     Py_DECREF(tp);
@@ -680,6 +709,7 @@ int Bpe_init(PyObject *o, PyObject *args, PyObject *kw) {
         self->extra_off = new std::vector<int32_t>();
         self->extra_ids = new std::vector<int32_t>();
         self->byte_text = new std::string();
+        self->id_objs = new IdObjects();
         self->n_vocab = (int32_t)n_vocab;
         self->ignore_merges = ignore;
         if (!bpe_build(self, byte_chars, merges, t2i)) return -1;
@@ -714,6 +744,7 @@ PyType_Spec Bpe_spec = {"fucina.text.tokenizer._merge.Bpe", sizeof(BpeObject), 0
 struct SpmObject {
     PyObject_HEAD
     StrTable *tokens;               // token text -> (id, score)
+    IdObjects *id_objs;
     int32_t byte_ids[256];          // <0xXX> (or ASCII / unk) per byte, -1: none
     int ready;                      // set once __init__ succeeded
 };
@@ -866,6 +897,7 @@ struct SpmWork {
 void Spm_dealloc(PyObject *o) {
     SpmObject *self = (SpmObject *)o;
     delete self->tokens;
+    delete self->id_objs;
     PyTypeObject *tp = Py_TYPE(o);
     tp->tp_free(o);
     Py_DECREF(tp);
@@ -912,7 +944,8 @@ int Spm_init(PyObject *o, PyObject *args, PyObject *kw) {
             self->byte_ids[b] = (int32_t)id;
         }
         self->tokens = new StrTable();
-        if (!load_tokens(t2i, *self->tokens, (long)n, &sc)) return -1;
+        self->id_objs = new IdObjects();
+        if (!load_tokens(t2i, *self->tokens, (long)n, &sc, *self->id_objs)) return -1;
     } catch (const std::bad_alloc &) {
         PyErr_NoMemory();
         return -1;
