@@ -76,6 +76,8 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
                       const uint8_t *act, float *y);
 #define FK_FAST_GEMV_OK gemv_ok
 #define FK_FAST_GEMV gemv_rows
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
+#define FK_FAST_GEMV_PREP gemv_prep
 #define FK_FAST_QUANT_ACT fast_quant_act
 
 static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, float *__restrict dst) {
@@ -178,16 +180,24 @@ static void decode32(const uint8_t *__restrict src, int64_t k, uint8_t *__restri
 }
 
 static const int32_t kDup2[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const int32_t kPairLin[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 
 /* Q4_K / Q5_K pieces: the 8 group scales and offsets, and 64 values [lo nibbles, hi nibbles] */
-static inline void q45k_scales(const uint8_t *p, float *s, float *o) {
-    const float d = rdh(p), dmin = rdh(p + 2);
-    for (int j = 0; j < 8; j++) {
-        int a, mn;
-        k4_scale_min(p + 4, j, &a, &mn);
-        s[j] = d * (float)a;
-        o[j] = -dmin * (float)mn;
-    }
+static inline void q45k_scales(const uint8_t *p, __m512 &S, __m512 &O) {
+    /* 12 bytes -> 8 six-bit scales and 8 six-bit mins, four at a time in 32-bit words */
+    uint32_t u[3];
+    memcpy(u, p + 4, 12);
+    const uint64_t sc = (uint64_t)(u[0] & 0x3f3f3f3fu) |
+                        (uint64_t)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+    const uint64_t mn = (uint64_t)(u[1] & 0x3f3f3f3fu) |
+                        (uint64_t)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+    S = _mm512_mul_ps(_mm512_set1_ps(rdh(p)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    O = _mm512_mul_ps(_mm512_set1_ps(-rdh(p + 2)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+}
+
+/* lane scales of chunk j (groups 2j, 2j+1) from the 8 group scales in S */
+static inline __m512 q45k_lanes(const __m512 S, int j) {
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_loadu_si512((const void *)kPairLin), _mm512_set1_epi32(2 * j)), S);
 }
 
 template <int QT>
@@ -231,14 +241,14 @@ static void decode_q45k(const uint8_t *__restrict src, int64_t k, uint8_t *__res
     const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
-        float s[8], o[8];
-        q45k_scales(p, s, o);
+        __m512 S, O;
+        q45k_scales(p, S, O);
         __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             _mm512_storeu_si512((void *)(dst + b * 256 + 64 * j), q45k_chunk<QT>(qs, j, qh));
-            _mm512_storeu_ps(ls + b * 64 + 16 * j, two_scales(s[2 * j], s[2 * j + 1]));
+            _mm512_storeu_ps(ls + b * 64 + 16 * j, q45k_lanes(S, j));
         }
-        _mm512_storeu_ps(off + b * 16, _mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(o))));
+        _mm512_storeu_ps(off + b * 16, _mm512_permutexvar_ps(dup2, O));
     }
 }
 
@@ -360,39 +370,126 @@ static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_
 
 /* ---- fused GEMV (m = 1): decode in registers, never through memory ------------------- */
 
+/* 32-element formats. The activations are rearranged once per call to match how two
+ * blocks unpack into one zmm ([b0 lo16 | b1 lo16 | b0 hi16 | b1 hi16] for the nibble
+ * formats), and the constant offsets (Q4_0: -8, Q5_0: -16, Q8_0 / IQ4_NL: -128) are
+ * folded into the integer accumulator's start value (-C * lane sums of the activations),
+ * so one block pair costs an unpack, one vpdpbusd, one convert and one FMA. */
+
+static inline bool nibble_order(int qt) { return qt != FK_Q8_0; }
+static inline int offset_c(int qt) {
+    return qt == FK_Q4_0 ? 8 : qt == FK_Q5_0 ? 16 : (qt == FK_Q8_0 || qt == FK_IQ4_NL) ? 128 : 0;
+}
+
+/* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
+    (void)k;
+    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL))
+        return act;
+    uint8_t *g = scratch(1, (size_t)(3 * kp + kp / 8) + 64);
+    if (!g) return NULL;
+    const int8_t *q = (const int8_t *)act;
+    const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+    int8_t *q2 = (int8_t *)g;
+    float *ls2 = (float *)(g + kp), *x32 = (float *)(g + 3 * kp);
+    int32_t *init = (int32_t *)(g + 2 * kp);
+    const int c = offset_c(qt);
+    const __m512i perm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);     /* 16-byte quarters 0,2,1,3 */
+    const __m512i permf = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const bool nib = nibble_order(qt);
+    for (int64_t i = 0; i < kp; i += 64) {
+        __m512i v = _mm512_loadu_si512((const void *)(q + i));
+        __m512 l = _mm512_loadu_ps(ls + i / 4);
+        if (nib) {
+            v = _mm512_permutexvar_epi64(perm, v);
+            l = _mm512_permutexvar_ps(permf, l);
+        }
+        _mm512_storeu_si512((void *)(q2 + i), v);
+        _mm512_storeu_ps(ls2 + i / 4, l);
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), v);
+        _mm512_storeu_si512((void *)(init + i / 4), _mm512_mullo_epi32(sums, _mm512_set1_epi32(-c)));
+    }
+    for (int64_t b = 0; b < kp / 32; b++) x32[b] = s16[2 * b] + s16[2 * b + 1];
+    return g;
+}
+
+static inline uint64_t gather4_u16(const uint8_t *p, int stride) {
+    return (uint64_t)rd16(p) | (uint64_t)rd16(p + stride) << 16 | (uint64_t)rd16(p + 2 * stride) << 32 |
+           (uint64_t)rd16(p + 3 * stride) << 48;
+}
+
+/* two blocks (p1 may be NULL: zeros) as one zmm in the prepared order */
 template <int QT>
-static float gemv32(const uint8_t *__restrict p, int bs, int64_t k, int64_t kp, const uint8_t *__restrict act) {
-    const int8_t *xq = (const int8_t *)act;
-    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
-    __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
-    float oacc = 0.0f;
+static inline __m512i unpack2(const uint8_t *p0, const uint8_t *p1) {
+    if (QT == FK_Q8_0) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(p0 + 2));
+        const __m256i b = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + 2)) : _mm256_set1_epi8((char)0x80);
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), _mm512_set1_epi8((char)0x80));
+    }
+    const int qo = (QT == FK_Q4_1) ? 4 : (QT == FK_Q5_0) ? 6 : (QT == FK_Q5_1) ? 8 : 2;
+    const __m128i a = _mm_loadu_si128((const __m128i *)(p0 + qo));
+    const __m128i b = p1 ? _mm_loadu_si128((const __m128i *)(p1 + qo)) : _mm_setzero_si128();
+    const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+                                 _mm512_set1_epi8(15));
+    if (QT == FK_Q5_0 || QT == FK_Q5_1) {
+        const int ho = QT == FK_Q5_1 ? 4 : 2;
+        uint32_t h0, h1 = 0;
+        memcpy(&h0, p0 + ho, 4);
+        if (p1) memcpy(&h1, p1 + ho, 4);
+        const uint64_t mk = (uint64_t)(h0 & 0xFFFF) | (uint64_t)(h1 & 0xFFFF) << 16 | (uint64_t)(h0 >> 16) << 32 |
+                            (uint64_t)(h1 >> 16) << 48;
+        z = _mm512_or_si512(z, _mm512_maskz_mov_epi8((__mmask64)mk, _mm512_set1_epi8(16)));
+    }
+    if (QT == FK_IQ4_NL)
+        z = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4_u8)), z);
+    return z;
+}
+
+static const int32_t kPairNib[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};
+
+template <int QT>
+static float gemv32(const uint8_t *__restrict p, int64_t k, const uint8_t *__restrict g, int64_t kp) {
+    const int bs = QT == FK_Q4_0 || QT == FK_IQ4_NL ? 18 : QT == FK_Q4_1 ? 20 : QT == FK_Q5_0 ? 22 : QT == FK_Q5_1 ? 24 : 34;
+    const bool mins = QT == FK_Q4_1 || QT == FK_Q5_1;
+    const int8_t *xq = (const int8_t *)g;
+    const float *xls = (const float *)(g + kp), *x32 = (const float *)(g + 3 * kp);
+    const int32_t *init = (const int32_t *)(g + 2 * kp);
+    const __m512i ia = _mm512_loadu_si512((const void *)(QT == FK_Q8_0 ? kPairLin : kPairNib));
+    const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(2));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m128 oacc = _mm_setzero_ps();
     const int64_t nb = k / 32;
     int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const uint8_t *p0 = p + b * bs, *p1 = p0 + bs;
-        _mm_prefetch((const char *)p0 + 768, _MM_HINT_T0);
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(block32(QT, p0)), block32(QT, p1), 1);
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(xq + b * 32)));
-        float s0, o0, s1, o1;
-        scale32(QT, p0, &s0, &o0);
-        scale32(QT, p1, &s1, &o1);
-        const __m512 sc = _mm512_mul_ps(two_scales(s0, s1), _mm512_loadu_ps(xls + b * 8));
-        if (b & 2) acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc2);
-        else acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc);
-        oacc += o0 * (s16[2 * b] + s16[2 * b + 1]) + o1 * (s16[2 * b + 2] + s16[2 * b + 3]);
-    }
-    float r = 0.0f;
-    if (b < nb) {
+    for (; b + 4 <= nb; b += 4) {
         const uint8_t *p0 = p + b * bs;
-        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), block32(QT, p0),
-                                              _mm256_loadu_si256((const __m256i *)(xq + b * 32)));
-        float s0, o0;
-        scale32(QT, p0, &s0, &o0);
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xls + b * 8));
-        r = s0 * _mm512_reduce_add_ps(_mm512_insertf32x8(_mm512_setzero_ps(), t, 0));
-        oacc += o0 * (s16[2 * b] + s16[2 * b + 1]);
+        _mm_prefetch((const char *)p0 + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)p0 + 1088, _MM_HINT_T0);
+        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)gather4_u16(p0, bs))));
+        const __m512i v0 = unpack2<QT>(p0, p0 + bs), v1 = unpack2<QT>(p0 + 2 * bs, p0 + 3 * bs);
+        const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8)), v0,
+                                               _mm512_loadu_si512((const void *)(xq + b * 32)));
+        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8 + 16)), v1,
+                                               _mm512_loadu_si512((const void *)(xq + b * 32 + 64)));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(_mm512_permutexvar_ps(ia, d4), _mm512_loadu_ps(xls + b * 8)), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(_mm512_permutexvar_ps(ib, d4), _mm512_loadu_ps(xls + b * 8 + 16)), acc1);
+        if (mins) {
+            const __m128 m4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)gather4_u16(p0 + 2, bs)));
+            oacc = _mm_fmadd_ps(m4, _mm_loadu_ps(x32 + b), oacc);
+        }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2)) + r + oacc;
+    for (; b < nb; b += 2) { /* 1..3 blocks left: pairs, the last maybe alone */
+        const uint8_t *p0 = p + b * bs, *p1 = b + 1 < nb ? p0 + bs : NULL;
+        const float d0 = rdh(p0), d1 = p1 ? rdh(p1) : 0.0f;
+        const __m512 d2 = _mm512_castps128_ps512(_mm_setr_ps(d0, d1, 0.0f, 0.0f));
+        const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8)), unpack2<QT>(p0, p1),
+                                               _mm512_loadu_si512((const void *)(xq + b * 32)));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(_mm512_permutexvar_ps(ia, d2), _mm512_loadu_ps(xls + b * 8)), acc0);
+        if (mins) oacc = _mm_add_ss(oacc, _mm_set_ss(rdh(p0 + 2) * x32[b] + (p1 ? rdh(p1 + 2) * x32[b + 1] : 0.0f)));
+    }
+    __m128 o = _mm_add_ps(oacc, _mm_movehl_ps(oacc, oacc));
+    o = _mm_add_ss(o, _mm_movehdup_ps(o));
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(o);
 }
 
 template <int QT>
@@ -401,24 +498,24 @@ static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, con
     const int8_t *xq = (const int8_t *)act;
     const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
     const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
-    __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
         for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
-        float s[8], o[8];
-        q45k_scales(p, s, o);
+        __m512 S, O;
+        q45k_scales(p, S, O);
         __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         const int8_t *x = xq + b * 256;
         for (int j = 0; j < 4; j++) {
             const __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q45k_chunk<QT>(qs, j, qh),
                                                    _mm512_loadu_si512((const void *)(x + 64 * j)));
-            const __m512 scv = _mm512_mul_ps(two_scales(s[2 * j], s[2 * j + 1]), _mm512_loadu_ps(xls + b * 64 + 16 * j));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc);
+            const __m512 scv = _mm512_mul_ps(q45k_lanes(S, j), _mm512_loadu_ps(xls + b * 64 + 16 * j));
+            if (j & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc1);
+            else acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc);
         }
-        oacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(dup2, _mm512_castps256_ps512(_mm256_loadu_ps(o))),
-                               _mm512_loadu_ps(s16 + b * 16), oacc);
+        oacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(dup2, O), _mm512_loadu_ps(s16 + b * 16), oacc);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc, acc1), oacc));
 }
 
 static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
@@ -459,20 +556,20 @@ static bool gemv_ok(int qt) {
 }
 
 template <int QT>
-static void gemv32_rows(const uint8_t *w, size_t rb, int bs, int64_t r0, int64_t r1, int64_t k, int64_t kp,
-                        const uint8_t *act, float *y) {
-    for (int64_t r = r0; r < r1; r++) y[r] = gemv32<QT>(w + r * rb, bs, k, kp, act);
+static void gemv32_rows(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                        const uint8_t *g, float *y) {
+    for (int64_t r = r0; r < r1; r++) y[r] = gemv32<QT>(w + r * rb, k, g, kp);
 }
 
 static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
                       const uint8_t *act, float *y) {
     switch (qt) {
-    case FK_Q4_0: gemv32_rows<FK_Q4_0>(w, rb, 18, r0, r1, k, kp, act, y); break;
-    case FK_Q4_1: gemv32_rows<FK_Q4_1>(w, rb, 20, r0, r1, k, kp, act, y); break;
-    case FK_IQ4_NL: gemv32_rows<FK_IQ4_NL>(w, rb, 18, r0, r1, k, kp, act, y); break;
-    case FK_Q5_0: gemv32_rows<FK_Q5_0>(w, rb, 22, r0, r1, k, kp, act, y); break;
-    case FK_Q5_1: gemv32_rows<FK_Q5_1>(w, rb, 24, r0, r1, k, kp, act, y); break;
-    case FK_Q8_0: gemv32_rows<FK_Q8_0>(w, rb, 34, r0, r1, k, kp, act, y); break;
+    case FK_Q4_0: gemv32_rows<FK_Q4_0>(w, rb, r0, r1, k, kp, act, y); break;
+    case FK_Q4_1: gemv32_rows<FK_Q4_1>(w, rb, r0, r1, k, kp, act, y); break;
+    case FK_IQ4_NL: gemv32_rows<FK_IQ4_NL>(w, rb, r0, r1, k, kp, act, y); break;
+    case FK_Q5_0: gemv32_rows<FK_Q5_0>(w, rb, r0, r1, k, kp, act, y); break;
+    case FK_Q5_1: gemv32_rows<FK_Q5_1>(w, rb, r0, r1, k, kp, act, y); break;
+    case FK_Q8_0: gemv32_rows<FK_Q8_0>(w, rb, r0, r1, k, kp, act, y); break;
     case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
     case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
     case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;

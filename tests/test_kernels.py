@@ -108,6 +108,15 @@ def test_every_format_every_isa(isa, qt):
         check(qt, n, k, m, rng)
 
 
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_decode_route_odd_block_counts(isa, qt):
+    """m = 1 (the fused GEMV on AVX-512) over 1..7 blocks per row, and rows not a multiple of 16."""
+    rng = np.random.default_rng(int(qt) + 11)
+    bs = max(TYPE_SIZES[qt][0], 32)
+    for nblocks in (1, 2, 3, 5, 6, 7):
+        check(qt, 19, nblocks * bs, 1, rng)
+
+
 @pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
 def test_m_one_to_n(qt):
     rng = np.random.default_rng(1)

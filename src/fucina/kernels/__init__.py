@@ -206,7 +206,7 @@ class QuantKernel:
         if (x.dtype is not torch.float32 or not x.is_contiguous() or x.device.type != "cpu"
                 or x.dim() == 0 or x.shape[-1] != k):
             x = _prep_x(x, k)
-        y = torch.empty(x.shape[:-1] + (self.n,), dtype=torch.float32)
+        y = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32)  # varargs: cheaper than a tuple
         m = x.numel() // k
         if m:
             _native.matmul(self.qtype, self.ptr, self.rb, self.n, k, x.data_ptr(), m, y.data_ptr(), self.n)
