@@ -10,7 +10,9 @@ topics: English prose with code samples) topped up with standard-library source;
 
 Encode figures exclude load. "cold" is a fresh tokenizer's first pass (its piece cache
 empty), "warm" the best of three further passes; MB/s from wall time, and in brackets
-from process CPU time (steadier on a shared machine).
+from process CPU time (steadier on a shared machine). The unseen pieces of a cold pass
+merge in C++ when fucina.text.tokenizer._merge is built; FUCINA_TOKENIZER_NATIVE=0
+times the pure-Python merge loop instead.
 """
 from __future__ import annotations
 
