@@ -105,6 +105,26 @@ static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, in
     return true;
 }
 #define FK_FAST_DECODE_F32 fast_decode_f32
+
+/* m = 1 over F32 / F16 / BF16 rows; x is zero-padded to a multiple of 16 */
+static float gemv_float(int qt, const uint8_t *__restrict w, int64_t k, const float *__restrict x) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < k; i += 16) {
+        const __mmask16 mk = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        __m512 wv;
+        if (qt == FK_F32) {
+            wv = _mm512_maskz_loadu_ps(mk, (const float *)w + i);
+        } else {
+            const __m256i h = _mm256_maskz_loadu_epi16(mk, (const void *)(w + 2 * i));
+            wv = qt == FK_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        if ((i >> 4) & 1) acc1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), acc1);
+        else acc0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#define FK_FAST_GEMV_F gemv_float
 static void matmul_bf16(const fk_matmul_args *a);
 #define FK_MATMUL_BF16 matmul_bf16
 

@@ -115,6 +115,10 @@ def test_decode_route_odd_block_counts(isa, qt):
     bs = max(TYPE_SIZES[qt][0], 32)
     for nblocks in (1, 2, 3, 5, 6, 7):
         check(qt, 19, nblocks * bs, 1, rng)
+    if qt in FLOATS:  # float rows of any length
+        for k in (1, 5, 37, 100):
+            for m in (1, 3, 9):
+                check(qt, 7, k, m, rng)
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
