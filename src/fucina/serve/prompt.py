@@ -124,4 +124,4 @@ def render_completion(engine, prompt: str | Sequence[int]) -> Prompt:
         ids = engine.tokenizer.encode(prompt, add_special=True, parse_special=True)
         return Prompt(prompt, ids)
     ids = [int(i) for i in prompt]
-    return Prompt("", ids)
+    return Prompt(engine.tokenizer.decode(ids), ids)
