@@ -1,18 +1,19 @@
 /* fucina.text.tokenizer._merge: the per-piece merge loops of byte-level BPE and
  * SentencePiece, in C++ (the Python twins are fucina/text/tokenizer/{bpe,spm,merge}.py).
  *
- * Bpe(byte_chars, merges, token_to_id, ignore_merges) interns every symbol a merge can
- * produce once, at load: pair (left id, right id) -> (rank, merged id) in an
- * open-addressing table, and each symbol's token ids (its own id, or llama.cpp's ASCII
- * fallback when the merged text is no token). Spm(token_to_id, scores, byte_ids) keeps
- * token text -> (id, score). Both have encode_many(pieces) -> [tuple | None]: a str (or,
- * for Spm, bytes) piece -> its token ids, an int -> (int,), anything the native code
- * declines (another type, a byte with no token) -> None, left to the Python path.
+ * Bpe(byte_chars, merges, token_to_id, n_vocab, ignore_merges) interns every symbol a
+ * merge can produce once, at load (a symbol's id is its token id when its text is a
+ * token): pair (left id, right id) -> (rank, merged id) in an open-addressing table,
+ * plus llama.cpp's ASCII fallback for merge results that are no token.
+ * Spm(token_to_id, scores, byte_ids) keeps token text -> (id, f32 score). Both have
+ * encode_many(list | tuple of pieces) -> [tuple | None]: a str (or, for Spm, bytes)
+ * piece -> its token ids, an int -> (int,), anything the native code declines (another
+ * type, a byte with no token) -> None, left to the Python path.
  *
  * Merge order is llama.cpp's: best pair first (lowest rank / highest score), leftmost on
- * a tie; short pieces by list scans, long ones by a heap with stale-entry checks.
- * Every argument is type- and range-checked before any pointer is used; the tables are
- * immutable after construction.
+ * a tie; short pieces by list scans, eight in lockstep so that their table misses
+ * overlap, long ones by a heap with stale-entry checks. Every argument is type- and
+ * range-checked before any pointer is used; the tables are immutable after construction.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -317,9 +318,13 @@ constexpr int WINDOW = 8;
 
 template <class Self, class Work>
 PyObject *encode_many(const Self *self, PyObject *arg, bool allow_bytes) {
-    PyObject *seq = PySequence_Fast(arg, "encode_many takes a sequence of pieces");
-    if (!seq) return nullptr;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    // a tuple of its own: nothing a garbage collection runs meanwhile can resize it
+    PyObject *seq = PyList_Check(arg) || PyTuple_Check(arg) ? PySequence_Tuple(arg) : nullptr;
+    if (!seq) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "encode_many takes a list or tuple of pieces");
+        return nullptr;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject *res = PyList_New(n);   // items NULL until set; list_dealloc copes
     if (!res) { Py_DECREF(seq); return nullptr; }
     std::string scratch;
@@ -342,7 +347,7 @@ PyObject *encode_many(const Self *self, PyObject *arg, bool allow_bytes) {
         for (int w = 0; w < WINDOW && next < n; w++) {   // fill the free places
             while (piece_of[w] < 0 && next < n) {
                 Py_ssize_t i = next++;
-                PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+                PyObject *o = PyTuple_GET_ITEM(seq, i);
                 const char *p;
                 size_t len;
                 bool ok = true;
