@@ -759,3 +759,18 @@ def test_langchain_tool_round_trip(scripted):
     final = bound.invoke([HumanMessage("What is the weather in Paris?"), ai,
                           ToolMessage("18", tool_call_id=ai.tool_calls[0]["id"])])
     assert final.content == "It is 18 degrees in Paris."
+
+
+def test_stalled_client_does_not_block_others(slow):
+    """A client that opens a stream and stops reading holds only its own response:
+    the worker keeps decoding into that request's queue and serves the next one."""
+    url, server = slow
+    body = {"model": "x", "stream": True, "temperature": 0, "max_tokens": 200,
+            "messages": [{"role": "user", "content": "slow"}]}
+    with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/chat/completions", json=body) as stalled:
+        assert stalled.status_code == 200          # headers read; the body is never read
+        t0 = time.time()
+        r = oai(url).chat.completions.create(model="x", temperature=0, max_tokens=5,
+                                             messages=[{"role": "user", "content": "hello"}])
+        assert r.choices[0].message.content == "Scripted reply." and time.time() - t0 < 20
+    assert idle(server)
