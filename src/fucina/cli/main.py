@@ -184,11 +184,11 @@ def cmd_bench(args) -> int:
     from fucina.text.evaluate import bench
 
     model = _load(args)
-    res = bench(model, args.pp, args.tg, args.reps)
+    res = bench(model, args.pp, args.tg, args.reps, depth=args.depth)
     if args.streams > 1:
         from fucina.text.batch import bench_streams
         res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
-    res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg,
+    res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg, depth=args.depth,
                model=os.path.basename(str(model.gguf.path)))
     try:
         import resource
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, default=128)
     s.add_argument("--tg", type=int, default=64)
     s.add_argument("--reps", type=int, default=3)
+    s.add_argument("--depth", "-d", type=int, default=0,
+                   help="tokens already in the cache before each test (llama-bench -d)")
     s.add_argument("--threads", "-t", type=int, default=2)
     s.add_argument("--streams", type=int, default=1,
                    help="also time N lockstep decode streams against N sequential ones")

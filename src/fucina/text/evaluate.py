@@ -71,26 +71,31 @@ def perplexity(model, tokens: Sequence[int], n_ctx: int, bos_id: int | None,
     return math.exp(nll / count), n_chunk
 
 
-def bench(model, pp: int, tg: int, reps: int, seed: int = 0) -> dict:
-    """Warm prefill of `pp` tokens and decode of `tg` tokens from an empty cache, like
-    llama-bench's pp/tg tests; tokens/s are medians over `reps` after one warm-up."""
+def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0) -> dict:
+    """Warm prefill of `pp` tokens and decode of `tg` tokens, like llama-bench's pp/tg
+    tests; with `depth` both start after that many tokens already in the cache
+    (llama-bench -d). Tokens/s are medians over `reps` after one warm-up."""
     g = torch.Generator().manual_seed(seed)
     n_vocab = model.config.n_vocab
+    context = torch.randint(0, n_vocab, (depth,), generator=g).tolist()
     prompt = torch.randint(0, n_vocab, (pp,), generator=g).tolist()
     gen = torch.randint(0, n_vocab, (tg,), generator=g).tolist()
-    cache = model.init_cache(max(pp, tg) + 1)
+    cache = model.init_cache(depth + max(pp, tg) + 1)
+    if depth:
+        for s in range(0, depth, 512):
+            model.forward_step(cache, context[s:s + 512], s)
 
     def run_pp() -> float:
-        cache.reset()
+        cache.truncate(depth)
         t = time.perf_counter()
-        model.forward_step(cache, prompt, 0)
+        model.forward_step(cache, prompt, depth)
         return pp / (time.perf_counter() - t)
 
     def run_tg() -> float:
-        cache.reset()
+        cache.truncate(depth)
         t = time.perf_counter()
         for i, tok in enumerate(gen):
-            model.forward_step(cache, [tok], i)
+            model.forward_step(cache, [tok], depth + i)
         return tg / (time.perf_counter() - t)
 
     out = {}
