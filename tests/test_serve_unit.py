@@ -171,3 +171,34 @@ def test_render_reasoning_detection():
     p = render_chat(_Engine(src), [{"role": "user", "content": "hi"}])
     assert p.reasoning and p.opening == "<think>"
     assert not render_chat(_Engine(CHATML_NO_TOOLS), [{"role": "user", "content": "hi"}]).reasoning
+
+
+class _TinyModel:
+    def kv_geometry(self):
+        return [2, 2], [4, 4]
+
+    def init_cache(self, capacity=None):
+        from fucina.models.cache import KVCache
+
+        return KVCache(2, 2, 4, capacity)
+
+
+def test_slot_pool_prefix_choice_copy_and_ram_guard(monkeypatch):
+    from fucina.serve.engine import SlotPool
+
+    pool = SlotPool(_TinyModel(), 3, 64)
+    assert pool.cache_bytes() == 2 * (8 + 8) * 64 * 2
+    a = pool.acquire(list(range(40)))
+    a.tokens[:] = list(range(40))
+    a.cache.len = 40
+    pool.release(a)
+    b = pool.acquire(list(range(30)) + [99])          # the warm slot, for its 30-token prefix
+    assert b is a
+    b.busy = True
+    c = pool.acquire(list(range(25)) + [7, 7])        # a is busy: a new slot copies its rows
+    assert c is not a and c.tokens == list(range(25)) and c.cache.len == 25
+    pool.release(a)
+    pool.release(c)
+    monkeypatch.setattr(pool, "_room_for_cache", lambda: False)
+    d = pool.acquire([5, 5, 5])                        # no room for the third cache: reuse
+    assert d.cache is not None and sum(s.cache is not None for s in pool.slots) == 2

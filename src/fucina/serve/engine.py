@@ -9,6 +9,8 @@ KV slots: each slot owns a cache and the ids it holds. A request takes the free 
 sharing the longest common token prefix with its prompt (else an empty one, else the
 least recently used); only the rest is prefilled (`Reply.reused_tokens` is OpenAI's
 cached_tokens). A longer prefix held by another slot is copied row for row first.
+Slot caches are allocated on first use, and not at all when that would leave less
+than a quarter of the machine's memory available (a warm slot is reused instead).
 
 Batching (`batch > 1`): up to `batch` streams decode in lockstep, one batched
 forward per step; queued jobs join the running batch between steps (each new stream
@@ -129,12 +131,38 @@ class SlotPool:
         def rank(s: Slot):
             return (common_prefix(s.tokens, ids), s.cache is None, -s.last_used)
         slot = max(free, key=rank)
+        if slot.cache is None and not self._room_for_cache():
+            warm = [s for s in free if s.cache is not None]     # RAM guard: reuse, do not grow
+            if warm:
+                slot = max(warm, key=rank)
         if slot.cache is None:
             slot.cache = make_cache(self.model, self.capacity, self.cache_type)
         slot.busy = True
         slot.requests += 1
         self._borrow_prefix(slot, ids)
         return slot
+
+    def cache_bytes(self) -> int:
+        """Estimated bytes of one slot's cache (f16: 2 bytes per value; q8_0 ~1.06)."""
+        geo = getattr(self.model, "kv_geometry", None)
+        if geo is None:
+            return 0
+        heads, dims = geo()
+        per_value = 2.0 if self.cache_type in ("f16", None) else 34 / 32
+        return int(2 * sum(h * d for h, d in zip(heads, dims)) * self.capacity * per_value)
+
+    def _room_for_cache(self) -> bool:
+        """A new slot cache may be allocated while it leaves a quarter of the memory
+        available now (Linux MemAvailable; unknown elsewhere: allowed)."""
+        try:
+            with open("/proc/meminfo") as fh:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+        except (OSError, ValueError, IndexError):
+            return True
+        avail, total = info.get("MemAvailable"), info.get("MemTotal")
+        if avail is None or total is None:
+            return True
+        return avail - self.cache_bytes() > total // 4
 
     def _borrow_prefix(self, slot: Slot, ids: Sequence[int]) -> None:
         """Copy a longer common prefix held by another slot (busy ones too: rows
