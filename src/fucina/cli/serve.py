@@ -13,7 +13,10 @@ from fucina.cli.chat import MODEL_HELP, load_llm
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server",
+                       epilog="Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, "
+                              "/v1/messages; GET /v1/models, /health. Any `model` name in a request "
+                              "is answered by the loaded model.")
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8080)
