@@ -404,9 +404,10 @@ static inline int offset_c(int qt) {
 /* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
     (void)k;
-    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL))
+    const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
+    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL || k45))
         return act;
-    uint8_t *g = scratch(1, (size_t)(3 * kp + kp / 8) + 64);
+    uint8_t *g = scratch(1, (size_t)(3 * kp + kp / 4) + 64);
     if (!g) return NULL;
     const int8_t *q = (const int8_t *)act;
     const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
@@ -417,6 +418,18 @@ static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t k
     const __m512i perm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);     /* 16-byte quarters 0,2,1,3 */
     const __m512i permf = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
     const bool nib = nibble_order(qt);
+    float *d32 = (float *)(g + 3 * kp + kp / 8);
+    for (int64_t b = 0; b < kp / 32; b++) d32[b] = ls[b * 8];
+    if (k45) { /* per 128: [0-31, 64-95, 32-63, 96-127], how 64 bytes of Q4_K qs unpack */
+        for (int64_t i = 0; i < kp; i += 128) {
+            memcpy(q2 + i, q + i, 32);
+            memcpy(q2 + i + 32, q + i + 64, 32);
+            memcpy(q2 + i + 64, q + i + 32, 32);
+            memcpy(q2 + i + 96, q + i + 96, 32);
+        }
+        for (int64_t b = 0; b < kp / 32; b++) x32[b] = s16[2 * b] + s16[2 * b + 1];
+        return g;
+    }
     for (int64_t i = 0; i < kp; i += 64) {
         __m512i v = _mm512_loadu_si512((const void *)(q + i));
         __m512 l = _mm512_loadu_ps(ls + i / 4);
@@ -512,30 +525,51 @@ static float gemv32(const uint8_t *__restrict p, int64_t k, const uint8_t *__res
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(o);
 }
 
+static const int32_t kSpanLo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2};
+
+/* Q4_K / Q5_K, m = 1: 64 bytes of qs per step (groups 4h..4h+3 of a superblock), the
+ * activations pre-arranged to match; group scale x activation scale taken once per
+ * superblock (both are per 32 values), offsets as one 8-wide FMA per superblock. */
 template <int QT>
-static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
+static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
     const int bs = QT == FK_Q4_K ? 144 : 176;
-    const int8_t *xq = (const int8_t *)act;
-    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
-    const __m512i dup2 = _mm512_loadu_si512((const void *)kDup2);
-    __m512 acc = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
+    const int8_t *xq = (const int8_t *)g;
+    const float *x32 = (const float *)(g + 3 * kp), *d32 = (const float *)(g + 3 * kp + kp / 8);
+    const __m512i lo_idx = _mm512_loadu_si512((const void *)kSpanLo);
+    const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
         for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
         __m512 S, O;
         q45k_scales(p, S, O);
-        __m256i qh = QT == FK_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
-        const int8_t *x = xq + b * 256;
-        for (int j = 0; j < 4; j++) {
-            const __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q45k_chunk<QT>(qs, j, qh),
-                                                   _mm512_loadu_si512((const void *)(x + 64 * j)));
-            const __m512 scv = _mm512_mul_ps(q45k_lanes(S, j), _mm512_loadu_ps(xls + b * 64 + 16 * j));
-            if (j & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc1);
-            else acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), scv, acc);
+        const __m512 C = _mm512_mul_ps(S, _mm512_castps256_ps512(_mm256_loadu_ps(d32 + 8 * b)));
+        oacc = _mm256_fmadd_ps(_mm512_castps512_ps256(O), _mm256_loadu_ps(x32 + 8 * b), oacc);
+        __m512i qh2 = _mm512_setzero_si512();
+        if (QT == FK_Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+            qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
         }
-        oacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(dup2, O), _mm512_loadu_ps(s16 + b * 16), oacc);
+        const int8_t *x = xq + b * 256;
+        for (int h = 0; h < 2; h++) {
+            const __m512i z = _mm512_loadu_si512((const void *)(qs + 64 * h));
+            __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            if (QT == FK_Q5_K) {
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * h)), one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * h + 1)), one), 4));
+            }
+            const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(x + 128 * h)));
+            const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(x + 128 * h + 64)));
+            const __m512i idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(4 * h));
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_permutexvar_ps(idx, C), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), C), acc1);
+        }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc, acc1), oacc));
+    __m128 o = _mm_add_ps(_mm256_castps256_ps128(oacc), _mm256_extractf128_ps(oacc, 1));
+    o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+    o = _mm_add_ss(o, _mm_movehdup_ps(o));
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(o);
 }
 
 static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
