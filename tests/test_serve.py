@@ -663,15 +663,19 @@ def test_batch_stream_disconnect_is_isolated(slow):
     url, server = slow
     body = {"model": "x", "stream": True, "temperature": 0, "max_tokens": 60,
             "messages": [{"role": "user", "content": "slow please"}]}
-    out = {}
+    out, started = {}, threading.Event()
 
     def keep():
-        chunks = [ch for ch in oai(url).chat.completions.create(**body) if ch.choices]
+        chunks = []
+        for ch in oai(url).chat.completions.create(**body):   # the server answers once it is decoding
+            started.set()
+            chunks += [ch] if ch.choices else []
         out["text"] = "".join(ch.choices[0].delta.content or "" for ch in chunks)
         out["finish"] = chunks[-1].choices[0].finish_reason
 
     t = threading.Thread(target=keep)
     t.start()
+    assert started.wait(30)          # taken by the worker: the queue (bound 1) is free again
     with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/chat/completions", json=body) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
@@ -683,20 +687,20 @@ def test_batch_stream_disconnect_is_isolated(slow):
 
 def test_queue_full_is_429_with_retry_after(slow):
     url, server = slow
-    body = {"model": "x", "temperature": 0, "max_tokens": 40, "messages": [{"role": "user", "content": "slow"}]}
+    body = {"model": "x", "temperature": 0, "max_tokens": 80, "messages": [{"role": "user", "content": "slow"}]}
 
     def post(_):
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
-    with ThreadPoolExecutor(6) as ex:
-        rs = list(ex.map(post, range(6)))
+    with ThreadPoolExecutor(8) as ex:        # 2 decoding + 1 waiting; the rest are refused
+        rs = list(ex.map(post, range(8)))
     codes = sorted(r.status_code for r in rs)
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
     refused = next(r for r in rs if r.status_code == 429)
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"
     ok = next(r for r in rs if r.status_code == 200).json()
-    assert ok["choices"][0]["finish_reason"] == "length" and ok["usage"]["completion_tokens"] == 40
+    assert ok["choices"][0]["finish_reason"] == "length" and ok["usage"]["completion_tokens"] == 80
     assert idle(server)
 
 
@@ -705,17 +709,19 @@ def test_failure_is_isolated_and_in_schema(slow):
     streamed, before the first byte) while a stream decoding beside it finishes."""
     url, server = slow
     bad = [{"role": "user", "content": "explode"}]
-    out = {}
+    out, started = {}, threading.Event()
 
     def keep():
-        chunks = [ch for ch in oai(url).chat.completions.create(
-            model="x", stream=True, temperature=0, max_tokens=40,
-            messages=[{"role": "user", "content": "slow"}]) if ch.choices]
+        chunks = []
+        for ch in oai(url).chat.completions.create(model="x", stream=True, temperature=0, max_tokens=100,
+                                                   messages=[{"role": "user", "content": "slow"}]):
+            started.set()
+            chunks += [ch] if ch.choices else []
         out["finish"] = chunks[-1].choices[0].finish_reason
 
     t = threading.Thread(target=keep)
     t.start()
-    time.sleep(0.2)
+    assert started.wait(30)
     with pytest.raises(openai.InternalServerError) as e:
         oai(url).chat.completions.create(model="x", messages=bad, temperature=0, max_tokens=4)
     assert e.value.body["type"] == "server_error" and "scripted failure" in e.value.body["message"]

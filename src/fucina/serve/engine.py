@@ -129,7 +129,10 @@ class SlotPool:
             raise FucinaError("no free KV slot")
 
         def rank(s: Slot):
-            return (common_prefix(s.tokens, ids), s.cache is None, -s.last_used)
+            n = common_prefix(s.tokens, ids)
+            if n:          # among equal prefixes the most recent (its rows are the newest)
+                return (n, False, s.last_used)
+            return (0, s.cache is None, -s.last_used)     # else an empty slot, else the LRU
         slot = max(free, key=rank)
         if slot.cache is None and not self._room_for_cache():
             warm = [s for s in free if s.cache is not None]     # RAM guard: reuse, do not grow
