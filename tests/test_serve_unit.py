@@ -202,3 +202,19 @@ def test_slot_pool_prefix_choice_copy_and_ram_guard(monkeypatch):
     monkeypatch.setattr(pool, "_room_for_cache", lambda: False)
     d = pool.acquire([5, 5, 5])                        # no room for the third cache: reuse
     assert d.cache is not None and sum(s.cache is not None for s in pool.slots) == 2
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_parser_bare_json_call(chunk):
+    reply = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    s = summary(parse(reply, chunk, tools=True, tool_names=["get_weather"]))
+    assert s == {"text": "", "reasoning": "", "calls": [["get_weather", '{"city": "Paris"}']]}
+    s = summary(parse(' {"name": "f", "arguments": {}}', chunk, tools=True, tool_names=["f"]))
+    assert s["calls"] == [["f", "{}"]]
+    # JSON that is not a call of a declared tool is the answer, given back whole
+    s = summary(parse('{"answer": 42}', chunk, tools=True, tool_names=["f"]))
+    assert s == {"text": '{"answer": 42}', "reasoning": "", "calls": []}
+    s = summary(parse('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', chunk, tools=True,
+                      tool_names=["f"]))
+    assert s["calls"] == [["f", '{"a": 1}']]
+    assert summary(parse("plain words", chunk, tools=True, tool_names=["f"]))["text"] == "plain words"

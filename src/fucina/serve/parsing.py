@@ -12,6 +12,10 @@ same events, so a stream concatenates to exactly the plain response.
   writes it; `ToolEnd` closes the call. A block in another key order, or with string
   arguments, is parsed whole at its `</tool_call>`; a block that is not JSON is
   given back as text.
+- bare JSON calls (templates whose models answer with just the object, Llama 3
+  style, and weak models that drop the tags): with `tool_names`, a reply that opens
+  with `{` (or `<|python_tag|>`) is held to its end and becomes a call if it is one
+  object naming a declared tool, else it is given back as text (in one piece).
 
 Text that may be the beginning of a marker is held back until it is known not to be.
 """
@@ -21,9 +25,11 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Iterable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
@@ -134,8 +140,9 @@ class _Call:
 
 class OutputParser:
     def __init__(self, *, tools: bool = False, reasoning: bool = False, primed: str = "",
-                 id_prefix: str = "call_"):
+                 id_prefix: str = "call_", tool_names: Iterable[str] = ()):
         self.tools, self.id_prefix = tools, id_prefix
+        self.bare = set(tool_names) if tools else set()   # names a bare-JSON reply may call
         self.state = "start" if reasoning else "text"
         self.buf = ""
         self.n_calls = 0
@@ -165,6 +172,8 @@ class OutputParser:
         if self.state == "think":
             if self.buf.strip():
                 out.append(Reasoning(self.buf.rstrip() if self.thought else self.buf.strip()))
+        elif self.state == "json":
+            self._bare_json(out)
         elif self.state == "tool":
             self._close_call(out, complete=False)
         elif self.state in ("text", "start"):
@@ -216,6 +225,14 @@ class OutputParser:
                 if not self.buf:
                     return False
                 self.strip_lead = False
+            if self.bare:                # a reply that opens with JSON may be a bare call
+                lead = self.buf.lstrip()
+                if lead.startswith("{") or lead.startswith(PYTHON_TAG):
+                    self.state, self.buf = "json", lead
+                    return False
+                if not lead or PYTHON_TAG.startswith(lead):
+                    return False         # undecided yet
+                self.bare = set()
             at = self.buf.find(CALL_OPEN) if self.tools else -1
             if at >= 0:
                 before = self.buf[:at].rstrip()
@@ -273,6 +290,21 @@ class OutputParser:
         self.buf = rest
         self.strip_lead = True
         return True
+
+    def _bare_json(self, out: list[Event]) -> None:
+        """The whole reply was held: one JSON object naming a declared tool (Llama 3
+        style `{"name": ..., "parameters": ...}`, maybe after <|python_tag|>) is a
+        call; anything else is the reply's text after all."""
+        raw = self.buf.removeprefix(PYTHON_TAG).strip()
+        parsed = _parse_call(raw)
+        self.state = "text"
+        if parsed is None or parsed[0] not in self.bare:
+            out.append(Text(self.buf.rstrip()))
+            return
+        call_id = new_call_id(self.id_prefix)
+        out += [ToolStart(self.n_calls, call_id, parsed[0]), ToolArgs(self.n_calls, parsed[1]),
+                ToolEnd(self.n_calls, parsed[1])]
+        self.n_calls += 1
 
     def _close_call(self, out: list[Event], complete: bool) -> None:
         c, self.call = self.call, None

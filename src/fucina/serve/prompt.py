@@ -39,6 +39,7 @@ class Prompt:
     primed: str = ""       # text appended after the template's generation prompt
     tools: bool = False    # parse tool calls from the reply
     reasoning: bool = False
+    tool_names: tuple[str, ...] = ()   # declared tools (a bare-JSON reply may call them)
 
     @property
     def opening(self) -> str:
@@ -116,7 +117,8 @@ def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
                 primed += '{"'       # an object with named fields: start its first key
     full = text + primed
     reasoning = "think>" in template.source or full.rstrip().endswith("<think>")
-    return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), reasoning)
+    names = tuple(t.get("function", t).get("name") for t in tools or ())
+    return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), reasoning, names)
 
 
 def render_completion(engine, prompt: str | Sequence[int]) -> Prompt:

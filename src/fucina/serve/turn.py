@@ -32,8 +32,8 @@ class Turn:
                  id_prefix: str = "call_"):
         self.server, self.prompt, self.req = server, prompt, req
         self.single_call = single_call
-        self.parser = OutputParser(tools=prompt.tools, reasoning=prompt.reasoning,
-                                   primed=prompt.opening, id_prefix=id_prefix)
+        self.parser = OutputParser(tools=prompt.tools, reasoning=prompt.reasoning, primed=prompt.opening,
+                                   id_prefix=id_prefix, tool_names=prompt.tool_names)
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[dict] = []          # {"id", "name", "arguments"}
