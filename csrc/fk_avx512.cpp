@@ -398,14 +398,15 @@ static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_
 
 static inline bool nibble_order(int qt) { return qt != FK_Q8_0; }
 static inline int offset_c(int qt) {
-    return qt == FK_Q4_0 ? 8 : qt == FK_Q5_0 ? 16 : (qt == FK_Q8_0 || qt == FK_IQ4_NL) ? 128 : 0;
+    return qt == FK_Q4_0 ? 8 : qt == FK_Q5_0 ? 16 : (qt == FK_Q8_0 || qt == FK_IQ4_NL || qt == FK_IQ4_XS) ? 128 : 0;
 }
 
 /* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
     (void)k;
     const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
-    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL || k45))
+    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
+          qt == FK_IQ4_XS || k45))
         return act;
     uint8_t *g = scratch(1, (size_t)(3 * kp + kp / 4) + 64);
     if (!g) return NULL;
@@ -600,10 +601,48 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
 }
 
+/* IQ4_XS: each 32-value group unpacks like an IQ4_NL block, so it shares that
+ * prepared activation order and the folded -128 offset; the group scale is per 32. */
+static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t *__restrict g, int64_t kp) {
+    const int8_t *xq = (const int8_t *)g;
+    const float *xls = (const float *)(g + kp);
+    const int32_t *init = (const int32_t *)(g + 2 * kp);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4_u8));
+    const __m512i pair = _mm512_loadu_si512((const void *)kPairNib);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 136;
+        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+        uint32_t sl;
+        memcpy(&sl, p + 4, 4);
+        /* group ib: low 4 bits at nibble ib of scales_l, high 2 bits at bits 2ib of scales_h */
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(p + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        const __m256i lsv = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        const __m512 S = _mm512_mul_ps(_mm512_set1_ps(rdh(p)), _mm512_cvtepi32_ps(_mm512_castsi256_si512(lsv)));
+        for (int j = 0; j < 4; j++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(p + 8 + 32 * j));
+            __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+                                         _mm512_set1_epi8(15));
+            z = _mm512_shuffle_epi8(lut, z);
+            const int64_t e = b * 256 + 64 * j;
+            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + e / 4)), z,
+                                                   _mm512_loadu_si512((const void *)(xq + e)));
+            const __m512 sc = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * j)), S),
+                                            _mm512_loadu_ps(xls + e / 4));
+            if (j & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), sc, acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), sc, acc0);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
 static bool gemv_ok(int qt) {
     switch (qt) {
     case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
-    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
+    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K: case FK_IQ4_XS:
         return true;
     }
     return false;
@@ -627,6 +666,7 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
     case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
     case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;
+    case FK_IQ4_XS: for (int64_t r = r0; r < r1; r++) y[r] = gemv_iq4xs(w + r * rb, k, act, kp); break;
     }
 }
 

@@ -55,7 +55,7 @@ def check(qt: T, n: int, k: int, m: int, rng, lead=()) -> None:
     y = K.matmul(torch.from_numpy(raw), qt, n, k, x)
     assert y.shape == (*lead, m, n) and y.dtype == torch.float32
     x2 = x.reshape(-1, k)
-    if K.route(x2.shape[0]) == "bf16":  # both operands rounded to bf16, f32 accumulation
+    if K.route(x2.shape[0], qt) == "bf16":  # both operands rounded to bf16, f32 accumulation
         xr = x2.bfloat16().double()
         W = W.float().bfloat16().double()
     elif qt in FLOATS:
@@ -67,7 +67,7 @@ def check(qt: T, n: int, k: int, m: int, rng, lead=()) -> None:
     err_rt = ((y2 - xr.double() @ W.T).abs() / scale).max().item()
     err_true = ((y2 - x2.double() @ W.T).abs() / scale).max().item()
     # bf16 route: a decoded weight may round to the neighbouring bf16 of the reference's
-    tol = 1e-4 if K.route(x2.shape[0]) == "bf16" else 2e-6
+    tol = 1e-4 if K.route(x2.shape[0], qt) == "bf16" else 2e-6
     assert err_rt < tol, f"{qt.name} n={n} k={k} m={m}: {err_rt:.2e} against the round-tripped input"
     assert err_true < 1e-2, f"{qt.name} n={n} k={k} m={m}: {err_true:.2e} against the f32 input"
 

@@ -92,8 +92,11 @@ def set_prefill_route(name: str) -> None:
     _configure("set_prefill", name)
 
 
-def route(m: int) -> str:
-    """Which arithmetic serves an m-row call now: 'bf16' or 'int8' (quantized formats) ."""
+def route(m: int, qtype: GGMLType | None = None) -> str:
+    """Which arithmetic serves an m-row call now: 'bf16', or 'int8' (quantized formats;
+    F32/F16 weights always keep f32 arithmetic there)."""
+    if qtype in (GGMLType.F32, GGMLType.F16):
+        return "int8"
     if m >= prefill_min_m() and prefill_route() == "bf16" and isa() == "avx512":
         return "bf16"
     return "int8"
