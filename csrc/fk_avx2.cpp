@@ -75,7 +75,11 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 }
 #undef FK_C
 
+static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst);
+#define FK_FAST_DECODE fast_decode
+
 #include "fk_impl.inc"
+#include "fk_decode_avx2.inc"
 
 }  // namespace fk_avx2_ns
 
