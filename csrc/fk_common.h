@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* GGML type ids (ggml.h) of the formats with a native route. */
 enum {
@@ -50,14 +51,55 @@ typedef struct {
     void (*act_roundtrip)(const float *x, int64_t k, float *out);
 } fk_isa;
 
+/* Decode attention (fk_attn.cpp): out[h*d..] = softmax(scale * q[h] . K_kvh^T) @ V_kvh for one
+ * query row, K/V rows f16 [n, kv_heads, d] with row_stride halves between rows, query
+ * head h served by kv head h / (n_head / kv_heads). q and out are [n_head, d] f32. */
+typedef struct {
+    const float *q;
+    const uint16_t *k, *v;
+    float *out;
+    int64_t n, row_stride;
+    int n_head, kv_heads, d;
+    float scale;
+    int nthreads;
+} fk_attn_args;
+
+#define FK_ATTN_MAX_GROUP 64
+#define FK_ATTN_MAX_D 1024
+
 #ifdef __cplusplus
 extern "C" {
 #endif
+void fk_attn_decode_scalar(const fk_attn_args *a);
+void fk_attn_decode_avx2(const fk_attn_args *a);
+void fk_attn_decode_avx512(const fk_attn_args *a);
 extern const fk_isa fk_isa_scalar;
 extern const fk_isa fk_isa_avx2;
 extern const fk_isa fk_isa_avx512;
 #ifdef __cplusplus
 }
 #endif
+
+/* f16 -> f32 without F16C (scalar units) */
+static inline float fk_h2f_portable(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #endif

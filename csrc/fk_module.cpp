@@ -124,6 +124,51 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* attn_decode(q_ptr, k_ptr, v_ptr, out_ptr, n, row_stride, n_head, kv_heads, d, scale) */
+static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "attn_decode takes 10 arguments");
+        return NULL;
+    }
+    long long v[9];
+    for (int i = 0; i < 9; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    const double scale = PyFloat_AsDouble(args[9]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    fk_attn_args a;
+    a.q = (const float *)(uintptr_t)v[0];
+    a.k = (const uint16_t *)(uintptr_t)v[1];
+    a.v = (const uint16_t *)(uintptr_t)v[2];
+    a.out = (float *)(uintptr_t)v[3];
+    a.n = v[4];
+    a.row_stride = v[5];
+    if (!a.q || !a.k || !a.v || !a.out || v[6] <= 0 || v[7] <= 0 || v[8] <= 0 || v[6] % v[7] ||
+        v[6] / v[7] > FK_ATTN_MAX_GROUP || v[8] > FK_ATTN_MAX_D || v[8] % 16 || a.n <= 0 ||
+        a.n > (1LL << 31) || a.row_stride < v[7] * v[8]) {
+        PyErr_SetString(PyExc_ValueError, "attn_decode: inconsistent shapes or null pointer");
+        return NULL;
+    }
+    a.n_head = (int)v[6];
+    a.kv_heads = (int)v[7];
+    a.d = (int)v[8];
+    a.scale = (float)scale;
+    a.nthreads = g_threads;
+    void (*fn)(const fk_attn_args *) = g_isa == &fk_isa_avx512 ? fk_attn_decode_avx512
+                                       : g_isa == &fk_isa_avx2 ? fk_attn_decode_avx2
+                                                               : fk_attn_decode_scalar;
+    if ((double)a.n * a.kv_heads * a.d > 1e5) {
+        Py_BEGIN_ALLOW_THREADS
+        fn(&a);
+        Py_END_ALLOW_THREADS
+    } else {
+        fn(&a);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_act_roundtrip(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long xp, op;
@@ -219,6 +264,8 @@ static PyObject *py_omp_max_threads(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL,
      "matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy): y[m,n] = x[m,k] @ W[n,k]^T"},
+    {"attn_decode", (PyCFunction)(void (*)(void))py_attn_decode, METH_FASTCALL,
+     "attn_decode(q, k, v, out, n, row_stride, n_head, kv_heads, d, scale): one-row attention over f16 K/V"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},

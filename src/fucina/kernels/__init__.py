@@ -176,6 +176,41 @@ def act_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row over an f16 KV cache: q [1, n_head, d] f32, k/v [n, kv_heads, d] f16
+    (contiguous rows, e.g. a window slice of the cache) -> [1, n_head * d] f32.
+
+    Query head h attends with kv head h // (n_head // kv_heads); online softmax in f32."""
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 3:
+            raise KernelError(f"decode_attention: {name} must be a 3-d CPU tensor")
+    if q.dtype is not torch.float32 or k.dtype is not torch.float16 or v.dtype is not torch.float16:
+        raise KernelError(f"decode_attention: needs f32 q and f16 k/v, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _, n_head, d = q.shape
+    n, kvh, dk = k.shape
+    if q.shape[0] != 1 or tuple(v.shape) != (n, kvh, d) or dk != d:
+        raise KernelError(f"decode_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if n < 1 or kvh < 1 or n_head % kvh or n_head // kvh > 64 or d % 16 or d > 1024:
+        raise KernelError(f"decode_attention: unsupported n={n}, heads {n_head}/{kvh}, head_dim {d}")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise KernelError("decode_attention: k and v must be contiguous rows")
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty(1, n_head * d, dtype=torch.float32)
+    _native.attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, kvh * d,
+                        n_head, kvh, d, float(scale))
+    return out
+
+
+def decode_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when decode_attention takes these inputs (cheap: the decode hot path asks per layer)."""
+    return (_native is not None and _enabled and k.dtype is torch.float16 and v.dtype is torch.float16
+            and q.dtype is torch.float32 and q.shape[-1] % 16 == 0 and k.is_contiguous()
+            and v.is_contiguous() and not (q.requires_grad and torch.is_grad_enabled()))
+
+
 class _Backward(torch.autograd.Function):
     """Gradient w.r.t. the input through the frozen weight (LoRA training)."""
 

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from fucina import kernels
 from fucina.errors import FucinaError, GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models.cache import KVCache
@@ -140,8 +141,11 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row: every cached key is visible, so no mask; GQA as a grouped bmm
-    instead of repeating K/V per head (fewer ops and bytes on the decode hot path)."""
+    """One query row: every cached key is visible, so no mask. An f16 cache goes to the
+    native kernel (one pass over the rows, online softmax); otherwise, and as the kernel's
+    reference, GQA as a grouped bmm instead of repeating K/V per head."""
+    if kernels.decode_attention_ok(q, k, v):
+        return kernels.decode_attention(q, k, v, scale)
     _, n_head, d = q.shape
     kvh = k.shape[1]
     qg = q.view(kvh, n_head // kvh, d)
