@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -51,3 +50,18 @@ def qwen3_vocab():
     if not p.exists():
         pytest.skip("shared Qwen3 vocab not present")
     return p
+
+
+def _isas():
+    import fucina.kernels as K
+    return K.supported_isas()
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    """Run a kernel test once per instruction set this CPU supports."""
+    import fucina.kernels as K
+    before = K.isa()
+    K.set_isa(request.param)
+    yield request.param
+    K.set_isa(before)

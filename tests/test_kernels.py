@@ -72,14 +72,6 @@ def check(qt: T, n: int, k: int, m: int, rng, lead=()) -> None:
     assert err_true < 1e-2, f"{qt.name} n={n} k={k} m={m}: {err_true:.2e} against the f32 input"
 
 
-@pytest.fixture(params=K.supported_isas())
-def isa(request):
-    before = K.isa()
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(before)
-
-
 PREFILL_ROUTES = ["int8"] + (["bf16"] if K.available() and K.prefill_route() == "bf16" else [])
 
 

@@ -19,14 +19,6 @@ from fucina.models.cache import KVCache
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
 
-@pytest.fixture(params=K.supported_isas())
-def isa(request):
-    before = K.isa()
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(before)
-
-
 @pytest.fixture(params=[1, 2])
 def threads(request):
     before = K.get_threads()

@@ -108,12 +108,10 @@ class Q8Cache:
 
 
 def make_cache(model, capacity: int | None = None, cache_type: str = "f16"):
-    """A cache for `model` of the given storage type ("f16" or "q8_0"), using the
-    model's own per-layer geometry (`kv_geometry`)."""
+    """A cache for `model` of the given storage type ("f16" or "q8_0"); the model's
+    `init_cache` owns the geometry and the choice."""
     if cache_type in ("f16", None):
         return model.init_cache(capacity)
-    if cache_type != "q8_0":
+    if cache_type not in CACHE_TYPES:
         raise KVCacheError(f"unknown cache type {cache_type!r} (expected one of {', '.join(CACHE_TYPES)})")
-    heads, dims = model.kv_geometry()
-    cap = capacity or min(model.config.n_ctx_train, 4096)
-    return Q8Cache(model.config.n_layer, heads, dims, cap)
+    return model.init_cache(capacity, cache_type=cache_type)

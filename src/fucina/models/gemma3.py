@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fucina.gguf import GGUFFile, meta_float_opt, meta_int_opt
 from fucina.models import llama
-from fucina.models.base import Rope, attend, check_shape, load_linear, load_vector, rms_norm
+from fucina.models.base import Rope, attend, load_vector, rms_norm
 from fucina.models.cache import KVCache
 
 
@@ -55,14 +55,12 @@ class Layer(llama.Layer):
 
 
 class Model(llama.Model):
+    layer_class = Layer
+
     def __init__(self, f: GGUFFile):
-        c = self.config = Config.from_gguf(f)
-        self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
-        self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
-        out = load_linear(f, "output.weight", required=False)
-        self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd
-        self.layers = [Layer(f, i, c) for i in range(c.n_layer)]
-        self.rope_global = Rope(c.n_rot, c.rope_base, True, c.rope_scale)
+        super().__init__(f, Config.from_gguf(f))
+        c = self.config
+        self.rope_global = self.rope   # NEOX at the global base (Config sets rope_neox)
         self.rope_local = Rope(c.n_rot, c.rope_base_swa, True)
         self.embd_scale = math.sqrt(c.n_embd)
 

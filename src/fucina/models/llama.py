@@ -90,6 +90,7 @@ def fuse(f: GGUFFile, parts: list[LinearWeight]) -> LinearWeight | None:
 
 class Model(DecoderBase):
     supports_batch = True
+    layer_class = Layer     # a family with extra per-layer tensors subclasses Layer
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
         c = self.config = config or Config.from_gguf(f)
@@ -97,7 +98,7 @@ class Model(DecoderBase):
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
         self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd  # tied
-        self.layers = [Layer(f, i, c) for i in range(c.n_layer)]
+        self.layers = [self.layer_class(f, i, c) for i in range(c.n_layer)]
         freqs = load_vector(f, "rope_freqs.weight", c.n_rot // 2, required=False)
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
         if freqs is not None:  # Llama 3 long-context factors divide the frequencies
