@@ -106,8 +106,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_logits(args) -> int:
-    import numpy as np
-
     from fucina.text.evaluate import teacher_forced_logits
 
     model = _load(args)
