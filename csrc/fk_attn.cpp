@@ -1,4 +1,5 @@
-/* Decode attention over the f16 KV cache (fk_attn_impl.inc), compiled once per ISA:
+/* Attention over the f16 KV cache (fk_attn_impl.inc) and the decoder layer step that
+ * uses it (fk_step_impl.inc), compiled once per ISA:
  * scalar everywhere, AVX2+F16C and AVX-512 on x86. fk_module.cpp picks one from the
  * matmul ISA in force, so set_isa() selects the attention level too. */
 #include <math.h>
@@ -25,13 +26,18 @@ static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline float vhadd(vf v) { return v; }
 static inline float vhmax(vf v) { return v; }
 static inline vf vexp(vf x) { return expf(x < -87.0f ? -87.0f : x); }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vblend_neg(vf z, vf a, vf b) { return z >= 0.0f ? a : b; }
+static inline void vstoreh(uint16_t *p, vf v) { *p = fk_f2h_portable(v); }
 #include "fk_attn_impl.inc"
+#include "fk_step_impl.inc"
 #undef VW
 #undef FK_AB
 
 }  // namespace fk_attn_scalar
 
 extern "C" void fk_attn_decode_scalar(const fk_attn_args *a) { fk_attn_scalar::fk_attn_decode_impl(a); }
+extern "C" void fk_step_scalar(fk_step_args *a) { fk_attn_scalar::fk_step_impl(a); }
 
 #ifdef FK_X86
 #include <immintrin.h>
@@ -88,7 +94,13 @@ static inline vf vexp(vf x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vblend_neg(vf z, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)); }
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #include "fk_attn_impl.inc"
+#include "fk_step_impl.inc"
 #undef VW
 #undef FK_AB
 
@@ -96,6 +108,7 @@ static inline vf vexp(vf x) {
 #pragma GCC pop_options
 
 extern "C" void fk_attn_decode_avx2(const fk_attn_args *a) { fk_attn_avx2::fk_attn_decode_impl(a); }
+extern "C" void fk_step_avx2(fk_step_args *a) { fk_attn_avx2::fk_step_impl(a); }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
@@ -129,7 +142,15 @@ static inline vf vexp(vf x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vblend_neg(vf z, vf a, vf b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+}
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #include "fk_attn_impl.inc"
+#include "fk_step_impl.inc"
 #undef VW
 #undef FK_AB
 
@@ -137,7 +158,10 @@ static inline vf vexp(vf x) {
 #pragma GCC pop_options
 
 extern "C" void fk_attn_decode_avx512(const fk_attn_args *a) { fk_attn_avx512::fk_attn_decode_impl(a); }
+extern "C" void fk_step_avx512(fk_step_args *a) { fk_attn_avx512::fk_step_impl(a); }
 #else
 extern "C" void fk_attn_decode_avx2(const fk_attn_args *a) { fk_attn_decode_scalar(a); }
 extern "C" void fk_attn_decode_avx512(const fk_attn_args *a) { fk_attn_decode_scalar(a); }
+extern "C" void fk_step_avx2(fk_step_args *a) { fk_step_scalar(a); }
+extern "C" void fk_step_avx512(fk_step_args *a) { fk_step_scalar(a); }
 #endif

@@ -67,12 +67,62 @@ typedef struct {
 #define FK_ATTN_MAX_GROUP 64
 #define FK_ATTN_MAX_D 1024
 
+/* A weight as the layer step sees it: GGML blocks [n, row_bytes], y = x @ W^T. */
+typedef struct {
+    int qtype;
+    const uint8_t *w;
+    int64_t rb, n, k;
+} fk_lin;
+
+/* One decoder layer of the llama shape (fk_step_impl.inc):
+ *   h = norm(x); q,k,v = h W_qkv; q/k head norms; RoPE; K/V -> f16 cache; attention;
+ *   x += post_norm(att W_o); h = norm(x); x += post_norm(act(h W_gate) * (h W_up) W_down)
+ * Optional pieces are NULL / 0. qkv is one fused weight [q|k|v] or three; gu one fused
+ * [gate|up] or two. */
+typedef struct {
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
+    fk_lin qkv[3];
+    fk_lin wo;
+    fk_lin gu[2];
+    fk_lin down;
+    int n_qkv, n_gu;
+    int rope;    /* which RoPE table of the call (0 or 1) */
+    int window;  /* > 0: keys with q_pos - k_pos >= window are masked */
+} fk_layer;
+
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
+
+typedef struct {
+    int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_rot, neox, act;
+    float eps, scale;
+    fk_layer *layers;
+} fk_plan;
+
+/* One call: run every layer of `plan` over x[m, n_embd] (updated in place) at positions
+ * pos0.., writing K/V rows into the per-layer f16 caches [capacity, n_kv, head_dim].
+ * cis[t]: RoPE table t as (cos, sin) pairs [cis_len[t], n_rot / 2, 2]. */
+typedef struct {
+    const fk_plan *plan;
+    float *x;
+    int64_t m, pos0, capacity;
+    uint16_t *const *kc;
+    uint16_t *const *vc;
+    const float *cis[2];
+    int64_t cis_len[2];
+    int nthreads, prefill;
+    void (*matmul)(const fk_matmul_args *a);
+    int status;  /* out: 0 ok, -1 out of memory */
+} fk_step_args;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 void fk_attn_decode_scalar(const fk_attn_args *a);
 void fk_attn_decode_avx2(const fk_attn_args *a);
 void fk_attn_decode_avx512(const fk_attn_args *a);
+void fk_step_scalar(fk_step_args *a);
+void fk_step_avx2(fk_step_args *a);
+void fk_step_avx512(fk_step_args *a);
 extern const fk_isa fk_isa_scalar;
 extern const fk_isa fk_isa_avx2;
 extern const fk_isa fk_isa_avx512;
@@ -100,6 +150,24 @@ static inline float fk_h2f_portable(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* f32 -> f16, round to nearest even (scalar units; matches torch's .half()) */
+static inline uint16_t fk_f2h_portable(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0u));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);   /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {                                      /* half subnormal or zero */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)__builtin_nearbyintf(a * 16777216.0f));
+    }
+    uint32_t h = ((((ax >> 23) - 127 + 15) << 10) | ((ax & 0x7FFFFFu) >> 13));
+    const uint32_t rem = ax & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
 }
 
 #endif

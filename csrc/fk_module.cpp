@@ -169,6 +169,165 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+
+/* ---- the decoder layer step -----------------------------------------------------------
+ * plan_new(ints, floats) -> capsule. ints (int64): a header
+ *   n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_rot, neox, act
+ * then per layer: 6 norm pointers (attn, q, k, post_attn, ffn, post_ffn; 0 = absent),
+ * n_qkv, 3 weights, wo, n_gu, 2 weights, down (a weight = qtype, ptr, row_bytes, n, k),
+ * rope table, window. floats (float64): eps, scale. Every shape is checked here, once. */
+#define FK_PLAN_HEADER 9
+#define FK_PLAN_LAYER 45
+
+static const char *kPlanCapsule = "fucina.kernels.plan";
+
+static void plan_free(PyObject *cap) {
+    fk_plan *p = (fk_plan *)PyCapsule_GetPointer(cap, kPlanCapsule);
+    if (p) {
+        free(p->layers);
+        free(p);
+    }
+}
+
+static int read_lin(const long long *v, fk_lin *w, int64_t n, int64_t k) {
+    long bs, ts;
+    w->qtype = (int)v[0];
+    w->w = (const uint8_t *)(uintptr_t)v[1];
+    w->rb = v[2];
+    w->n = v[3];
+    w->k = v[4];
+    return known_type(w->qtype) && type_block(w->qtype, &bs, &ts) && w->w && w->n == n && w->k == k &&
+           k % bs == 0 && w->rb == k / bs * ts;
+}
+
+static PyObject *py_plan_new(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *ib, *fb;
+    Py_ssize_t il, fl;
+    if (!PyArg_ParseTuple(args, "y#y#", &ib, &il, &fb, &fl)) return NULL;
+    if (il % 8 || fl != 16 || il / 8 < FK_PLAN_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "plan: malformed descriptor");
+        return NULL;
+    }
+    const long long *v = (const long long *)ib;
+    const double *f = (const double *)fb;
+    const long long L = v[0], E = v[1], H = v[2], KV = v[3], D = v[4], F = v[5], R = v[6];
+    if (L < 1 || L > 4096 || il / 8 != FK_PLAN_HEADER + L * FK_PLAN_LAYER || E < 1 || H < 1 || KV < 1 ||
+        H % KV || H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || F < 1 || R < 2 ||
+        R % 2 || R > D || (v[7] != 0 && v[7] != 1) || (v[8] != FK_ACT_SILU && v[8] != FK_ACT_GELU_TANH) ||
+        E > (1 << 20) || F > (1 << 22) || !(f[0] > 0.0) || !(f[1] > 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
+        return NULL;
+    }
+    fk_plan *p = (fk_plan *)calloc(1, sizeof(fk_plan));
+    fk_layer *layers = (fk_layer *)calloc((size_t)L, sizeof(fk_layer));
+    if (!p || !layers) {
+        free(p);
+        free(layers);
+        return PyErr_NoMemory();
+    }
+    p->n_layer = (int)L; p->n_embd = (int)E; p->n_head = (int)H; p->n_kv = (int)KV; p->head_dim = (int)D;
+    p->n_ff = (int)F; p->n_rot = (int)R; p->neox = (int)v[7]; p->act = (int)v[8];
+    p->eps = (float)f[0]; p->scale = (float)f[1]; p->layers = layers;
+    const long long nq = H * D, nkv = KV * D;
+    for (long long i = 0; i < L; i++) {
+        const long long *u = v + FK_PLAN_HEADER + i * FK_PLAN_LAYER;
+        fk_layer *y = layers + i;
+        const float **norms[6] = {&y->attn_norm, &y->q_norm, &y->k_norm, &y->post_attn_norm, &y->ffn_norm,
+                                  &y->post_ffn_norm};
+        for (int j = 0; j < 6; j++) *norms[j] = (const float *)(uintptr_t)u[j];
+        int ok = y->attn_norm && y->ffn_norm;
+        y->n_qkv = (int)u[6];
+        if (y->n_qkv == 1) {
+            ok = ok && read_lin(u + 7, &y->qkv[0], nq + 2 * nkv, E);
+        } else {
+            ok = ok && y->n_qkv == 3 && read_lin(u + 7, &y->qkv[0], nq, E) && read_lin(u + 12, &y->qkv[1], nkv, E) &&
+                 read_lin(u + 17, &y->qkv[2], nkv, E);
+        }
+        ok = ok && read_lin(u + 22, &y->wo, E, nq);
+        y->n_gu = (int)u[27];
+        if (y->n_gu == 1) {
+            ok = ok && read_lin(u + 28, &y->gu[0], 2 * F, E);
+        } else {
+            ok = ok && y->n_gu == 2 && read_lin(u + 28, &y->gu[0], F, E) && read_lin(u + 33, &y->gu[1], F, E);
+        }
+        ok = ok && read_lin(u + 38, &y->down, E, F);
+        y->rope = (int)u[43];
+        y->window = (int)u[44];
+        if (!ok || (u[43] != 0 && u[43] != 1) || u[44] < 0 || u[44] > (1LL << 30)) {
+            free(layers);
+            free(p);
+            PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);
+            return NULL;
+        }
+    }
+    PyObject *cap = PyCapsule_New(p, kPlanCapsule, plan_free);
+    if (!cap) {
+        free(layers);
+        free(p);
+    }
+    return cap;
+}
+
+/* step(plan, x_ptr, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len) */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "step takes 10 arguments");
+        return NULL;
+    }
+    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
+    if (!p) return NULL;
+    long long v[9];
+    for (int i = 0; i < 9; i++) {
+        v[i] = PyLong_AsLongLong(args[i + 1]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    fk_step_args a;
+    a.plan = p;
+    a.x = (float *)(uintptr_t)v[0];
+    a.m = v[1];
+    a.pos0 = v[2];
+    a.capacity = v[3];
+    uint16_t *const *kv = (uint16_t *const *)(uintptr_t)v[4];
+    a.cis[0] = (const float *)(uintptr_t)v[5];
+    a.cis_len[0] = v[6];
+    a.cis[1] = (const float *)(uintptr_t)v[7];
+    a.cis_len[1] = v[8];
+    int bad = !a.x || !kv || a.m < 1 || a.pos0 < 0 || a.capacity < 1 || a.pos0 + a.m > a.capacity ||
+              a.m > (1LL << 24);
+    for (int i = 0; !bad && i < p->n_layer; i++) {
+        const int t = p->layers[i].rope;
+        bad = !kv[2 * i] || !kv[2 * i + 1] || !a.cis[t] || a.cis_len[t] < a.pos0 + a.m;
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "step: inconsistent positions, cache or RoPE table");
+        return NULL;
+    }
+    /* the cache pointers arrive as [k0, v0, k1, v1, ...]: split them */
+    uint16_t **kvs = (uint16_t **)malloc(sizeof(uint16_t *) * 2 * (size_t)p->n_layer);
+    if (!kvs) return PyErr_NoMemory();
+    for (int i = 0; i < p->n_layer; i++) {
+        kvs[i] = kv[2 * i];
+        kvs[p->n_layer + i] = kv[2 * i + 1];
+    }
+    a.kc = kvs;
+    a.vc = kvs + p->n_layer;
+    a.nthreads = g_threads;
+    a.prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
+    a.matmul = g_isa->matmul;
+    a.status = 0;
+    void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
+                                 : g_isa == &fk_isa_avx2 ? fk_step_avx2
+                                                         : fk_step_scalar;
+    Py_BEGIN_ALLOW_THREADS
+    fn(&a);
+    Py_END_ALLOW_THREADS
+    free(kvs);
+    if (a.status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_act_roundtrip(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long xp, op;
@@ -266,6 +425,9 @@ static PyMethodDef methods[] = {
      "matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy): y[m,n] = x[m,k] @ W[n,k]^T"},
     {"attn_decode", (PyCFunction)(void (*)(void))py_attn_decode, METH_FASTCALL,
      "attn_decode(q, k, v, out, n, row_stride, n_head, kv_heads, d, scale): one-row attention over f16 K/V"},
+    {"plan_new", py_plan_new, METH_VARARGS, "plan_new(ints, floats): a validated decoder-layer plan"},
+    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
+     "step(plan, x, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},

@@ -87,7 +87,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
         else:
-            q = gguf.quants.quantize(a, qtype)
+            try:
+                q = gguf.quants.quantize(a, qtype)
+            except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
+                from fucina.quant import quantize
+                q = quantize(a, int(qtype))
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
     def mat(out_f, in_f, scale=None):

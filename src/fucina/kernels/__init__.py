@@ -265,3 +265,92 @@ def attach(weight) -> None:
     if raw.device.type != "cpu" or not raw.is_contiguous():
         return
     weight.kernel = QuantKernel(weight)
+
+
+# -- the decoder layer step ---------------------------------------------------------------
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}
+_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+
+
+class DecoderPlan:
+    """Every layer of a llama-shaped decoder as one native call (csrc/fk_step_impl.inc):
+    norm -> QKV -> q/k norms -> RoPE -> f16 KV cache -> attention -> O -> norm -> gate/up
+    -> act * up -> down, with optional post-norms (Gemma). Built once from the weights'
+    kernels and vectors, each shape checked here and again in C; the plan keeps every
+    tensor it points at alive. `run` updates the residual stream x [m, n_embd] in place.
+    """
+
+    def __init__(self, capsule, n_layer: int, n_embd: int, n_rot: int, keep: list):
+        self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, n_layer, n_embd, n_rot
+        self._keep = keep
+
+    @classmethod
+    def build(cls, *, n_embd: int, n_head: int, n_kv: int, head_dim: int, n_ff: int, n_rot: int,
+              neox: bool, act: str, eps: float, scale: float, layers: list[dict]) -> "DecoderPlan | None":
+        """None when some weight has no native route (the caller keeps its torch path).
+        A layer dict: the _NORMS vectors (f32 1-d; attn_norm/ffn_norm required), qkv (1 fused
+        or 3 weights), wo, gu (1 fused or 2), down, rope (table index 0/1), window (0 = all)."""
+        if not available() or act not in _ACTS:
+            return None
+        ints = [len(layers), n_embd, n_head, n_kv, head_dim, n_ff, n_rot, int(neox), _ACTS[act]]
+        keep = []
+        for L in layers:
+            for name in _NORMS:
+                v = L.get(name)
+                if v is None:
+                    ints.append(0)
+                    continue
+                if v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous():
+                    raise KernelError(f"plan: {name} must be a contiguous f32 vector")
+                keep.append(v)
+                ints.append(v.data_ptr())
+            for key, slots in (("qkv", 3), ("wo", 1), ("gu", 2), ("down", 1)):
+                ws = L[key] if isinstance(L[key], list) else [L[key]]
+                kernels = [getattr(w, "kernel", None) for w in ws]
+                if any(not isinstance(k, QuantKernel) for k in kernels):
+                    return None
+                if slots > 1:
+                    ints.append(len(ws))
+                for k in kernels:
+                    keep.append(k.raw)
+                    ints += [k.qtype, k.ptr, k.rb, k.n, k.k]
+                ints += [0] * (5 * (slots - len(ws)))
+            ints += [int(L.get("rope", 0)), int(L.get("window", 0))]
+        import numpy as np
+        try:
+            capsule = _native.plan_new(np.asarray(ints, dtype=np.int64).tobytes(),
+                                       np.asarray([eps, scale], dtype=np.float64).tobytes())
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        return cls(capsule, len(layers), n_embd, n_rot, keep)
+
+    @staticmethod
+    def cache_pointers(k: list[torch.Tensor], v: list[torch.Tensor], n_kv: int, head_dim: int) -> torch.Tensor:
+        """[k0, v0, k1, v1, ...] data pointers of an f16 cache, its geometry checked."""
+        for t in (*k, *v):
+            if (t.dtype is not torch.float16 or t.dim() != 3 or tuple(t.shape[1:]) != (n_kv, head_dim)
+                    or not t.is_contiguous() or t.shape[0] != k[0].shape[0]):
+                raise KernelError("plan: the cache must be contiguous f16 [capacity, n_kv, head_dim] per layer")
+        return torch.tensor([p for a, b in zip(k, v) for p in (a.data_ptr(), b.data_ptr())], dtype=torch.int64)
+
+    def run(self, x: torch.Tensor, kv_ptrs: torch.Tensor, capacity: int, pos0: int,
+            tables: list[torch.Tensor]) -> None:
+        """x [m, n_embd] f32 contiguous, updated in place; K/V rows written at pos0..;
+        tables: RoPE (cos, sin) tables [len, n_rot / 2, 2] f32, one or two."""
+        if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.n_embd
+                or not x.is_contiguous()):
+            raise KernelError(f"plan: x must be contiguous f32 [m, {self.n_embd}]")
+        if kv_ptrs.dtype is not torch.int64 or kv_ptrs.numel() != 2 * self.n_layer:
+            raise KernelError("plan: cache pointers do not match the layers")
+        t0 = tables[0]
+        t1 = tables[1] if len(tables) > 1 else t0
+        for t in (t0, t1):
+            if (t.dtype is not torch.float32 or t.dim() != 3 or not t.is_contiguous()
+                    or t.shape[1] * 2 != self.n_rot or t.shape[2] != 2):
+                raise KernelError("plan: RoPE tables must be contiguous f32 [len, n_rot/2, 2]")
+        try:
+            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, capacity, kv_ptrs.data_ptr(),
+                         t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
+        except ValueError as e:
+            raise KernelError(str(e)) from None

@@ -81,6 +81,10 @@ class Rope:
             self.cis = torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
         return self.cis
 
+    def table(self, end: int) -> torch.Tensor:
+        """(cos, sin) of every (position, frequency) up to `end` as f32 [n >= end, n_rot/2, 2]."""
+        return torch.view_as_real(self._table(end))
+
     def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: [m, heads, head_dim] at positions pos0..pos0+m-1."""
         m = x.shape[0]
@@ -258,12 +262,41 @@ class DecoderBase:
         if cache.len != pos0:
             raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
         ids = as_ids(tokens, self.config.n_vocab)
-        cache.check_room(ids.numel())
+        m = ids.numel()
+        cache.check_room(m)
         x = self.embed(ids)
-        for i in range(self.config.n_layer):
-            x = self.block(i, x, cache, pos0)
-        cache.advance(ids.numel())
+        ptrs = self._native_cache(cache)
+        if ptrs is not None:
+            x = x.float().contiguous()
+            tables = [t.table(pos0 + m) for t in self.rope_tables()]
+            self.native_plan.run(x, ptrs, cache.capacity, pos0, tables)
+        else:
+            for i in range(self.config.n_layer):
+                x = self.block(i, x, cache, pos0)
+        cache.advance(m)
         return x
+
+    # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
+
+    native_plan: "kernels.DecoderPlan | None" = None   # set by families that can build one
+    use_native_step = True                              # False: the torch blocks (reference, A/B)
+
+    def rope_tables(self) -> list["Rope"]:
+        """The RoPE tables the plan's layers index (families with two override this)."""
+        return [self.rope]
+
+    def _native_cache(self, cache: KVCache) -> torch.Tensor | None:
+        """The cache's pointer table when the native step serves this call, else None.
+        Only a plain f16 KVCache qualifies (the q8_0 cache keeps the torch path)."""
+        if self.native_plan is None or not self.use_native_step or type(cache) is not KVCache \
+                or cache.dtype is not torch.float16:
+            return None
+        ptrs = getattr(cache, "_native_ptrs", None)
+        if ptrs is None:
+            c = self.config
+            ptrs = kernels.DecoderPlan.cache_pointers(cache.k, cache.v, c.n_head_kv, c.head_dim)
+            cache._native_ptrs = ptrs
+        return ptrs
 
     @torch.inference_mode()
     def forward_step(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:

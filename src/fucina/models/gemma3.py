@@ -64,6 +64,20 @@ class Model(llama.Model):
         self.rope_local = Rope(c.n_rot, c.rope_base_swa, True)
         self.embd_scale = math.sqrt(c.n_embd)
 
+    plan_act = "gelu_tanh"
+
+    def plan_layer(self, i: int, L: Layer) -> dict:
+        c, local = self.config, self.config.swa_layers[i]
+        return dict(super().plan_layer(i, L), post_attn_norm=L.post_attn_norm,
+                    post_ffn_norm=L.post_ffn_norm, rope=1 if local else 0,
+                    window=c.sliding_window if local else 0)
+
+    def plan_scale(self) -> float:
+        return self.config.attn_scale
+
+    def rope_tables(self) -> list[Rope]:
+        return [self.rope_global, self.rope_local]
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embd.rows(ids) * self.embd_scale
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fucina import kernels
 from fucina.gguf import GGUFFile, meta_float, meta_float_opt, meta_int, meta_int_opt
 from fucina.models.base import (BaseConfig, DecoderBase, Rope, attend, attn_scale, check_shape,
                                 load_linear, load_vector, rms_norm)
@@ -104,6 +105,27 @@ class Model(DecoderBase):
         if freqs is not None:  # Llama 3 long-context factors divide the frequencies
             self.rope.inv_freq = self.rope.inv_freq / freqs.double()
         self.scale = attn_scale(c.head_dim)
+        self.native_plan = self.build_plan()
+
+    # -- the native layer step: what each layer hands kernels.DecoderPlan ----------------
+    plan_act = "silu"
+
+    def plan_layer(self, i: int, L: Layer) -> dict:
+        return dict(attn_norm=L.attn_norm, q_norm=L.q_norm, k_norm=L.k_norm, ffn_norm=L.ffn_norm,
+                    qkv=[L.wqkv] if L.wqkv is not None else [L.wq, L.wk, L.wv], wo=L.wo,
+                    gu=[L.w_gate_up] if L.w_gate_up is not None else [L.gate, L.up], down=L.down)
+
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.head_dim % 16 or c.n_rot % 2 or c.n_rot > c.head_dim:
+            return None
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim, n_ff=c.n_ff,
+            n_rot=c.n_rot, neox=c.rope_neox, act=self.plan_act, eps=c.rms_eps, scale=self.plan_scale(),
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_scale(self) -> float:
+        return self.scale
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embd.rows(ids)

@@ -1,0 +1,128 @@
+"""The native layer step (kernels.DecoderPlan) against the torch blocks it replaces.
+
+On F32 weights both paths do the same float arithmetic (the matmuls run f32 tiles), so
+logits and cache rows agree to rounding; on quantized weights the int8 activation
+rounding makes any two schedules differ slightly, as in test_models."""
+import gguf
+import pytest
+import torch
+
+import fucina.kernels as K
+from fucina.errors import ContextFull
+from fucina.kernels import KernelError
+from fucina.models import load_model
+from synth import write_model
+
+Q = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
+
+CASES = {
+    # name: (arch, kwargs)
+    "llama-d16": ("llama", dict(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2)),
+    "llama-d64-mha": ("llama", dict(hidden=128, heads=2, kv_heads=2, head_dim=64, layers=2)),
+    "qwen3-d128-gqa": ("qwen3", dict(hidden=64, heads=4, kv_heads=1, head_dim=128, layers=2)),
+    "gemma3-d32-window": ("gemma3", dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=6,
+                                         sliding_window=5)),
+    "gemma3-d256": ("gemma3", dict(hidden=64, heads=2, kv_heads=1, head_dim=256, layers=3,
+                                   sliding_window=7)),
+}
+
+IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9]
+
+
+def _model(tmp_path_factory, name, qtype):
+    arch, kw = CASES[name]
+    path = write_model(tmp_path_factory.mktemp(name) / "m.gguf", arch, qtype=qtype, **kw)
+    return load_model(path)
+
+
+def _run(model, native: bool, chunks):
+    model.use_native_step = native
+    try:
+        cache = model.init_cache(64)
+        out, pos = [], 0
+        for n in chunks:
+            out.append(model.forward_step_all_logits(cache, IDS[pos:pos + n], pos))
+            pos += n
+        return torch.cat(out), cache
+    finally:
+        model.use_native_step = True
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_f32_native_equals_torch(tmp_path_factory, name, isa):
+    model = _model(tmp_path_factory, name, Q.F32)
+    assert model.native_plan is not None
+    chunks = [9, 1, 1, 6, 1, 2]          # prefill, decode steps, a second prefill past the window
+    got, c1 = _run(model, True, chunks)
+    want, c0 = _run(model, False, chunks)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    for i in range(c0.n_layers):          # the same K/V rows, to f16 rounding
+        n = c0.len
+        assert torch.allclose(c1.k[i][:n].float(), c0.k[i][:n].float(), atol=2e-3, rtol=2e-3)
+        assert torch.allclose(c1.v[i][:n].float(), c0.v[i][:n].float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["llama-d16", "qwen3-d128-gqa", "gemma3-d32-window"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
+def test_quantized_native_close_to_torch(tmp_path_factory, name, qtype):
+    arch, kw = CASES[name]
+    if qtype == Q.Q4_K:  # K-quants need rows of 256 (the attention output's too)
+        kw = dict(kw, hidden=256, ffn=256, head_dim=64 if arch != "qwen3" else 128)
+    path = write_model(tmp_path_factory.mktemp(name) / "q.gguf", arch, qtype=qtype, **kw)
+    model = load_model(path)
+    got, _ = _run(model, True, [12, 1, 1])
+    want, _ = _run(model, False, [12, 1, 1])
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.999, cos.min()
+
+
+def test_mixed_types_take_separate_weights(tmp_path_factory):
+    """Q/K/V of different types cannot be fused: the step writes each into its slice."""
+    model = _model(tmp_path_factory, "qwen3-d128-gqa", Q.F32)
+    for L in model.layers:   # unfuse, as a mixed-type file would load
+        L.wqkv, L.w_gate_up = None, None
+    model.native_plan = model.build_plan()
+    got, _ = _run(model, True, [7, 1])
+    want, _ = _run(model, False, [7, 1])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_q8_cache_keeps_torch_path(tmp_path_factory):
+    model = _model(tmp_path_factory, "llama-d64-mha", Q.F32)
+    cache = model.init_cache(16, cache_type="q8_0")
+    assert model._native_cache(cache) is None
+    model.forward_step(cache, IDS[:4], 0)
+    assert cache.len == 4
+
+
+def test_step_errors_are_typed(tmp_path_factory):
+    model = _model(tmp_path_factory, "llama-d16", Q.F32)
+    cache = model.init_cache(8)
+    with pytest.raises(ContextFull):
+        model.forward_step(cache, IDS[:9], 0)
+    assert cache.len == 0
+    plan, ptrs = model.native_plan, model._native_cache(cache)
+    tables = [model.rope.table(16)]
+    x = torch.zeros(2, model.config.n_embd)
+    with pytest.raises(KernelError):          # past the capacity
+        plan.run(x, ptrs, 8, 7, tables)
+    with pytest.raises(KernelError):          # wrong width
+        plan.run(torch.zeros(2, 3), ptrs, 8, 0, tables)
+    with pytest.raises(KernelError):          # RoPE table too short for the positions
+        plan.run(x, ptrs, 8, 0, [t[:1] for t in tables])
+    with pytest.raises(KernelError):          # cache of another geometry
+        K.DecoderPlan.cache_pointers([torch.zeros(8, 3, 16, dtype=torch.float16)] * 2,
+                                     [torch.zeros(8, 3, 16, dtype=torch.float16)] * 2, 2, 16)
+
+
+def test_plan_rejects_inconsistent_weights(tmp_path_factory):
+    model = _model(tmp_path_factory, "llama-d16", Q.F32)
+    c = model.config
+    layer = model.plan_layer(0, model.layers[0])
+    bad = dict(layer, wo=model.layers[0].down)      # [64, 128] where [64, 64] belongs
+    with pytest.raises(KernelError):
+        K.DecoderPlan.build(n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
+                            n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu", eps=1e-6, scale=0.25,
+                            layers=[bad])
