@@ -7,6 +7,7 @@ so it is also the reference the native kernels are checked against.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -279,7 +280,8 @@ class DecoderBase:
     # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
 
     native_plan: "kernels.DecoderPlan | None" = None   # set by families that can build one
-    use_native_step = True                              # False: the torch blocks (reference, A/B)
+    # False: the torch blocks (reference, A/B); FUCINA_NATIVE_STEP=0 sets it for a process
+    use_native_step = os.environ.get("FUCINA_NATIVE_STEP", "1") != "0"
 
     def rope_tables(self) -> list["Rope"]:
         """The RoPE tables the plan's layers index (families with two override this)."""
