@@ -85,4 +85,4 @@ static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_
 
 #pragma GCC pop_options
 
-extern "C" const fk_isa fk_isa_avx2 = {"avx2", fk_avx2_ns::fk_matmul, fk_avx2_ns::fk_act_roundtrip};
+extern "C" const fk_isa fk_isa_avx2 = {"avx2", fk_avx2_ns::fk_matmul, fk_avx2_ns::fk_act_roundtrip, fk_avx2_ns::fk_dequant_row};

@@ -813,4 +813,4 @@ static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uin
 
 #pragma GCC pop_options
 
-extern "C" const fk_isa fk_isa_avx512 = {"avx512", fk_avx512_ns::fk_matmul, fk_avx512_ns::fk_act_roundtrip};
+extern "C" const fk_isa fk_isa_avx512 = {"avx512", fk_avx512_ns::fk_matmul, fk_avx512_ns::fk_act_roundtrip, fk_avx512_ns::fk_dequant_row};

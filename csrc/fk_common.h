@@ -49,6 +49,8 @@ typedef struct {
     void (*matmul)(const fk_matmul_args *a);
     /* test hook: quantize activations exactly as matmul does and dequantize back */
     void (*act_roundtrip)(const float *x, int64_t k, float *out);
+    /* one row of k values of a weight back to f32 (embedding lookup) */
+    void (*dequant_row)(int qtype, const uint8_t *src, int64_t k, float *out);
 } fk_isa;
 
 /* Decode attention (fk_attn.cpp): out[h*d..] = softmax(scale * q[h] . K_kvh^T) @ V_kvh for one

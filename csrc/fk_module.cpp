@@ -37,8 +37,8 @@ static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_support
 static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
-const fk_isa fk_isa_avx512 = {"avx512", 0, 0};
-const fk_isa fk_isa_avx2 = {"avx2", 0, 0};
+const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0};
+const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0};
 #endif
 
 static const fk_isa *isa_by_name(const char *name) {
@@ -328,6 +328,37 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* dequant_rows(qtype, w_ptr, row_bytes, n, k, ids_ptr, count, out_ptr): out[i] = row ids[i] */
+static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "dequant_rows takes 8 arguments");
+        return NULL;
+    }
+    long long v[8];
+    for (int i = 0; i < 8; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    long bs, ts;
+    const uint8_t *w = (const uint8_t *)(uintptr_t)v[1];
+    const int64_t *ids = (const int64_t *)(uintptr_t)v[5];
+    float *out = (float *)(uintptr_t)v[7];
+    const long long rb = v[2], n = v[3], k = v[4], count = v[6];
+    if (!known_type(v[0]) || !type_block(v[0], &bs, &ts) || !w || !ids || !out || n <= 0 || k <= 0 ||
+        k % bs || rb != k / bs * ts || count < 0 || k > (1LL << 28)) {
+        PyErr_SetString(PyExc_ValueError, "dequant_rows: inconsistent shapes or null pointer");
+        return NULL;
+    }
+    for (long long i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "dequant_rows: row %lld out of range [0, %lld)", (long long)ids[i], n);
+            return NULL;
+        }
+    for (long long i = 0; i < count; i++) g_isa->dequant_row((int)v[0], w + ids[i] * rb, k, out + i * k);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_act_roundtrip(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long xp, op;
@@ -428,6 +459,8 @@ static PyMethodDef methods[] = {
     {"plan_new", py_plan_new, METH_VARARGS, "plan_new(ints, floats): a validated decoder-layer plan"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, x, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
+    {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
+     "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},

@@ -44,4 +44,4 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 
 }  // namespace fk_scalar_ns
 
-extern "C" const fk_isa fk_isa_scalar = {"scalar", fk_scalar_ns::fk_matmul, fk_scalar_ns::fk_act_roundtrip};
+extern "C" const fk_isa fk_isa_scalar = {"scalar", fk_scalar_ns::fk_matmul, fk_scalar_ns::fk_act_roundtrip, fk_scalar_ns::fk_dequant_row};

@@ -210,3 +210,18 @@ def test_bad_calls_raise_typed_errors():
     # strided / f64 input is accepted (copied)
     y = K.matmul(raw, T.Q4_0, 4, 32, torch.randn(32, 2, dtype=torch.float64).T)
     assert y.shape == (2, 4)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_rows_equal_reference_dequant(isa, qt):
+    """Embedding lookups through the kernel equal the reference dequantization."""
+    k = 512 if qt not in FLOATS else 40
+    w, raw = linear_weight(qt, 9, k, 3)
+    ids = torch.tensor([8, 0, 3, 3])
+    got = w.kernel.rows(ids)
+    want = reference(raw, qt, 9, k)[ids].float()
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7 * want.abs().max().item())
+    with pytest.raises(K.KernelError):
+        w.kernel.rows(torch.tensor([9]))
+    with pytest.raises(K.KernelError):
+        w.kernel.rows(torch.tensor([-1]))

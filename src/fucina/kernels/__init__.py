@@ -250,6 +250,17 @@ class QuantKernel:
             _native.matmul(self.qtype, self.ptr, self.rb, self.n, k, x.data_ptr(), m, y.data_ptr(), self.n)
         return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64, checked in range here and in C) as f32 [len(ids), k]."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        try:
+            _native.dequant_rows(self.qtype, self.ptr, self.rb, self.n, self.k, ids.data_ptr(), ids.numel(),
+                                 out.data_ptr())
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             return _Backward.apply(x, self)
