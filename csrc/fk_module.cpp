@@ -78,18 +78,25 @@ static int type_block(long t, long *bs, long *ts) {
     return 0;
 }
 
+/* FASTCALL argument checks: nargs must be `want`; args[first .. first + count) as integers */
+static int int_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int first, int count,
+                    long long *v) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", fn, want);
+        return 0;
+    }
+    for (int i = 0; i < count; i++) {
+        v[i] = PyLong_AsLongLong(args[first + i]);
+        if (v[i] == -1 && PyErr_Occurred()) return 0;
+    }
+    return 1;
+}
+
 /* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "matmul takes 9 arguments");
-        return NULL;
-    }
     long long v[9];
-    for (int i = 0; i < 9; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (!int_args("matmul", args, nargs, 9, 0, 9, v)) return NULL;
     fk_matmul_args a;
     a.qtype = (int)v[0];
     a.w = (const uint8_t *)(uintptr_t)v[1];
@@ -127,15 +134,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* attn_decode(q_ptr, k_ptr, v_ptr, out_ptr, n, row_stride, n_head, kv_heads, d, scale) */
 static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "attn_decode takes 10 arguments");
-        return NULL;
-    }
     long long v[9];
-    for (int i = 0; i < 9; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (!int_args("attn_decode", args, nargs, 10, 0, 9, v)) return NULL;
     const double scale = PyFloat_AsDouble(args[9]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     fk_attn_args a;
@@ -272,17 +272,10 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
 /* step(plan, x_ptr, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len) */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "step takes 10 arguments");
-        return NULL;
-    }
+    long long v[9];
+    if (!int_args("step", args, nargs, 10, 1, 9, v)) return NULL;
     const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
     if (!p) return NULL;
-    long long v[9];
-    for (int i = 0; i < 9; i++) {
-        v[i] = PyLong_AsLongLong(args[i + 1]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
     fk_step_args a;
     a.plan = p;
     a.x = (float *)(uintptr_t)v[0];
@@ -331,15 +324,8 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* dequant_rows(qtype, w_ptr, row_bytes, n, k, ids_ptr, count, out_ptr): out[i] = row ids[i] */
 static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "dequant_rows takes 8 arguments");
-        return NULL;
-    }
     long long v[8];
-    for (int i = 0; i < 8; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (!int_args("dequant_rows", args, nargs, 8, 0, 8, v)) return NULL;
     long bs, ts;
     const uint8_t *w = (const uint8_t *)(uintptr_t)v[1];
     const int64_t *ids = (const int64_t *)(uintptr_t)v[5];
