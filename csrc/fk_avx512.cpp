@@ -542,7 +542,7 @@ static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, con
     __m256 oacc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
-        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 2048 + 64 * l, _MM_HINT_T0);
         __m512 S, O;
         q45k_scales(p, S, O);
         const __m512 C = _mm512_mul_ps(S, _mm512_castps256_ps512(_mm256_loadu_ps(d32 + 8 * b)));
@@ -580,7 +580,7 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 210;
-        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 2048 + 64 * l, _MM_HINT_T0);
         const __m512 S = q6k_scales(p);
         oacc = _mm512_fmadd_ps(_mm512_mul_ps(S, _mm512_set1_ps(-32.0f)), _mm512_loadu_ps(s16 + b * 16), oacc);
         const int8_t *x = xq + b * 256;
@@ -612,7 +612,7 @@ static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t 
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 136;
-        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 2048 + 64 * l, _MM_HINT_T0);
         uint32_t sl;
         memcpy(&sl, p + 4, 4);
         /* group ib: low 4 bits at nibble ib of scales_l, high 2 bits at bits 2ib of scales_h */
