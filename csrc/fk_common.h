@@ -113,6 +113,10 @@ typedef struct {
     int64_t cis_len[2];
     int nthreads, prefill;
     void (*matmul)(const fk_matmul_args *a);
+    /* batch mode (row_pos != NULL): row i is one token of its own stream, at position
+     * row_pos[i] of its own cache row_kv[i * 2 * n_layer ..] = [k0, v0, k1, v1, ...] */
+    const int64_t *row_pos;
+    uint16_t *const *row_kv;
     int status;  /* out: 0 ok, -1 out of memory */
 } fk_step_args;
 

@@ -269,6 +269,20 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     return cap;
 }
 
+static int run_step(fk_step_args *a) {
+    a->nthreads = g_threads;
+    a->prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
+    a->matmul = g_isa->matmul;
+    a->status = 0;
+    void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
+                                 : g_isa == &fk_isa_avx2 ? fk_step_avx2
+                                                         : fk_step_scalar;
+    Py_BEGIN_ALLOW_THREADS
+    fn(a);
+    Py_END_ALLOW_THREADS
+    return a->status;
+}
+
 /* step(plan, x_ptr, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len) */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -306,18 +320,52 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     a.kc = kvs;
     a.vc = kvs + p->n_layer;
-    a.nthreads = g_threads;
-    a.prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
-    a.matmul = g_isa->matmul;
-    a.status = 0;
-    void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
-                                 : g_isa == &fk_isa_avx2 ? fk_step_avx2
-                                                         : fk_step_scalar;
-    Py_BEGIN_ALLOW_THREADS
-    fn(&a);
-    Py_END_ALLOW_THREADS
+    a.row_pos = NULL;
+    a.row_kv = NULL;
+    const int st = run_step(&a);
     free(kvs);
-    if (a.status) return PyErr_NoMemory();
+    if (st) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* step_batch(plan, x_ptr, m, row_kv, row_pos, row_cap, cis0, cis0_len, cis1, cis1_len): row i is
+ * one token of its own stream: position row_pos[i] < row_cap[i] of the cache whose layer
+ * pointers are row_kv[i * 2 * n_layer ..] ([k0, v0, k1, v1, ...]) */
+static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[9];
+    if (!int_args("step_batch", args, nargs, 10, 1, 9, v)) return NULL;
+    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
+    if (!p) return NULL;
+    fk_step_args a;
+    a.plan = p;
+    a.x = (float *)(uintptr_t)v[0];
+    a.m = v[1];
+    a.row_kv = (uint16_t *const *)(uintptr_t)v[2];
+    a.row_pos = (const int64_t *)(uintptr_t)v[3];
+    const int64_t *cap = (const int64_t *)(uintptr_t)v[4];
+    a.cis[0] = (const float *)(uintptr_t)v[5];
+    a.cis_len[0] = v[6];
+    a.cis[1] = (const float *)(uintptr_t)v[7];
+    a.cis_len[1] = v[8];
+    int bad = !a.x || !a.row_kv || !a.row_pos || !cap || a.m < 1 || a.m > (1 << 16);
+    for (int64_t i = 0; !bad && i < a.m; i++) {
+        const int64_t pos = a.row_pos[i];
+        bad = pos < 0 || pos >= cap[i];
+        for (int l = 0; !bad && l < p->n_layer; l++) {
+            const int t = p->layers[l].rope;
+            bad = !a.row_kv[i * 2 * p->n_layer + 2 * l] || !a.row_kv[i * 2 * p->n_layer + 2 * l + 1] || !a.cis[t] ||
+                  a.cis_len[t] <= pos;
+        }
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "step_batch: inconsistent positions, caches or RoPE table");
+        return NULL;
+    }
+    a.pos0 = 0;
+    a.capacity = 0;
+    a.kc = a.vc = NULL;
+    if (run_step(&a)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -445,6 +493,8 @@ static PyMethodDef methods[] = {
     {"plan_new", py_plan_new, METH_VARARGS, "plan_new(ints, floats): a validated decoder-layer plan"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, x, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
+    {"step_batch", (PyCFunction)(void (*)(void))py_step_batch, METH_FASTCALL,
+     "step_batch(plan, x, m, row_kv, row_pos, row_cap, cis0, cis0_len, cis1, cis1_len): one token per stream"},
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},

@@ -126,3 +126,38 @@ def test_plan_rejects_inconsistent_weights(tmp_path_factory):
         K.DecoderPlan.build(n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
                             n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu", eps=1e-6, scale=0.25,
                             layers=[bad])
+
+
+@pytest.mark.parametrize("name", ["llama-d16", "gemma3-d32-window"])
+def test_batch_native_equals_torch(tmp_path_factory, name):
+    """Streams at different positions (past the window too) advanced in one native pass."""
+    model = _model(tmp_path_factory, name, Q.F32)
+
+    def streams(native):
+        model.use_native_step = native
+        try:
+            caches = [model.init_cache(32) for _ in range(3)]
+            for c, n in zip(caches, (3, 9, 1)):
+                model.forward_step(c, IDS[:n], 0)
+            out = [model.forward_step_batch(caches, [7, 8, 9]), model.forward_step_batch(caches, [1, 2, 3])]
+            return torch.cat(out), caches
+        finally:
+            model.use_native_step = True
+
+    got, c1 = streams(True)
+    want, c0 = streams(False)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert [c.len for c in c1] == [5, 11, 3]
+    for a, b in zip(c1, c0):
+        assert torch.allclose(a.k[0][:a.len].float(), b.k[0][:b.len].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_batch_errors_are_typed(tmp_path_factory):
+    model = _model(tmp_path_factory, "llama-d16", Q.F32)
+    cache = model.init_cache(4)
+    ptrs = model._native_cache(cache)
+    x = torch.zeros(1, model.config.n_embd)
+    with pytest.raises(KernelError):     # position past the cache
+        model.native_plan.run_batch(x, [ptrs], [4], [4], [model.rope.table(8)])
+    with pytest.raises(KernelError):     # rows and caches disagree
+        model.native_plan.run_batch(torch.zeros(2, model.config.n_embd), [ptrs], [0], [4], [model.rope.table(8)])

@@ -354,14 +354,38 @@ class DecoderPlan:
             raise KernelError(f"plan: x must be contiguous f32 [m, {self.n_embd}]")
         if kv_ptrs.dtype is not torch.int64 or kv_ptrs.numel() != 2 * self.n_layer:
             raise KernelError("plan: cache pointers do not match the layers")
+        t0, t1 = self._tables(tables)
+        try:
+            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, capacity, kv_ptrs.data_ptr(),
+                         t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+
+    def run_batch(self, x: torch.Tensor, kv_ptrs: list[torch.Tensor], positions: list[int],
+                  capacities: list[int], tables: list[torch.Tensor]) -> None:
+        """One token per stream: row i of x at positions[i] of the cache kv_ptrs[i]
+        (a cache_pointers table) of capacity capacities[i]; x updated in place."""
+        m = len(kv_ptrs)
+        if (x.dtype is not torch.float32 or x.dim() != 2 or tuple(x.shape) != (m, self.n_embd)
+                or not x.is_contiguous() or len(positions) != m or len(capacities) != m):
+            raise KernelError(f"plan: x must be contiguous f32 [{m}, {self.n_embd}], one row per cache")
+        if any(p.dtype is not torch.int64 or p.numel() != 2 * self.n_layer for p in kv_ptrs):
+            raise KernelError("plan: cache pointers do not match the layers")
+        rows = torch.cat(kv_ptrs)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        cap = torch.tensor(capacities, dtype=torch.int64)
+        t0, t1 = self._tables(tables)
+        try:
+            _native.step_batch(self._capsule, x.data_ptr(), m, rows.data_ptr(), pos.data_ptr(), cap.data_ptr(),
+                               t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+
+    def _tables(self, tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = tables[0]
         t1 = tables[1] if len(tables) > 1 else t0
         for t in (t0, t1):
             if (t.dtype is not torch.float32 or t.dim() != 3 or not t.is_contiguous()
                     or t.shape[1] * 2 != self.n_rot or t.shape[2] != 2):
                 raise KernelError("plan: RoPE tables must be contiguous f32 [len, n_rot/2, 2]")
-        try:
-            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, capacity, kv_ptrs.data_ptr(),
-                         t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
-        except ValueError as e:
-            raise KernelError(str(e)) from None
+        return t0, t1

@@ -251,10 +251,17 @@ class DecoderBase:
             raise KVCacheError("forward_step_batch: the same cache appears twice")
         for c in caches:
             c.check_room(1)
-        batch = Ragged(caches)
         x = self.embed(as_ids(tokens, self.config.n_vocab))
-        for i in range(self.config.n_layer):
-            x = self.block(i, x, batch, 0)
+        ptrs = [self._native_cache(c) for c in caches]
+        if all(p is not None for p in ptrs):
+            x = x.float().contiguous()
+            end = max(c.len for c in caches) + 1
+            self.native_plan.run_batch(x, ptrs, [c.len for c in caches], [c.capacity for c in caches],
+                                       [t.table(end) for t in self.rope_tables()])
+        else:
+            batch = Ragged(caches)
+            for i in range(self.config.n_layer):
+                x = self.block(i, x, batch, 0)
         for c in caches:
             c.advance(1)
         return self.head(x)
