@@ -283,24 +283,31 @@ static int run_step(fk_step_args *a) {
     return a->status;
 }
 
+/* the common head of step / step_batch: the plan, x and m, the RoPE tables (args 6..9) */
+static int step_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, long long *v, fk_step_args *a) {
+    if (!int_args(fn, args, nargs, 10, 1, 9, v)) return 0;
+    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
+    if (!p) return 0;
+    a->plan = p;
+    a->x = (float *)(uintptr_t)v[0];
+    a->m = v[1];
+    a->cis[0] = (const float *)(uintptr_t)v[5];
+    a->cis_len[0] = v[6];
+    a->cis[1] = (const float *)(uintptr_t)v[7];
+    a->cis_len[1] = v[8];
+    return 1;
+}
+
 /* step(plan, x_ptr, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len) */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[9];
-    if (!int_args("step", args, nargs, 10, 1, 9, v)) return NULL;
-    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
-    if (!p) return NULL;
     fk_step_args a;
-    a.plan = p;
-    a.x = (float *)(uintptr_t)v[0];
-    a.m = v[1];
+    if (!step_args("step", args, nargs, v, &a)) return NULL;
+    const fk_plan *p = a.plan;
     a.pos0 = v[2];
     a.capacity = v[3];
     uint16_t *const *kv = (uint16_t *const *)(uintptr_t)v[4];
-    a.cis[0] = (const float *)(uintptr_t)v[5];
-    a.cis_len[0] = v[6];
-    a.cis[1] = (const float *)(uintptr_t)v[7];
-    a.cis_len[1] = v[8];
     int bad = !a.x || !kv || a.m < 1 || a.pos0 < 0 || a.capacity < 1 || a.pos0 + a.m > a.capacity ||
               a.m > (1LL << 24);
     for (int i = 0; !bad && i < p->n_layer; i++) {
@@ -334,20 +341,12 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[9];
-    if (!int_args("step_batch", args, nargs, 10, 1, 9, v)) return NULL;
-    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
-    if (!p) return NULL;
     fk_step_args a;
-    a.plan = p;
-    a.x = (float *)(uintptr_t)v[0];
-    a.m = v[1];
+    if (!step_args("step_batch", args, nargs, v, &a)) return NULL;
+    const fk_plan *p = a.plan;
     a.row_kv = (uint16_t *const *)(uintptr_t)v[2];
     a.row_pos = (const int64_t *)(uintptr_t)v[3];
     const int64_t *cap = (const int64_t *)(uintptr_t)v[4];
-    a.cis[0] = (const float *)(uintptr_t)v[5];
-    a.cis_len[0] = v[6];
-    a.cis[1] = (const float *)(uintptr_t)v[7];
-    a.cis_len[1] = v[8];
     int bad = !a.x || !a.row_kv || !a.row_pos || !cap || a.m < 1 || a.m > (1 << 16);
     for (int64_t i = 0; !bad && i < a.m; i++) {
         const int64_t pos = a.row_pos[i];
