@@ -723,7 +723,7 @@ static inline void tile_bf(const uint16_t *wt, const uint16_t *xt, int64_t kp, f
         for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-static void matmul_bf16(const fk_matmul_args *a) {
+static void matmul_bf16_old(const fk_matmul_args *a) {
     const int64_t n = a->n, k = a->k, m = a->m;
     const int64_t kp = fk_round_up(k, 32);
     uint16_t *act = (uint16_t *)scratch(0, (size_t)(m * kp) * 2);
@@ -778,6 +778,159 @@ static void matmul_bf16(const fk_matmul_args *a) {
             }
         }
     }
+}
+
+/* ---- outer-product GEMM: packed panels of NR weight rows ------------------------------
+ * A panel of NR = 32 weight rows is decoded once and packed in the VNNI bf16 layout
+ * [kp/2][32][2]: the 32-bit element (p, j) holds the bf16 pair (w[j][2p], w[j][2p+1]).
+ * Activations are packed per tile of up to MR rows as [kp/2][mr][2]. The microkernel
+ * keeps acc[2][MR] zmm (16 output features each); per k-pair it loads the two panel
+ * zmm and issues one vdpbf16ps per activation row with the row's pair broadcast, so
+ * there is no horizontal reduction: lanes are output features, stored straight to y. */
+
+#define GB_NR 32
+#define GB_MR 12
+
+/* 16x16 transpose of 32-bit elements */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* r[4i + j]: lane L holds column 4L + j of rows 4i..4i+3; at the end r[j] is column j */
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* row-major bf16 rows [32][kp] -> packed [kp/2][32] pairs */
+static void pack_panel(const uint16_t *rm, int64_t kp, uint32_t *out) {
+    for (int64_t c = 0; c < kp / 32; c++) {
+        for (int h = 0; h < 2; h++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(rm + (h * 16 + i) * kp + 32 * c));
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(out + (16 * c + j) * GB_NR + 16 * h), r[j]);
+        }
+    }
+}
+
+template <int MR>
+static inline void gemm_kern(const uint32_t *__restrict wp, const uint32_t *__restrict xp, int64_t np, float *y,
+                             int64_t ldy, __mmask16 k0, __mmask16 k1) {
+    __m512 a0[MR], a1[MR];
+    for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < np; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR + 16));
+        for (int r = 0; r < MR; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p * MR + r]);
+            a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
+            a1[r] = _mm512_dpbf16_ps(a1[r], w1, xb);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, a0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, a1[r]);
+    }
+}
+
+static void gemm_tile(int mr, const uint32_t *wp, const uint32_t *xp, int64_t np, float *y, int64_t ldy,
+                      __mmask16 k0, __mmask16 k1) {
+    switch (mr) {
+    case 1: gemm_kern<1>(wp, xp, np, y, ldy, k0, k1); break;
+    case 2: gemm_kern<2>(wp, xp, np, y, ldy, k0, k1); break;
+    case 3: gemm_kern<3>(wp, xp, np, y, ldy, k0, k1); break;
+    case 4: gemm_kern<4>(wp, xp, np, y, ldy, k0, k1); break;
+    case 5: gemm_kern<5>(wp, xp, np, y, ldy, k0, k1); break;
+    case 6: gemm_kern<6>(wp, xp, np, y, ldy, k0, k1); break;
+    case 7: gemm_kern<7>(wp, xp, np, y, ldy, k0, k1); break;
+    case 8: gemm_kern<8>(wp, xp, np, y, ldy, k0, k1); break;
+    case 9: gemm_kern<9>(wp, xp, np, y, ldy, k0, k1); break;
+    case 10: gemm_kern<10>(wp, xp, np, y, ldy, k0, k1); break;
+    case 11: gemm_kern<11>(wp, xp, np, y, ldy, k0, k1); break;
+    default: gemm_kern<12>(wp, xp, np, y, ldy, k0, k1); break;
+    }
+}
+
+/* activation rows [0, mr) of x (mr <= 16) -> bf16 pairs packed [kp/2][mr] */
+static void pack_act(const float *x, int64_t k, int64_t kp, int mr, uint32_t *out) {
+    const __mmask16 keep = (__mmask16)((1u << mr) - 1);
+    for (int64_t i = 0; i < kp; i += 32) {
+        const __mmask16 m0 = i + 16 <= k ? (__mmask16)0xFFFF : i < k ? (__mmask16)((1u << (k - i)) - 1) : 0;
+        const __mmask16 m1 = i + 32 <= k ? (__mmask16)0xFFFF : i + 16 < k ? (__mmask16)((1u << (k - i - 16)) - 1) : 0;
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+            if (j < mr) {
+                const float *xr = x + j * k + i;
+                r[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, xr + 16), _mm512_maskz_loadu_ps(m0, xr));
+            } else {
+                r[j] = _mm512_setzero_si512();
+            }
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_mask_storeu_epi32((void *)(out + (i / 2 + j) * mr), keep, r[j]);
+    }
+}
+
+static void matmul_bf16_new(const fk_matmul_args *a) {
+    const int64_t n = a->n, k = a->k, m = a->m;
+    const int64_t kp = fk_round_up(k, 32), np = kp / 2;
+    uint32_t *act = (uint32_t *)scratch(0, (size_t)(m * kp) * 2);
+    if (!act) return;
+    const int64_t npanels = (n + GB_NR - 1) / GB_NR, mtiles = (m + GB_MR - 1) / GB_MR;
+    int nt = a->nthreads;
+    if (nt > npanels) nt = (int)npanels;
+    if (nt < 1) nt = 1;
+    const size_t tmpsz = (size_t)(fk_round_up(k, 64) * 4 + 256);
+    const size_t psz = (size_t)(GB_NR * kp) * 2;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        uint8_t *buf = scratch(1, tmpsz + 2 * psz + 64);
+        uint16_t *rm = buf ? (uint16_t *)(buf + tmpsz) : NULL;
+        uint32_t *pk = buf ? (uint32_t *)(buf + tmpsz + psz) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < mtiles; t++) {
+            const int mr = (int)(m - t * GB_MR < GB_MR ? m - t * GB_MR : GB_MR);
+            pack_act(a->x + t * GB_MR * k, k, kp, mr, act + t * GB_MR * np);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t pn = 0; pn < npanels; pn++) {
+            if (!buf) continue;
+            const int64_t n0 = pn * GB_NR;
+            const int nr = (int)(n - n0 < GB_NR ? n - n0 : GB_NR);
+            for (int r = 0; r < nr; r++)
+                decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, rm + r * kp);
+            if (nr < GB_NR) memset(rm + nr * kp, 0, (size_t)((GB_NR - nr) * kp) * 2);
+            pack_panel(rm, kp, pk);
+            const __mmask16 k0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+            const __mmask16 k1 = nr >= 32 ? (__mmask16)0xFFFF : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+            for (int64_t t = 0; t < mtiles; t++) {
+                const int mr = (int)(m - t * GB_MR < GB_MR ? m - t * GB_MR : GB_MR);
+                gemm_tile(mr, pk, act + t * GB_MR * np, np, a->y + t * GB_MR * a->ldy + n0, a->ldy, k0, k1);
+            }
+        }
+    }
+}
+
+static void matmul_bf16(const fk_matmul_args *a) {
+    const char *e = getenv("FK_BF16_IMPL");  /* DEV ONLY: A/B switch, removed before merge */
+    if (e && e[0] == 'o') matmul_bf16_old(a);
+    else matmul_bf16_new(a);
 }
 
 /* ---- activations ------------------------------------------------------------------ */
