@@ -828,6 +828,42 @@ static void pack_panel(const uint16_t *rm, int64_t kp, uint32_t *out) {
     }
 }
 
+/* quantized rows [0, nr) of a panel -> packed [kp/2][32] pairs, via the int layout of
+ * 16 rows at a time in `tmp` (16 * rowsz bytes); rows nr..31 pack as zeros */
+static inline size_t panel_rowsz(int64_t k) { return (size_t)fk_round_up(k, 64) * 9 / 4 + 64; }
+
+static void pack_panel_q(int qt, const uint8_t *w, size_t row_bytes, int nr, int64_t k, int64_t kp, uint8_t *tmp,
+                         uint32_t *out) {
+    const int64_t kq = fk_round_up(k, 64);
+    const size_t rowsz = panel_rowsz(k);
+    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
+    for (int h = 0; h < 2; h++) {
+        const int rows = nr - 16 * h < 0 ? 0 : nr - 16 * h > 16 ? 16 : nr - 16 * h;
+        for (int j = 0; j < rows; j++) decode_row(qt, w + (16 * h + j) * row_bytes, k, kq, tmp + j * rowsz);
+        for (int64_t e = 0; e < kp; e += 32) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= rows) {
+                    r[j] = _mm512_setzero_si512();
+                    continue;
+                }
+                const uint8_t *q = tmp + j * rowsz;
+                const float *ls = (const float *)(q + kq), *off = (const float *)(q + 2 * kq);
+                __m512 v[2];
+                for (int i = 0; i < 2; i++) {
+                    const int64_t f = e + 16 * i;
+                    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + f))));
+                    const __m512 sc = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(ls + f / 4)));
+                    v[i] = _mm512_fmadd_ps(u, sc, _mm512_set1_ps(off[f / 16]));
+                }
+                r[j] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(out + (e / 2 + j) * GB_NR + 16 * h), r[j]);
+        }
+    }
+}
+
 template <int MR>
 static inline void gemm_kern(const uint32_t *__restrict wp, const uint32_t *__restrict xp, int64_t np, float *y,
                              int64_t ldy, __mmask16 k0, __mmask16 k1) {
@@ -896,13 +932,15 @@ static void matmul_bf16_new(const fk_matmul_args *a) {
     int nt = a->nthreads;
     if (nt > npanels) nt = (int)npanels;
     if (nt < 1) nt = 1;
-    const size_t tmpsz = (size_t)(fk_round_up(k, 64) * 4 + 256);
+    const bool fl = a->qtype == FK_F32 || a->qtype == FK_F16 || a->qtype == FK_BF16;
+    /* float rows: f32 row + row-major bf16 rows; quantized: the int layout of 16 rows */
+    const size_t tmpsz = fl ? (size_t)(fk_round_up(k, 64) * 4 + 256) + (size_t)(GB_NR * kp) * 2 : 16 * panel_rowsz(k);
     const size_t psz = (size_t)(GB_NR * kp) * 2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        uint8_t *buf = scratch(1, tmpsz + 2 * psz + 64);
-        uint16_t *rm = buf ? (uint16_t *)(buf + tmpsz) : NULL;
-        uint32_t *pk = buf ? (uint32_t *)(buf + tmpsz + psz) : NULL;
+        uint8_t *buf = scratch(1, tmpsz + psz + 64);
+        uint16_t *rm = buf ? (uint16_t *)(buf + (size_t)(fk_round_up(k, 64) * 4 + 256)) : NULL;
+        uint32_t *pk = buf ? (uint32_t *)(buf + tmpsz) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < mtiles; t++) {
             const int mr = (int)(m - t * GB_MR < GB_MR ? m - t * GB_MR : GB_MR);
@@ -913,10 +951,14 @@ static void matmul_bf16_new(const fk_matmul_args *a) {
             if (!buf) continue;
             const int64_t n0 = pn * GB_NR;
             const int nr = (int)(n - n0 < GB_NR ? n - n0 : GB_NR);
-            for (int r = 0; r < nr; r++)
-                decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, rm + r * kp);
-            if (nr < GB_NR) memset(rm + nr * kp, 0, (size_t)((GB_NR - nr) * kp) * 2);
-            pack_panel(rm, kp, pk);
+            if (fl) {
+                for (int r = 0; r < nr; r++)
+                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, rm + r * kp);
+                if (nr < GB_NR) memset(rm + nr * kp, 0, (size_t)((GB_NR - nr) * kp) * 2);
+                pack_panel(rm, kp, pk);
+            } else {
+                pack_panel_q(a->qtype, a->w + n0 * a->row_bytes, a->row_bytes, nr, k, kp, buf, pk);
+            }
             const __mmask16 k0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
             const __mmask16 k1 = nr >= 32 ? (__mmask16)0xFFFF : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
             for (int64_t t = 0; t < mtiles; t++) {
