@@ -873,6 +873,7 @@ static inline void gemm_kern(const uint32_t *__restrict wp, const uint32_t *__re
     for (int64_t p = 0; p < np; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR));
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR + 16));
+        _mm_prefetch((const char *)(xp + (p + 32) * MR), _MM_HINT_T0); /* activations from L2/L3 */
         for (int r = 0; r < MR; r++) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p * MR + r]);
             a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
