@@ -829,14 +829,14 @@ static void pack_panel(const uint16_t *rm, int64_t kp, uint32_t *out) {
 }
 
 /* quantized rows [0, nr) of a panel -> packed [kp/2][32] pairs, via the int layout of
- * 16 rows at a time in `tmp` (16 * rowsz bytes); rows nr..31 pack as zeros */
+ * 16 rows at a time in `tmp` (16 * rowsz bytes); rows nr..31 pack as zeros. Every
+ * format's groups span 16 or 32 aligned elements, so one lane scale serves 16. */
 static inline size_t panel_rowsz(int64_t k) { return (size_t)fk_round_up(k, 64) * 9 / 4 + 64; }
 
 static void pack_panel_q(int qt, const uint8_t *w, size_t row_bytes, int nr, int64_t k, int64_t kp, uint8_t *tmp,
                          uint32_t *out) {
     const int64_t kq = fk_round_up(k, 64);
     const size_t rowsz = panel_rowsz(k);
-    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
     for (int h = 0; h < 2; h++) {
         const int rows = nr - 16 * h < 0 ? 0 : nr - 16 * h > 16 ? 16 : nr - 16 * h;
         for (int j = 0; j < rows; j++) decode_row(qt, w + (16 * h + j) * row_bytes, k, kq, tmp + j * rowsz);
@@ -853,8 +853,7 @@ static void pack_panel_q(int qt, const uint8_t *w, size_t row_bytes, int nr, int
                 for (int i = 0; i < 2; i++) {
                     const int64_t f = e + 16 * i;
                     const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + f))));
-                    const __m512 sc = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(ls + f / 4)));
-                    v[i] = _mm512_fmadd_ps(u, sc, _mm512_set1_ps(off[f / 16]));
+                    v[i] = _mm512_fmadd_ps(u, _mm512_set1_ps(ls[f / 4]), _mm512_set1_ps(off[f / 16]));
                 }
                 r[j] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
             }
