@@ -670,114 +670,19 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     }
 }
 
-/* ---- prefill route: weights decoded to bf16 rows, AVX-512 BF16 dot products ---------
+/* ---- prefill route: weights decoded to bf16, AVX-512 BF16 outer-product GEMM --------
  * vdpbf16ps does 32 MACs per instruction with f32 accumulation and no per-block
  * rescaling, about twice the useful work per instruction of the int8 route. Only
  * used when the CPU has AVX512_BF16 (the module checks). */
-
-#define BF_R 4
-#define BF_C 6
 
 static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
     _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-/* one weight row -> bf16[kp32] via the int layout (u8, lane scales, offsets) in `tmp` */
-static void decode_row_bf16(int qt, const uint8_t *src, int64_t k, int64_t kp32, uint8_t *tmp, uint16_t *out) {
-    if (qt == FK_F32 || qt == FK_F16 || qt == FK_BF16) {
-        float *f = (float *)tmp;
-        decode_row_f32(qt, src, k, kp32, f);
-        for (int64_t i = 0; i < kp32; i += 32) store_bf16(out + i, _mm512_loadu_ps(f + i), _mm512_loadu_ps(f + i + 16));
-        return;
-    }
-    const int64_t kp = fk_round_up(k, 64);
-    decode_row(qt, src, k, kp, tmp);
-    const float *ls = (const float *)(tmp + kp), *off = (const float *)(tmp + 2 * kp);
-    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
-    for (int64_t i = 0; i < kp32; i += 32) {
-        __m512 h[2];
-        for (int j = 0; j < 2; j++) {
-            const int64_t e = i + 16 * j;
-            const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tmp + e))));
-            const __m512 sc = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(ls + e / 4)));
-            h[j] = _mm512_fmadd_ps(u, sc, _mm512_set1_ps(off[e / 16]));
-        }
-        store_bf16(out + i, h[0], h[1]);
-    }
-}
-
-template <int R, int C>
-static inline void tile_bf(const uint16_t *wt, const uint16_t *xt, int64_t kp, float out[][BF_C]) {
-    __m512 acc[R][C];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kp; i += 32) {
-        __m512bh w[R];
-        for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_loadu_si512((const void *)(wt + r * kp + i));
-        for (int c = 0; c < C; c++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xt + c * kp + i));
-            for (int r = 0; r < R; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[r], xv);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-static void matmul_bf16_old(const fk_matmul_args *a) {
-    const int64_t n = a->n, k = a->k, m = a->m;
-    const int64_t kp = fk_round_up(k, 32);
-    uint16_t *act = (uint16_t *)scratch(0, (size_t)(m * kp) * 2);
-    if (!act) return;
-    const int64_t ntiles = (n + BF_R - 1) / BF_R;
-    int64_t mb = (int64_t)(512 * 1024 / (kp * 2)) / BF_C * BF_C;
-    if (mb < BF_C) mb = BF_C;
-    if (mb > m) mb = m;
-    int nt = a->nthreads;
-    if (nt > ntiles) nt = (int)ntiles;
-    if (nt < 1) nt = 1;
-    const size_t tmpsz = (size_t)(fk_round_up(k, 64) * 4 + 256);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        uint8_t *buf = scratch(1, tmpsz + (size_t)(BF_R * kp) * 2 + 64);
-        uint16_t *wt = buf ? (uint16_t *)(buf + tmpsz) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            const float *x = a->x + r * k;
-            uint16_t *o = act + r * kp;
-            for (int64_t i = 0; i < kp; i += 32) {
-                const __mmask16 m0 = i + 16 <= k ? (__mmask16)0xFFFF : i < k ? (__mmask16)((1u << (k - i)) - 1) : 0;
-                const __mmask16 m1 = i + 32 <= k ? (__mmask16)0xFFFF : i + 16 < k ? (__mmask16)((1u << (k - i - 16)) - 1) : 0;
-                store_bf16(o + i, _mm512_maskz_loadu_ps(m0, x + i), _mm512_maskz_loadu_ps(m1, x + i + 16));
-            }
-        }
-        for (int64_t m0 = 0; m0 < m; m0 += mb) {
-            const int64_t m1 = m0 + mb < m ? m0 + mb : m;
-#pragma omp for schedule(dynamic, 2)
-            for (int64_t t = 0; t < ntiles; t++) {
-                if (!buf) continue;
-                const int64_t n0 = t * BF_R;
-                const int nr = (int)(n - n0 < BF_R ? n - n0 : BF_R);
-                for (int r = 0; r < nr; r++)
-                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, wt + r * kp);
-                for (int r = nr; r < BF_R; r++) memset(wt + r * kp, 0, (size_t)kp * 2);
-                for (int64_t c = m0; c < m1; c += BF_C) {
-                    float out[BF_R][BF_C];
-                    const int cn = (int)(m1 - c < BF_C ? m1 - c : BF_C);
-                    const uint16_t *xt = act + c * kp;
-                    switch (cn) {
-                    case 1: tile_bf<BF_R, 1>(wt, xt, kp, out); break;
-                    case 2: tile_bf<BF_R, 2>(wt, xt, kp, out); break;
-                    case 3: tile_bf<BF_R, 3>(wt, xt, kp, out); break;
-                    case 4: tile_bf<BF_R, 4>(wt, xt, kp, out); break;
-                    case 5: tile_bf<BF_R, 5>(wt, xt, kp, out); break;
-                    default: tile_bf<BF_R, 6>(wt, xt, kp, out); break;
-                    }
-                    for (int ci = 0; ci < cn; ci++)
-                        for (int r = 0; r < nr; r++) a->y[(c + ci) * a->ldy + n0 + r] = out[r][ci];
-                }
-            }
-        }
-    }
+/* one BF16 (or F16 / F32) weight row -> bf16[kp32], through the f32 row `f` */
+static void decode_row_bf16(int qt, const uint8_t *src, int64_t k, int64_t kp32, float *f, uint16_t *out) {
+    decode_row_f32(qt, src, k, kp32, f);
+    for (int64_t i = 0; i < kp32; i += 32) store_bf16(out + i, _mm512_loadu_ps(f + i), _mm512_loadu_ps(f + i + 16));
 }
 
 /* ---- outer-product GEMM: packed panels of NR weight rows ------------------------------
@@ -923,7 +828,7 @@ static void pack_act(const float *x, int64_t k, int64_t kp, int mr, uint32_t *ou
     }
 }
 
-static void matmul_bf16_new(const fk_matmul_args *a) {
+static void matmul_bf16(const fk_matmul_args *a) {
     const int64_t n = a->n, k = a->k, m = a->m;
     const int64_t kp = fk_round_up(k, 32), np = kp / 2;
     uint32_t *act = (uint32_t *)scratch(0, (size_t)(m * kp) * 2);
@@ -932,14 +837,15 @@ static void matmul_bf16_new(const fk_matmul_args *a) {
     int nt = a->nthreads;
     if (nt > npanels) nt = (int)npanels;
     if (nt < 1) nt = 1;
+    /* per-thread scratch (slot 1): staging, then the packed panel. Float rows stage as
+     * one f32 row and 32 row-major bf16 rows; quantized rows as the int layout of 16 */
     const bool fl = a->qtype == FK_F32 || a->qtype == FK_F16 || a->qtype == FK_BF16;
-    /* float rows: f32 row + row-major bf16 rows; quantized: the int layout of 16 rows */
-    const size_t tmpsz = fl ? (size_t)(fk_round_up(k, 64) * 4 + 256) + (size_t)(GB_NR * kp) * 2 : 16 * panel_rowsz(k);
-    const size_t psz = (size_t)(GB_NR * kp) * 2;
+    const size_t psz = (size_t)(GB_NR * kp) * 2, fsz = (size_t)(kp * 4 + 64);
+    const size_t tmpsz = fl ? fsz + psz : 16 * panel_rowsz(k);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         uint8_t *buf = scratch(1, tmpsz + psz + 64);
-        uint16_t *rm = buf ? (uint16_t *)(buf + (size_t)(fk_round_up(k, 64) * 4 + 256)) : NULL;
+        uint16_t *rm = buf ? (uint16_t *)(buf + fsz) : NULL;
         uint32_t *pk = buf ? (uint32_t *)(buf + tmpsz) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < mtiles; t++) {
@@ -953,7 +859,7 @@ static void matmul_bf16_new(const fk_matmul_args *a) {
             const int nr = (int)(n - n0 < GB_NR ? n - n0 : GB_NR);
             if (fl) {
                 for (int r = 0; r < nr; r++)
-                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, rm + r * kp);
+                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, (float *)buf, rm + r * kp);
                 if (nr < GB_NR) memset(rm + nr * kp, 0, (size_t)((GB_NR - nr) * kp) * 2);
                 pack_panel(rm, kp, pk);
             } else {
@@ -967,12 +873,6 @@ static void matmul_bf16_new(const fk_matmul_args *a) {
             }
         }
     }
-}
-
-static void matmul_bf16(const fk_matmul_args *a) {
-    const char *e = getenv("FK_BF16_IMPL");  /* DEV ONLY: A/B switch, removed before merge */
-    if (e && e[0] == 'o') matmul_bf16_old(a);
-    else matmul_bf16_new(a);
 }
 
 /* ---- activations ------------------------------------------------------------------ */
