@@ -670,111 +670,206 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     }
 }
 
-/* ---- prefill route: weights decoded to bf16 rows, AVX-512 BF16 dot products ---------
+/* ---- prefill route: weights decoded to bf16, AVX-512 BF16 outer-product GEMM --------
  * vdpbf16ps does 32 MACs per instruction with f32 accumulation and no per-block
  * rescaling, about twice the useful work per instruction of the int8 route. Only
  * used when the CPU has AVX512_BF16 (the module checks). */
-
-#define BF_R 4
-#define BF_C 6
 
 static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
     _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-/* one weight row -> bf16[kp32] via the int layout (u8, lane scales, offsets) in `tmp` */
-static void decode_row_bf16(int qt, const uint8_t *src, int64_t k, int64_t kp32, uint8_t *tmp, uint16_t *out) {
-    if (qt == FK_F32 || qt == FK_F16 || qt == FK_BF16) {
-        float *f = (float *)tmp;
-        decode_row_f32(qt, src, k, kp32, f);
-        for (int64_t i = 0; i < kp32; i += 32) store_bf16(out + i, _mm512_loadu_ps(f + i), _mm512_loadu_ps(f + i + 16));
-        return;
+/* one BF16 (or F16 / F32) weight row -> bf16[kp32], through the f32 row `f` */
+static void decode_row_bf16(int qt, const uint8_t *src, int64_t k, int64_t kp32, float *f, uint16_t *out) {
+    decode_row_f32(qt, src, k, kp32, f);
+    for (int64_t i = 0; i < kp32; i += 32) store_bf16(out + i, _mm512_loadu_ps(f + i), _mm512_loadu_ps(f + i + 16));
+}
+
+/* ---- outer-product GEMM: packed panels of NR weight rows ------------------------------
+ * A panel of NR = 32 weight rows is decoded once and packed in the VNNI bf16 layout
+ * [kp/2][32][2]: the 32-bit element (p, j) holds the bf16 pair (w[j][2p], w[j][2p+1]).
+ * Activations are packed per tile of up to MR rows as [kp/2][mr][2]. The microkernel
+ * keeps acc[2][MR] zmm (16 output features each); per k-pair it loads the two panel
+ * zmm and issues one vdpbf16ps per activation row with the row's pair broadcast, so
+ * there is no horizontal reduction: lanes are output features, stored straight to y. */
+
+#define GB_NR 32
+#define GB_MR 12
+
+/* 16x16 transpose of 32-bit elements */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    const int64_t kp = fk_round_up(k, 64);
-    decode_row(qt, src, k, kp, tmp);
-    const float *ls = (const float *)(tmp + kp), *off = (const float *)(tmp + 2 * kp);
-    const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
-    for (int64_t i = 0; i < kp32; i += 32) {
-        __m512 h[2];
-        for (int j = 0; j < 2; j++) {
-            const int64_t e = i + 16 * j;
-            const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tmp + e))));
-            const __m512 sc = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(ls + e / 4)));
-            h[j] = _mm512_fmadd_ps(u, sc, _mm512_set1_ps(off[e / 16]));
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* r[4i + j]: lane L holds column 4L + j of rows 4i..4i+3; at the end r[j] is column j */
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
         }
-        store_bf16(out + i, h[0], h[1]);
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
     }
 }
 
-template <int R, int C>
-static inline void tile_bf(const uint16_t *wt, const uint16_t *xt, int64_t kp, float out[][BF_C]) {
-    __m512 acc[R][C];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kp; i += 32) {
-        __m512bh w[R];
-        for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_loadu_si512((const void *)(wt + r * kp + i));
-        for (int c = 0; c < C; c++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xt + c * kp + i));
-            for (int r = 0; r < R; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[r], xv);
+/* row-major bf16 rows [32][kp] -> packed [kp/2][32] pairs */
+static void pack_panel(const uint16_t *rm, int64_t kp, uint32_t *out) {
+    for (int64_t c = 0; c < kp / 32; c++) {
+        for (int h = 0; h < 2; h++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(rm + (h * 16 + i) * kp + 32 * c));
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(out + (16 * c + j) * GB_NR + 16 * h), r[j]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* quantized rows [0, nr) of a panel -> packed [kp/2][32] pairs, via the int layout of
+ * 16 rows at a time in `tmp` (16 * rowsz bytes); rows nr..31 pack as zeros. Every
+ * format's groups span 16 or 32 aligned elements, so one lane scale serves 16. */
+static inline size_t panel_rowsz(int64_t k) { return (size_t)fk_round_up(k, 64) * 9 / 4 + 64; }
+
+static void pack_panel_q(int qt, const uint8_t *w, size_t row_bytes, int nr, int64_t k, int64_t kp, uint8_t *tmp,
+                         uint32_t *out) {
+    const int64_t kq = fk_round_up(k, 64);
+    const size_t rowsz = panel_rowsz(k);
+    for (int h = 0; h < 2; h++) {
+        const int rows = nr - 16 * h < 0 ? 0 : nr - 16 * h > 16 ? 16 : nr - 16 * h;
+        for (int j = 0; j < rows; j++) decode_row(qt, w + (16 * h + j) * row_bytes, k, kq, tmp + j * rowsz);
+        for (int64_t e = 0; e < kp; e += 32) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= rows) {
+                    r[j] = _mm512_setzero_si512();
+                    continue;
+                }
+                const uint8_t *q = tmp + j * rowsz;
+                const float *ls = (const float *)(q + kq), *off = (const float *)(q + 2 * kq);
+                __m512 v[2];
+                for (int i = 0; i < 2; i++) {
+                    const int64_t f = e + 16 * i;
+                    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + f))));
+                    v[i] = _mm512_fmadd_ps(u, _mm512_set1_ps(ls[f / 4]), _mm512_set1_ps(off[f / 16]));
+                }
+                r[j] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(out + (e / 2 + j) * GB_NR + 16 * h), r[j]);
+        }
+    }
+}
+
+template <int MR>
+static inline void gemm_kern(const uint32_t *__restrict wp, const uint32_t *__restrict xp, int64_t np, float *y,
+                             int64_t ldy, __mmask16 k0, __mmask16 k1) {
+    __m512 a0[MR], a1[MR];
+    for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < np; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wp + p * GB_NR + 16));
+        _mm_prefetch((const char *)(xp + (p + 32) * MR), _MM_HINT_T0); /* activations from L2/L3 */
+        for (int r = 0; r < MR; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p * MR + r]);
+            a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
+            a1[r] = _mm512_dpbf16_ps(a1[r], w1, xb);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, a0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, a1[r]);
+    }
+}
+
+static void gemm_tile(int mr, const uint32_t *wp, const uint32_t *xp, int64_t np, float *y, int64_t ldy,
+                      __mmask16 k0, __mmask16 k1) {
+    switch (mr) {
+    case 1: gemm_kern<1>(wp, xp, np, y, ldy, k0, k1); break;
+    case 2: gemm_kern<2>(wp, xp, np, y, ldy, k0, k1); break;
+    case 3: gemm_kern<3>(wp, xp, np, y, ldy, k0, k1); break;
+    case 4: gemm_kern<4>(wp, xp, np, y, ldy, k0, k1); break;
+    case 5: gemm_kern<5>(wp, xp, np, y, ldy, k0, k1); break;
+    case 6: gemm_kern<6>(wp, xp, np, y, ldy, k0, k1); break;
+    case 7: gemm_kern<7>(wp, xp, np, y, ldy, k0, k1); break;
+    case 8: gemm_kern<8>(wp, xp, np, y, ldy, k0, k1); break;
+    case 9: gemm_kern<9>(wp, xp, np, y, ldy, k0, k1); break;
+    case 10: gemm_kern<10>(wp, xp, np, y, ldy, k0, k1); break;
+    case 11: gemm_kern<11>(wp, xp, np, y, ldy, k0, k1); break;
+    default: gemm_kern<12>(wp, xp, np, y, ldy, k0, k1); break;
+    }
+}
+
+/* activation rows [0, mr) of x (mr <= 16) -> bf16 pairs packed [kp/2][mr] */
+static void pack_act(const float *x, int64_t k, int64_t kp, int mr, uint32_t *out) {
+    const __mmask16 keep = (__mmask16)((1u << mr) - 1);
+    for (int64_t i = 0; i < kp; i += 32) {
+        const __mmask16 m0 = i + 16 <= k ? (__mmask16)0xFFFF : i < k ? (__mmask16)((1u << (k - i)) - 1) : 0;
+        const __mmask16 m1 = i + 32 <= k ? (__mmask16)0xFFFF : i + 16 < k ? (__mmask16)((1u << (k - i - 16)) - 1) : 0;
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+            if (j < mr) {
+                const float *xr = x + j * k + i;
+                r[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, xr + 16), _mm512_maskz_loadu_ps(m0, xr));
+            } else {
+                r[j] = _mm512_setzero_si512();
+            }
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_mask_storeu_epi32((void *)(out + (i / 2 + j) * mr), keep, r[j]);
+    }
 }
 
 static void matmul_bf16(const fk_matmul_args *a) {
     const int64_t n = a->n, k = a->k, m = a->m;
-    const int64_t kp = fk_round_up(k, 32);
-    uint16_t *act = (uint16_t *)scratch(0, (size_t)(m * kp) * 2);
+    const int64_t kp = fk_round_up(k, 32), np = kp / 2;
+    uint32_t *act = (uint32_t *)scratch(0, (size_t)(m * kp) * 2);
     if (!act) return;
-    const int64_t ntiles = (n + BF_R - 1) / BF_R;
-    int64_t mb = (int64_t)(512 * 1024 / (kp * 2)) / BF_C * BF_C;
-    if (mb < BF_C) mb = BF_C;
-    if (mb > m) mb = m;
+    const int64_t npanels = (n + GB_NR - 1) / GB_NR, mtiles = (m + GB_MR - 1) / GB_MR;
     int nt = a->nthreads;
-    if (nt > ntiles) nt = (int)ntiles;
+    if (nt > npanels) nt = (int)npanels;
     if (nt < 1) nt = 1;
-    const size_t tmpsz = (size_t)(fk_round_up(k, 64) * 4 + 256);
+    /* per-thread scratch (slot 1): staging, then the packed panel. Float rows stage as
+     * one f32 row and 32 row-major bf16 rows; quantized rows as the int layout of 16 */
+    const bool fl = a->qtype == FK_F32 || a->qtype == FK_F16 || a->qtype == FK_BF16;
+    const size_t psz = (size_t)(GB_NR * kp) * 2, fsz = (size_t)(kp * 4 + 64);
+    const size_t tmpsz = fl ? fsz + psz : 16 * panel_rowsz(k);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        uint8_t *buf = scratch(1, tmpsz + (size_t)(BF_R * kp) * 2 + 64);
-        uint16_t *wt = buf ? (uint16_t *)(buf + tmpsz) : NULL;
+        uint8_t *buf = scratch(1, tmpsz + psz + 64);
+        uint16_t *rm = buf ? (uint16_t *)(buf + fsz) : NULL;
+        uint32_t *pk = buf ? (uint32_t *)(buf + tmpsz) : NULL;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            const float *x = a->x + r * k;
-            uint16_t *o = act + r * kp;
-            for (int64_t i = 0; i < kp; i += 32) {
-                const __mmask16 m0 = i + 16 <= k ? (__mmask16)0xFFFF : i < k ? (__mmask16)((1u << (k - i)) - 1) : 0;
-                const __mmask16 m1 = i + 32 <= k ? (__mmask16)0xFFFF : i + 16 < k ? (__mmask16)((1u << (k - i - 16)) - 1) : 0;
-                store_bf16(o + i, _mm512_maskz_loadu_ps(m0, x + i), _mm512_maskz_loadu_ps(m1, x + i + 16));
-            }
+        for (int64_t t = 0; t < mtiles; t++) {
+            const int mr = (int)(m - t * GB_MR < GB_MR ? m - t * GB_MR : GB_MR);
+            pack_act(a->x + t * GB_MR * k, k, kp, mr, act + t * GB_MR * np);
         }
-        for (int64_t m0 = 0; m0 < m; m0 += mb) {
-            const int64_t m1 = m0 + mb < m ? m0 + mb : m;
-#pragma omp for schedule(dynamic, 2)
-            for (int64_t t = 0; t < ntiles; t++) {
-                if (!buf) continue;
-                const int64_t n0 = t * BF_R;
-                const int nr = (int)(n - n0 < BF_R ? n - n0 : BF_R);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t pn = 0; pn < npanels; pn++) {
+            if (!buf) continue;
+            const int64_t n0 = pn * GB_NR;
+            const int nr = (int)(n - n0 < GB_NR ? n - n0 : GB_NR);
+            if (fl) {
                 for (int r = 0; r < nr; r++)
-                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, buf, wt + r * kp);
-                for (int r = nr; r < BF_R; r++) memset(wt + r * kp, 0, (size_t)kp * 2);
-                for (int64_t c = m0; c < m1; c += BF_C) {
-                    float out[BF_R][BF_C];
-                    const int cn = (int)(m1 - c < BF_C ? m1 - c : BF_C);
-                    const uint16_t *xt = act + c * kp;
-                    switch (cn) {
-                    case 1: tile_bf<BF_R, 1>(wt, xt, kp, out); break;
-                    case 2: tile_bf<BF_R, 2>(wt, xt, kp, out); break;
-                    case 3: tile_bf<BF_R, 3>(wt, xt, kp, out); break;
-                    case 4: tile_bf<BF_R, 4>(wt, xt, kp, out); break;
-                    case 5: tile_bf<BF_R, 5>(wt, xt, kp, out); break;
-                    default: tile_bf<BF_R, 6>(wt, xt, kp, out); break;
-                    }
-                    for (int ci = 0; ci < cn; ci++)
-                        for (int r = 0; r < nr; r++) a->y[(c + ci) * a->ldy + n0 + r] = out[r][ci];
-                }
+                    decode_row_bf16(a->qtype, a->w + (n0 + r) * a->row_bytes, k, kp, (float *)buf, rm + r * kp);
+                if (nr < GB_NR) memset(rm + nr * kp, 0, (size_t)((GB_NR - nr) * kp) * 2);
+                pack_panel(rm, kp, pk);
+            } else {
+                pack_panel_q(a->qtype, a->w + n0 * a->row_bytes, a->row_bytes, nr, k, kp, buf, pk);
+            }
+            const __mmask16 k0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+            const __mmask16 k1 = nr >= 32 ? (__mmask16)0xFFFF : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+            for (int64_t t = 0; t < mtiles; t++) {
+                const int mr = (int)(m - t * GB_MR < GB_MR ? m - t * GB_MR : GB_MR);
+                gemm_tile(mr, pk, act + t * GB_MR * np, np, a->y + t * GB_MR * a->ldy + n0, a->ldy, k0, k1);
             }
         }
     }

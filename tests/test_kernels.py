@@ -128,6 +128,25 @@ def test_prefill_blocks(prefill, qt):
     check(qt, 37, 4096, 45, np.random.default_rng(2))
 
 
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.Q4_1, T.IQ4_XS, T.BF16], ids=lambda t: t.name)
+def test_prefill_panels(prefill, qt):
+    """Weight panels of 32 rows (partial panels past 16 and under 16 rows), activation
+    tiles of 12 rows with every tail, several panels on 1 and 2 threads."""
+    rng = np.random.default_rng(int(qt) + 5)
+    bs = max(TYPE_SIZES[qt][0], 32)
+    n0 = K.get_threads()
+    try:
+        for th in (1, 2):
+            K.set_threads(th)
+            for n, k, m in [(50, bs, 25), (64, 2 * bs, 12), (100, 3 * bs, 37), (33, 5 * bs, 8), (96, 2 * bs, 19)]:
+                check(qt, n, k, m, rng)
+        if qt == T.BF16:  # rows of any length
+            for k in (37, 100, 130):
+                check(qt, 40, k, 14, rng)
+    finally:
+        K.set_threads(n0)
+
+
 def test_threads_agree():
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(rand_weight(T.Q4_K, 300, 1024, rng))
