@@ -20,8 +20,10 @@ class KVCache:
             raise KVCacheError(f"cache capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.dtype = dtype
-        self.k = [torch.zeros(capacity, h, d, dtype=dtype) for h, d in zip(heads, dims)]
-        self.v = [torch.zeros(capacity, h, d, dtype=dtype) for h, d in zip(heads, dims)]
+        # tuples: the tensors are fixed for the cache's life (the native step keeps their
+        # addresses), only their rows change
+        self.k = tuple(torch.zeros(capacity, h, d, dtype=dtype) for h, d in zip(heads, dims))
+        self.v = tuple(torch.zeros(capacity, h, d, dtype=dtype) for h, d in zip(heads, dims))
         self.len = 0
 
     @property
