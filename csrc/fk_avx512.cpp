@@ -402,8 +402,10 @@ static inline int offset_c(int qt) {
 }
 
 /* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
+static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp);
+
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
-    (void)k;
+    if (qt == FK_Q2_K || qt == FK_Q3_K) return gemv_prep_k23(qt, act, k, kp);
     const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
     if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
           qt == FK_IQ4_XS || k45))
@@ -601,6 +603,116 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
 }
 
+/* Q2_K / Q3_K, m = 1. The 64 bytes of qs hold 2-bit field j (bits 2j, 2j+1) of
+ * elements 32j + i (byte i < 32) and 128 + 32j + i - 32 (byte i >= 32), so one zmm load
+ * and one AND per field give the 64 values of chunk j = elements [32j, +32) and
+ * [128 + 32j, +32), left in place: scaled by 4^f (f = j for Q2_K; 0, 1, 2, 2 for Q3_K,
+ * whose 3-bit values need room for the high bit). The prepared activations match:
+ *   q'[kp]      per 256, the 32-byte chunks in the order 0, 4, 1, 5, 2, 6, 3, 7
+ *   c16[kp/16]  per 16-group (natural order), the activation scale of its 32-block / 4^f
+ *   s16[kp/16]  per 16-group d * sum(q), as quant_act made it
+ * so a 16-group costs dot(4^f u, q) * (4^-f d_x) * (d * sc): exactly the tile route's
+ * integer dot and scales, the power of two exact in float. Offsets (Q2_K: -dmin * min,
+ * Q3_K: -4 * d * sc) go through s16 as one FMA per block. */
+static inline int k23_fold(int qt, int j) { return qt == FK_Q2_K ? j : j < 2 ? j : 2; }
+
+static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp) {
+    uint8_t *g = scratch(1, (size_t)(kp + kp / 2) + 64);
+    if (!g) return NULL;
+    const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+    float *c16 = (float *)(g + kp), *o16 = (float *)(g + kp + kp / 4);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *x = act + 256 * b;
+        uint8_t *q = g + 256 * b;
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_si256((__m256i *)(q + 64 * j), _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+            _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j)));
+        }
+        for (int gi = 0; gi < 16; gi++) {
+            const int64_t e = 256 * b + 16 * gi;
+            c16[e / 16] = ls[e / 4] * (1.0f / (float)(1 << (2 * k23_fold(qt, (gi >> 1) & 3))));
+            o16[e / 16] = s16[e / 16];
+        }
+    }
+    return g;
+}
+
+/* lanes of chunk j (bytes 0-31: groups 2j, 2j+1; bytes 32-63: groups 8+2j, 9+2j) */
+static const int32_t kK23Lanes[16] = {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9};
+
+static float gemv_q2k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
+    const int8_t *xq = (const int8_t *)g;
+    const float *c16 = (const float *)(g + kp), *s16 = (const float *)(g + kp + kp / 4);
+    const __m512i lanes = _mm512_loadu_si512((const void *)kK23Lanes);
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 oacc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 84;
+        _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 2048 + 64, _MM_HINT_T0);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)p);
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sc, m4)));
+        const __m512 M = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)));
+        uint32_t dd;
+        memcpy(&dd, p + 80, 4);
+        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m512 C = _mm512_mul_ps(S, _mm512_mul_ps(_mm512_broadcastss_ps(d2), _mm512_loadu_ps(c16 + 16 * b)));
+        oacc = _mm512_fnmadd_ps(_mm512_mul_ps(M, _mm512_broadcastss_ps(_mm_movehdup_ps(d2))), _mm512_loadu_ps(s16 + 16 * b), oacc);
+        const __m512i z = _mm512_loadu_si512((const void *)(p + 16));
+        const int8_t *x = xq + 256 * b;
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_and_si512(z, _mm512_set1_epi8((char)(3 << (2 * j))));
+            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
+                                     _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(2 * j)), C), acc[j]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])), oacc));
+}
+
+static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
+    const int8_t *xq = (const int8_t *)g;
+    const float *c16 = (const float *)(g + kp), *s16 = (const float *)(g + kp + kp / 4);
+    const __m512i lanes = _mm512_loadu_si512((const void *)kK23Lanes);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 oacc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 110;
+        _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 2048 + 64, _MM_HINT_T0);
+        /* 16 six-bit scales: low nibbles in bytes 0-7 (j < 8: low, j >= 8: high nibble of
+         * byte j - 8), high 2 bits of j at bits 2(j >> 2) of byte 8 + (j & 3) */
+        uint64_t a;
+        uint32_t h;
+        memcpy(&a, p + 96, 8);
+        memcpy(&h, p + 104, 4);
+        const uint32_t m2 = 0x03030303u;
+        const uint64_t h0 = (uint64_t)(h & m2) | (uint64_t)((h >> 2) & m2) << 32;
+        const uint64_t h1 = (uint64_t)((h >> 4) & m2) | (uint64_t)((h >> 6) & m2) << 32;
+        const uint64_t s0 = (a & 0x0F0F0F0F0F0F0F0Full) | h0 << 4, s1 = ((a >> 4) & 0x0F0F0F0F0F0F0F0Full) | h1 << 4;
+        const __m128i sc = _mm_sub_epi8(_mm_set_epi64x((long long)s1, (long long)s0), _mm_set1_epi8(32));
+        const __m512 DS = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(rdh(p + 108)));
+        const __m512 C = _mm512_mul_ps(DS, _mm512_loadu_ps(c16 + 16 * b));
+        oacc = _mm512_fmadd_ps(DS, _mm512_loadu_ps(s16 + 16 * b), oacc);
+        const __m512i z = _mm512_loadu_si512((const void *)(p + 32));
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+        const int8_t *x = xq + 256 * b;
+        for (int j = 0; j < 4; j++) {
+            const int f = j < 2 ? j : 2;
+            const __m512i lo = _mm512_and_si512(j == 3 ? _mm512_srli_epi16(z, 2) : z, _mm512_set1_epi8((char)(3 << (2 * f))));
+            const __mmask64 hb = _mm512_test_epi8_mask(
+                hm, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1));
+            const __m512i v = _mm512_mask_add_epi8(lo, hb, lo, _mm512_set1_epi8((char)(4 << (2 * f))));
+            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
+                                     _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(2 * j)), C), acc[j]);
+        }
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    return _mm512_reduce_add_ps(_mm512_fmadd_ps(oacc, _mm512_set1_ps(-4.0f), sum));
+}
+
 /* IQ4_XS: each 32-value group unpacks like an IQ4_NL block, so it shares that
  * prepared activation order and the folded -128 offset; the group scale is per 32. */
 static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t *__restrict g, int64_t kp) {
@@ -642,7 +754,7 @@ static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t 
 static bool gemv_ok(int qt) {
     switch (qt) {
     case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
-    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K: case FK_IQ4_XS:
+    case FK_Q2_K: case FK_Q3_K: case FK_Q4_K: case FK_Q5_K: case FK_Q6_K: case FK_IQ4_XS:
         return true;
     }
     return false;
@@ -666,6 +778,8 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
     case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
     case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;
+    case FK_Q2_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q2k(w + r * rb, k, kp, act); break;
+    case FK_Q3_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q3k(w + r * rb, k, kp, act); break;
     case FK_IQ4_XS: for (int64_t r = r0; r < r1; r++) y[r] = gemv_iq4xs(w + r * rb, k, act, kp); break;
     }
 }
