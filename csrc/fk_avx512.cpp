@@ -603,24 +603,49 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
 }
 
-/* Q2_K / Q3_K, m = 1. The 64 bytes of qs hold 2-bit field j (bits 2j, 2j+1) of
- * elements 32j + i (byte i < 32) and 128 + 32j + i - 32 (byte i >= 32), so one zmm load
- * and one AND per field give the 64 values of chunk j = elements [32j, +32) and
- * [128 + 32j, +32), left in place: scaled by 4^f (f = j for Q2_K; 0, 1, 2, 2 for Q3_K,
- * whose 3-bit values need room for the high bit). The prepared activations match:
- *   q'[kp]      per 256, the 32-byte chunks in the order 0, 4, 1, 5, 2, 6, 3, 7
- *   c16[kp/16]  per 16-group (natural order), the activation scale of its 32-block / 4^f
- *   s16[kp/16]  per 16-group d * sum(q), as quant_act made it
- * so a 16-group costs dot(4^f u, q) * (4^-f d_x) * (d * sc): exactly the tile route's
- * integer dot and scales, the power of two exact in float. Offsets (Q2_K: -dmin * min,
- * Q3_K: -4 * d * sc) go through s16 as one FMA per block. */
-static inline int k23_fold(int qt, int j) { return qt == FK_Q2_K ? j : j < 2 ? j : 2; }
+/* Q2_K / Q3_K, m = 1. The 64 bytes of qs hold 2-bit field j (bits 2j, 2j+1) of elements
+ * 32j + i (byte i < 32) and 128 + 32j + i - 32 (byte i >= 32): one zmm load and an AND
+ * (and a shift) per field give the 64 values of chunk j = elements [32j, +32) and
+ * [128 + 32j, +32), scaled by 4^f (the field left where it lies, or moved to bits 2-3).
+ * The prepared activations put the matching 32-byte chunks side by side. Each 128-bit lane
+ * L of chunk j is one 16-group, g = 2j + (L & 1) + 8 (L >> 1); a block's 16 group scales are
+ * kept in lane order t = 4L + j (group kK23Order[t]), so the lane scales of chunk j are one
+ * in-lane shuffle (vpermilps imm) of them.
+ *   Q2_K: f = j. Per chunk: AND, vpdpbusd, convert, shuffle, FMA against d * sc * d_x / 4^f.
+ *         The mins go per block as a 16-bit pair dot min x sum(q) (vpmaddwd), scaled per
+ *         32-block by d_x and per block by -dmin.
+ *   Q3_K: f = 0, 1, 1, 1 (high bit at bit 2 + 2f, set by a masked add from the hmask test);
+ *         the four vpdpbusd results (4 partial sums per group) are reduced to the 16 group
+ *         sums in lane order t by three vpackssdw + vpmaddwd, the last one (vpdpwssd)
+ *         starting from the -4 offset (-4 * 4^f * sum(q)), so the float work is one convert
+ *         and one FMA per block. 16-bit headroom: 2 * 4 * 28 * 128 < 32768.
+ * Prepared activations (slot 1 of the scratch, 3 kp / 2 bytes):
+ *   q'[kp]         per 256, the 32-byte chunks of quant_act's row in the order 0, 4, 1, 5, 2, 6, 3, 7
+ *   c16[kp/16]     f32, per block in lane order t: the activation scale of the group's 32-block / 4^f
+ *   Q2_K: isum[kp/16] i16, natural group order: sum(q) per 16-group; x32[kp/32] f32: d_x per 32
+ *   Q3_K: init[kp/16] i32, lane order t: -4 * 4^f * sum(q) of the group
+ * A group costs (integer dot of 4^f u and q) * (d_x / 4^f) * (d * sc): the tile route's integer
+ * dot and scale products (the power of two exact), summed in another order. */
+static const int8_t kK23Order[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+static inline int k23_fold(int qt, int j) { return qt == FK_Q2_K ? j : j > 0; }
+
+/* a fresh zero (vpxord, a zero idiom) to start each vpdpbusd: otherwise GCC copies one
+ * zeroed register per use, a real move */
+static inline __m512i zmm_zero() {
+    __m512i z;
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
+    return z;
+}
 
 static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp) {
     uint8_t *g = scratch(1, (size_t)(kp + kp / 2) + 64);
     if (!g) return NULL;
-    const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
-    float *c16 = (float *)(g + kp), *o16 = (float *)(g + kp + kp / 4);
+    const int8_t *xq = (const int8_t *)act;
+    const float *ls = (const float *)(act + kp);
+    float *c16 = (float *)(g + kp), *x32 = (float *)(g + kp + kp / 4 + kp / 8);
+    int16_t *isum = (int16_t *)(g + kp + kp / 4);
+    int32_t *init = (int32_t *)(g + kp + kp / 4);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *x = act + 256 * b;
         uint8_t *q = g + 256 * b;
@@ -628,55 +653,65 @@ static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64
             _mm256_storeu_si256((__m256i *)(q + 64 * j), _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
             _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j)));
         }
-        for (int gi = 0; gi < 16; gi++) {
+        for (int t = 0; t < 16; t++) {
+            const int gi = kK23Order[t], f = k23_fold(qt, t & 3);
             const int64_t e = 256 * b + 16 * gi;
-            c16[e / 16] = ls[e / 4] * (1.0f / (float)(1 << (2 * k23_fold(qt, (gi >> 1) & 3))));
-            o16[e / 16] = s16[e / 16];
+            c16[16 * b + t] = ls[e / 4] * (1.0f / (float)(1 << (2 * f)));
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += xq[e + i];
+            if (qt == FK_Q3_K) init[16 * b + t] = -4 * (1 << (2 * f)) * s;
+            else isum[16 * b + gi] = (int16_t)s;
         }
+        if (qt == FK_Q2_K)
+            for (int a = 0; a < 8; a++) x32[8 * b + a] = ls[64 * b + 8 * a];
     }
     return g;
 }
 
-/* lanes of chunk j (bytes 0-31: groups 2j, 2j+1; bytes 32-63: groups 8+2j, 9+2j) */
-static const int32_t kK23Lanes[16] = {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9};
-
 static float gemv_q2k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
     const int8_t *xq = (const int8_t *)g;
-    const float *c16 = (const float *)(g + kp), *s16 = (const float *)(g + kp + kp / 4);
-    const __m512i lanes = _mm512_loadu_si512((const void *)kK23Lanes);
-    const __m128i m4 = _mm_set1_epi8(15);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 oacc = _mm512_setzero_ps();
+    const float *c16 = (const float *)(g + kp), *x32 = (const float *)(g + kp + kp / 4 + kp / 8);
+    const int16_t *isum = (const int16_t *)(g + kp + kp / 4);
+    const __m128i order = _mm_loadu_si128((const __m128i *)kK23Order), m4 = _mm_set1_epi8(15);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 84;
         _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
         _mm_prefetch((const char *)p + 2048 + 64, _MM_HINT_T0);
         const __m128i sc = _mm_loadu_si128((const __m128i *)p);
-        const __m512 S = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sc, m4)));
-        const __m512 M = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)));
         uint32_t dd;
         memcpy(&dd, p + 80, 4);
         const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_and_si128(sc, m4), order)));
         const __m512 C = _mm512_mul_ps(S, _mm512_mul_ps(_mm512_broadcastss_ps(d2), _mm512_loadu_ps(c16 + 16 * b)));
-        oacc = _mm512_fnmadd_ps(_mm512_mul_ps(M, _mm512_broadcastss_ps(_mm_movehdup_ps(d2))), _mm512_loadu_ps(s16 + 16 * b), oacc);
+        const __m256i mi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)),
+                                             _mm256_loadu_si256((const __m256i *)(isum + 16 * b)));
+        oacc = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mi), _mm256_loadu_ps(x32 + 8 * b)),
+                                _mm256_broadcastss_ps(_mm_movehdup_ps(d2)), oacc);
         const __m512i z = _mm512_loadu_si512((const void *)(p + 16));
         const int8_t *x = xq + 256 * b;
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_and_si512(z, _mm512_set1_epi8((char)(3 << (2 * j))));
-            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
-                                     _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(2 * j)), C), acc[j]);
+            const __m512i i0 = _mm512_dpbusd_epi32(zmm_zero(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            if (j & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permute_ps(C, 0x55 * j), acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permute_ps(C, 0x55 * j), acc0);
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])), oacc));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_castps256_ps512(oacc)));
 }
 
 static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
     const int8_t *xq = (const int8_t *)g;
-    const float *c16 = (const float *)(g + kp), *s16 = (const float *)(g + kp + kp / 4);
-    const __m512i lanes = _mm512_loadu_si512((const void *)kK23Lanes);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 oacc = _mm512_setzero_ps();
+    const float *c16 = (const float *)(g + kp);
+    const int32_t *init = (const int32_t *)(g + kp + kp / 4);
+    const __m128i order = _mm_loadu_si128((const __m128i *)kK23Order);
+    const __m512i m3 = _mm512_set1_epi8(3), m12 = _mm512_set1_epi8(12), b4 = _mm512_set1_epi8(4), b16 = _mm512_set1_epi8(16);
+    const __m512i one16 = _mm512_set1_epi16(1);
+    __m512i hsel[4];
+    for (int j = 0; j < 4; j++) /* the high bit of chunk j: bit j of hmask (bytes 0-31), bit 4 + j (32-63) */
+        hsel[j] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 110;
         _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
@@ -691,26 +726,27 @@ static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
         const uint64_t h0 = (uint64_t)(h & m2) | (uint64_t)((h >> 2) & m2) << 32;
         const uint64_t h1 = (uint64_t)((h >> 4) & m2) | (uint64_t)((h >> 6) & m2) << 32;
         const uint64_t s0 = (a & 0x0F0F0F0F0F0F0F0Full) | h0 << 4, s1 = ((a >> 4) & 0x0F0F0F0F0F0F0F0Full) | h1 << 4;
-        const __m128i sc = _mm_sub_epi8(_mm_set_epi64x((long long)s1, (long long)s0), _mm_set1_epi8(32));
-        const __m512 DS = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(rdh(p + 108)));
-        const __m512 C = _mm512_mul_ps(DS, _mm512_loadu_ps(c16 + 16 * b));
-        oacc = _mm512_fmadd_ps(DS, _mm512_loadu_ps(s16 + 16 * b), oacc);
+        const __m128i sc = _mm_sub_epi8(_mm_shuffle_epi8(_mm_set_epi64x((long long)s1, (long long)s0), order), _mm_set1_epi8(32));
+        const __m512 C = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
+                                       _mm512_mul_ps(_mm512_set1_ps(rdh(p + 108)), _mm512_loadu_ps(c16 + 16 * b)));
         const __m512i z = _mm512_loadu_si512((const void *)(p + 32));
         const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
         const int8_t *x = xq + 256 * b;
+        __m512i v[4] = {_mm512_and_si512(z, m3), _mm512_and_si512(z, m12), _mm512_and_si512(_mm512_srli_epi16(z, 2), m12),
+                        _mm512_and_si512(_mm512_srli_epi16(z, 4), m12)};
+        __m512i r[4];
         for (int j = 0; j < 4; j++) {
-            const int f = j < 2 ? j : 2;
-            const __m512i lo = _mm512_and_si512(j == 3 ? _mm512_srli_epi16(z, 2) : z, _mm512_set1_epi8((char)(3 << (2 * f))));
-            const __mmask64 hb = _mm512_test_epi8_mask(
-                hm, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1));
-            const __m512i v = _mm512_mask_add_epi8(lo, hb, lo, _mm512_set1_epi8((char)(4 << (2 * f))));
-            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
-                                     _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(2 * j)), C), acc[j]);
+            v[j] = _mm512_mask_add_epi8(v[j], _mm512_test_epi8_mask(hm, hsel[j]), v[j], j ? b16 : b4);
+            r[j] = _mm512_dpbusd_epi32(zmm_zero(), v[j], _mm512_loadu_si512((const void *)(x + 64 * j)));
         }
+        /* 4 partial sums per group and chunk -> 16 group sums, lane t = 4L + j */
+        const __m512i r01 = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), one16);
+        const __m512i r23 = _mm512_madd_epi16(_mm512_packs_epi32(r[2], r[3]), one16);
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_loadu_si512((const void *)(init + 16 * b)), _mm512_packs_epi32(r01, r23), one16);
+        if (b & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc1);
+        else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc0);
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    return _mm512_reduce_add_ps(_mm512_fmadd_ps(oacc, _mm512_set1_ps(-4.0f), sum));
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 /* IQ4_XS: each 32-value group unpacks like an IQ4_NL block, so it shares that
