@@ -638,32 +638,55 @@ static inline __m512i zmm_zero() {
     return z;
 }
 
+/* 4 x 16 lanes of partial sums (lane L of r[j]: 4 sums of group 2j + (L & 1) + 8 (L >> 1),
+ * each |sum| < 2^14) -> the 16 group sums in lane order t, plus init */
+static inline __m512i k23_reduce(const __m512i r[4], __m512i init) {
+    const __m512i one16 = _mm512_set1_epi16(1);
+    const __m512i r01 = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), one16);
+    const __m512i r23 = _mm512_madd_epi16(_mm512_packs_epi32(r[2], r[3]), one16);
+    return _mm512_dpwssd_epi32(init, _mm512_packs_epi32(r01, r23), one16);
+}
+
 static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp) {
     uint8_t *g = scratch(1, (size_t)(kp + kp / 2) + 64);
     if (!g) return NULL;
-    const int8_t *xq = (const int8_t *)act;
     const float *ls = (const float *)(act + kp);
     float *c16 = (float *)(g + kp), *x32 = (float *)(g + kp + kp / 4 + kp / 8);
     int16_t *isum = (int16_t *)(g + kp + kp / 4);
     int32_t *init = (int32_t *)(g + kp + kp / 4);
+    int32_t pair[16], natural[16], fold[16];
+    float scale[16];
+    for (int t = 0; t < 16; t++) {
+        const int f = k23_fold(qt, t & 3);
+        pair[t] = kK23Order[t] >> 1; /* the group's 32-block */
+        natural[kK23Order[t]] = t;
+        fold[t] = -4 << (2 * f);
+        scale[t] = 1.0f / (float)(1 << (2 * f));
+    }
+    const __m512i vpair = _mm512_loadu_si512((const void *)pair), vnat = _mm512_loadu_si512((const void *)natural);
+    const __m512i vfold = _mm512_loadu_si512((const void *)fold);
+    const __m512 vscale = _mm512_loadu_ps(scale);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *x = act + 256 * b;
         uint8_t *q = g + 256 * b;
+        __m512i r[4];
         for (int j = 0; j < 4; j++) {
-            _mm256_storeu_si256((__m256i *)(q + 64 * j), _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
-            _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j)));
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(x + 32 * j)), hi = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j));
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            _mm512_storeu_si512((void *)(q + 64 * j), v);
+            r[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), v);
         }
-        for (int t = 0; t < 16; t++) {
-            const int gi = kK23Order[t], f = k23_fold(qt, t & 3);
-            const int64_t e = 256 * b + 16 * gi;
-            c16[16 * b + t] = ls[e / 4] * (1.0f / (float)(1 << (2 * f)));
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += xq[e + i];
-            if (qt == FK_Q3_K) init[16 * b + t] = -4 * (1 << (2 * f)) * s;
-            else isum[16 * b + gi] = (int16_t)s;
+        const __m512i sums = k23_reduce(r, _mm512_setzero_si512()); /* sum(q) per group, lane order t */
+        float d8[8];
+        for (int a = 0; a < 8; a++) d8[a] = ls[64 * b + 8 * a];
+        const __m512 d = _mm512_castps256_ps512(_mm256_loadu_ps(d8));
+        _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(_mm512_permutexvar_ps(vpair, d), vscale));
+        if (qt == FK_Q3_K) {
+            _mm512_storeu_si512((void *)(init + 16 * b), _mm512_mullo_epi32(sums, vfold));
+        } else {
+            _mm256_storeu_si256((__m256i *)(isum + 16 * b), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(vnat, sums)));
+            _mm256_storeu_ps(x32 + 8 * b, _mm256_loadu_ps(d8));
         }
-        if (qt == FK_Q2_K)
-            for (int a = 0; a < 8; a++) x32[8 * b + a] = ls[64 * b + 8 * a];
     }
     return g;
 }
@@ -707,7 +730,6 @@ static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     const int32_t *init = (const int32_t *)(g + kp + kp / 4);
     const __m128i order = _mm_loadu_si128((const __m128i *)kK23Order);
     const __m512i m3 = _mm512_set1_epi8(3), m12 = _mm512_set1_epi8(12), b4 = _mm512_set1_epi8(4), b16 = _mm512_set1_epi8(16);
-    const __m512i one16 = _mm512_set1_epi16(1);
     __m512i hsel[4];
     for (int j = 0; j < 4; j++) /* the high bit of chunk j: bit j of hmask (bytes 0-31), bit 4 + j (32-63) */
         hsel[j] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1);
@@ -739,10 +761,7 @@ static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
             v[j] = _mm512_mask_add_epi8(v[j], _mm512_test_epi8_mask(hm, hsel[j]), v[j], j ? b16 : b4);
             r[j] = _mm512_dpbusd_epi32(zmm_zero(), v[j], _mm512_loadu_si512((const void *)(x + 64 * j)));
         }
-        /* 4 partial sums per group and chunk -> 16 group sums, lane t = 4L + j */
-        const __m512i r01 = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), one16);
-        const __m512i r23 = _mm512_madd_epi16(_mm512_packs_epi32(r[2], r[3]), one16);
-        const __m512i dot = _mm512_dpwssd_epi32(_mm512_loadu_si512((const void *)(init + 16 * b)), _mm512_packs_epi32(r01, r23), one16);
+        const __m512i dot = k23_reduce(r, _mm512_loadu_si512((const void *)(init + 16 * b)));
         if (b & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc1);
         else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc0);
     }
