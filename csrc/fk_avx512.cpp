@@ -402,8 +402,10 @@ static inline int offset_c(int qt) {
 }
 
 /* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
+static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp);
+
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
-    (void)k;
+    if (qt == FK_Q2_K || qt == FK_Q3_K) return gemv_prep_k23(qt, act, k, kp);
     const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
     if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
           qt == FK_IQ4_XS || k45))
@@ -601,6 +603,171 @@ static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, cons
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
 }
 
+/* Q2_K / Q3_K, m = 1. The 64 bytes of qs hold 2-bit field j (bits 2j, 2j+1) of elements
+ * 32j + i (byte i < 32) and 128 + 32j + i - 32 (byte i >= 32): one zmm load and an AND
+ * (and a shift) per field give the 64 values of chunk j = elements [32j, +32) and
+ * [128 + 32j, +32), scaled by 4^f (the field left where it lies, or moved to bits 2-3).
+ * The prepared activations put the matching 32-byte chunks side by side. Each 128-bit lane
+ * L of chunk j is one 16-group, g = 2j + (L & 1) + 8 (L >> 1); a block's 16 group scales are
+ * kept in lane order t = 4L + j (group kK23Order[t]), so the lane scales of chunk j are one
+ * in-lane shuffle (vpermilps imm) of them.
+ *   Q2_K: f = j. Per chunk: AND, vpdpbusd, convert, shuffle, FMA against d * sc * d_x / 4^f.
+ *         The mins go per block as a 16-bit pair dot min x sum(q) (vpmaddwd), scaled per
+ *         32-block by d_x and per block by -dmin.
+ *   Q3_K: f = 0, 1, 1, 1 (high bit at bit 2 + 2f, set by a masked add from the hmask test);
+ *         the four vpdpbusd results (4 partial sums per group) are reduced to the 16 group
+ *         sums in lane order t by three vpackssdw + vpmaddwd, the last one (vpdpwssd)
+ *         starting from the -4 offset (-4 * 4^f * sum(q)), so the float work is one convert
+ *         and one FMA per block. 16-bit headroom: 2 * 4 * 28 * 128 < 32768.
+ * Prepared activations (slot 1 of the scratch, 3 kp / 2 bytes):
+ *   q'[kp]         per 256, the 32-byte chunks of quant_act's row in the order 0, 4, 1, 5, 2, 6, 3, 7
+ *   c16[kp/16]     f32, per block in lane order t: the activation scale of the group's 32-block / 4^f
+ *   Q2_K: isum[kp/16] i16, natural group order: sum(q) per 16-group; x32[kp/32] f32: d_x per 32
+ *   Q3_K: init[kp/16] i32, lane order t: -4 * 4^f * sum(q) of the group
+ * A group costs (integer dot of 4^f u and q) * (d_x / 4^f) * (d * sc): the tile route's integer
+ * dot and scale products (the power of two exact), summed in another order. */
+static const int8_t kK23Order[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+static inline int k23_fold(int qt, int j) { return qt == FK_Q2_K ? j : j > 0; }
+
+/* a fresh zero (vpxord, a zero idiom) to start each vpdpbusd: otherwise GCC copies one
+ * zeroed register per use, a real move */
+static inline __m512i zmm_zero() {
+    __m512i z;
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
+    return z;
+}
+
+/* 4 x 16 lanes of partial sums (lane L of r[j]: 4 sums of group 2j + (L & 1) + 8 (L >> 1),
+ * each |sum| < 2^14) -> the 16 group sums in lane order t, plus init */
+static inline __m512i k23_reduce(const __m512i r[4], __m512i init) {
+    const __m512i one16 = _mm512_set1_epi16(1);
+    const __m512i r01 = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), one16);
+    const __m512i r23 = _mm512_madd_epi16(_mm512_packs_epi32(r[2], r[3]), one16);
+    return _mm512_dpwssd_epi32(init, _mm512_packs_epi32(r01, r23), one16);
+}
+
+static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp) {
+    uint8_t *g = scratch(1, (size_t)(kp + kp / 2) + 64);
+    if (!g) return NULL;
+    const float *ls = (const float *)(act + kp);
+    float *c16 = (float *)(g + kp), *x32 = (float *)(g + kp + kp / 4 + kp / 8);
+    int16_t *isum = (int16_t *)(g + kp + kp / 4);
+    int32_t *init = (int32_t *)(g + kp + kp / 4);
+    int32_t pair[16], natural[16], fold[16];
+    float scale[16];
+    for (int t = 0; t < 16; t++) {
+        const int f = k23_fold(qt, t & 3);
+        pair[t] = kK23Order[t] >> 1; /* the group's 32-block */
+        natural[kK23Order[t]] = t;
+        fold[t] = -4 << (2 * f);
+        scale[t] = 1.0f / (float)(1 << (2 * f));
+    }
+    const __m512i vpair = _mm512_loadu_si512((const void *)pair), vnat = _mm512_loadu_si512((const void *)natural);
+    const __m512i vfold = _mm512_loadu_si512((const void *)fold);
+    const __m512 vscale = _mm512_loadu_ps(scale);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *x = act + 256 * b;
+        uint8_t *q = g + 256 * b;
+        __m512i r[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(x + 32 * j)), hi = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j));
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            _mm512_storeu_si512((void *)(q + 64 * j), v);
+            r[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), v);
+        }
+        const __m512i sums = k23_reduce(r, _mm512_setzero_si512()); /* sum(q) per group, lane order t */
+        float d8[8];
+        for (int a = 0; a < 8; a++) d8[a] = ls[64 * b + 8 * a];
+        const __m512 d = _mm512_castps256_ps512(_mm256_loadu_ps(d8));
+        _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(_mm512_permutexvar_ps(vpair, d), vscale));
+        if (qt == FK_Q3_K) {
+            _mm512_storeu_si512((void *)(init + 16 * b), _mm512_mullo_epi32(sums, vfold));
+        } else {
+            _mm256_storeu_si256((__m256i *)(isum + 16 * b), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(vnat, sums)));
+            _mm256_storeu_ps(x32 + 8 * b, _mm256_loadu_ps(d8));
+        }
+    }
+    return g;
+}
+
+static float gemv_q2k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
+    const int8_t *xq = (const int8_t *)g;
+    const float *c16 = (const float *)(g + kp), *x32 = (const float *)(g + kp + kp / 4 + kp / 8);
+    const int16_t *isum = (const int16_t *)(g + kp + kp / 4);
+    const __m128i order = _mm_loadu_si128((const __m128i *)kK23Order), m4 = _mm_set1_epi8(15);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 84;
+        _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 2048 + 64, _MM_HINT_T0);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)p);
+        uint32_t dd;
+        memcpy(&dd, p + 80, 4);
+        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_and_si128(sc, m4), order)));
+        const __m512 C = _mm512_mul_ps(S, _mm512_mul_ps(_mm512_broadcastss_ps(d2), _mm512_loadu_ps(c16 + 16 * b)));
+        const __m256i mi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)),
+                                             _mm256_loadu_si256((const __m256i *)(isum + 16 * b)));
+        oacc = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mi), _mm256_loadu_ps(x32 + 8 * b)),
+                                _mm256_broadcastss_ps(_mm_movehdup_ps(d2)), oacc);
+        const __m512i z = _mm512_loadu_si512((const void *)(p + 16));
+        const int8_t *x = xq + 256 * b;
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_and_si512(z, _mm512_set1_epi8((char)(3 << (2 * j))));
+            const __m512i i0 = _mm512_dpbusd_epi32(zmm_zero(), v, _mm512_loadu_si512((const void *)(x + 64 * j)));
+            if (j & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permute_ps(C, 0x55 * j), acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permute_ps(C, 0x55 * j), acc0);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_castps256_ps512(oacc)));
+}
+
+static float gemv_q3k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
+    const int8_t *xq = (const int8_t *)g;
+    const float *c16 = (const float *)(g + kp);
+    const int32_t *init = (const int32_t *)(g + kp + kp / 4);
+    const __m128i order = _mm_loadu_si128((const __m128i *)kK23Order);
+    const __m512i m3 = _mm512_set1_epi8(3), m12 = _mm512_set1_epi8(12), b4 = _mm512_set1_epi8(4), b16 = _mm512_set1_epi8(16);
+    __m512i hsel[4];
+    for (int j = 0; j < 4; j++) /* the high bit of chunk j: bit j of hmask (bytes 0-31), bit 4 + j (32-63) */
+        hsel[j] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + b * 110;
+        _mm_prefetch((const char *)p + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + 2048 + 64, _MM_HINT_T0);
+        /* 16 six-bit scales: low nibbles in bytes 0-7 (j < 8: low, j >= 8: high nibble of
+         * byte j - 8), high 2 bits of j at bits 2(j >> 2) of byte 8 + (j & 3) */
+        uint64_t a;
+        uint32_t h;
+        memcpy(&a, p + 96, 8);
+        memcpy(&h, p + 104, 4);
+        const uint32_t m2 = 0x03030303u;
+        const uint64_t h0 = (uint64_t)(h & m2) | (uint64_t)((h >> 2) & m2) << 32;
+        const uint64_t h1 = (uint64_t)((h >> 4) & m2) | (uint64_t)((h >> 6) & m2) << 32;
+        const uint64_t s0 = (a & 0x0F0F0F0F0F0F0F0Full) | h0 << 4, s1 = ((a >> 4) & 0x0F0F0F0F0F0F0F0Full) | h1 << 4;
+        const __m128i sc = _mm_sub_epi8(_mm_shuffle_epi8(_mm_set_epi64x((long long)s1, (long long)s0), order), _mm_set1_epi8(32));
+        const __m512 C = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
+                                       _mm512_mul_ps(_mm512_set1_ps(rdh(p + 108)), _mm512_loadu_ps(c16 + 16 * b)));
+        const __m512i z = _mm512_loadu_si512((const void *)(p + 32));
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+        const int8_t *x = xq + 256 * b;
+        __m512i v[4] = {_mm512_and_si512(z, m3), _mm512_and_si512(z, m12), _mm512_and_si512(_mm512_srli_epi16(z, 2), m12),
+                        _mm512_and_si512(_mm512_srli_epi16(z, 4), m12)};
+        __m512i r[4];
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm512_mask_add_epi8(v[j], _mm512_test_epi8_mask(hm, hsel[j]), v[j], j ? b16 : b4);
+            r[j] = _mm512_dpbusd_epi32(zmm_zero(), v[j], _mm512_loadu_si512((const void *)(x + 64 * j)));
+        }
+        const __m512i dot = k23_reduce(r, _mm512_loadu_si512((const void *)(init + 16 * b)));
+        if (b & 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc1);
+        else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), C, acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
 /* IQ4_XS: each 32-value group unpacks like an IQ4_NL block, so it shares that
  * prepared activation order and the folded -128 offset; the group scale is per 32. */
 static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t *__restrict g, int64_t kp) {
@@ -642,7 +809,7 @@ static float gemv_iq4xs(const uint8_t *__restrict src, int64_t k, const uint8_t 
 static bool gemv_ok(int qt) {
     switch (qt) {
     case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
-    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K: case FK_IQ4_XS:
+    case FK_Q2_K: case FK_Q3_K: case FK_Q4_K: case FK_Q5_K: case FK_Q6_K: case FK_IQ4_XS:
         return true;
     }
     return false;
@@ -666,6 +833,8 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
     case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
     case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;
+    case FK_Q2_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q2k(w + r * rb, k, kp, act); break;
+    case FK_Q3_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q3k(w + r * rb, k, kp, act); break;
     case FK_IQ4_XS: for (int64_t r = r0; r < r1; r++) y[r] = gemv_iq4xs(w + r * rb, k, act, kp); break;
     }
 }

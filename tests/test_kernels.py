@@ -113,7 +113,24 @@ def test_decode_route_odd_block_counts(isa, qt):
                 check(qt, 7, k, m, rng)
 
 
-@pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
+def test_decode_route_q2k_q3k(isa, qt):
+    """m = 1 over Q2_K / Q3_K (the fused GEMV on AVX-512): 1..10 blocks per row, odd row
+    counts, and rows split over 2 threads."""
+    rng = np.random.default_rng(int(qt) + 23)
+    for k in (256, 512, 768, 2560):
+        for n in (1, 3, 17, 33):
+            check(qt, n, k, 1, rng)
+    n0 = K.get_threads()
+    try:
+        K.set_threads(2)
+        check(qt, 301, 2560, 1, rng)
+    finally:
+        K.set_threads(n0)
+
+
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.F16],
+                         ids=lambda t: t.name)
 def test_m_one_to_n(qt):
     rng = np.random.default_rng(1)
     k = 512
