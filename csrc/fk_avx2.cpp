@@ -77,9 +77,17 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 
 static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst);
 #define FK_FAST_DECODE fast_decode
+static bool gemv_ok(int qt);
+static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                      const uint8_t *g, float *y);
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
+#define FK_FAST_GEMV_OK gemv_ok
+#define FK_FAST_GEMV gemv_rows
+#define FK_FAST_GEMV_PREP gemv_prep
 
 #include "fk_impl.inc"
 #include "fk_decode_avx2.inc"
+#include "fk_gemv_avx2.inc"
 
 }  // namespace fk_avx2_ns
 
