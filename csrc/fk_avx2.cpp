@@ -84,6 +84,8 @@ static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t k
 #define FK_FAST_GEMV_OK gemv_ok
 #define FK_FAST_GEMV gemv_rows
 #define FK_FAST_GEMV_PREP gemv_prep
+static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst);
+#define FK_FAST_QUANT_ACT fast_quant_act
 
 #include "fk_impl.inc"
 #include "fk_decode_avx2.inc"
