@@ -1,5 +1,5 @@
-/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products are
- * widened to int16 and summed with vpmaddwd, which cannot saturate. */
+/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products go through
+ * vpmaddubsw (kept from saturating, see tile_q_part) and vpmaddwd. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,24 +22,35 @@ static inline float hsum8(__m256 v) {
 }
 
 #define FK_C 4
-template <int R, int C>
-static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+/* R x C block of int8 dots, 32 values a step: vpmaddubsw (u8 x s8 pairs -> int16), vpmaddwd
+ * with ones (-> int32 per 4-value lane), then one FMA with the lane scales (weight x act).
+ * Decoded weights u <= 127 go in as they are (2 * 127 * 127 < 32767). Wider rows (Q8_0,
+ * IQ4_*: bytes up to 255) use w = u - 128 as s8 with the sign trick (|w| x sign(x, w), at most
+ * 2 * 128 * 127) and add back 128 * the lane sums of x in int32: the same integers. */
+template <int R, int C, bool WIDE>
+static inline void tile_q_part(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
     __m256 acc[R][C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kp; i += 16) {
-        __m256i w[R];
-        float ws[R];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < kp; i += 32) {
+        __m256i w[R], aw[R];
         for (int r = 0; r < R; r++) {
-            w[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wt + r * rowsz + i)));
-            ws[r] = ((const float *)(wt + r * rowsz + kp))[i / 4];
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i));
+            w[r] = WIDE ? _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)) : u;
+            aw[r] = WIDE ? _mm256_abs_epi8(w[r]) : u;
         }
         for (int c = 0; c < C; c++) {
-            const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xt + c * rowsz + i)));
-            const float xs = ((const float *)(xt + c * rowsz + kp))[i / 4];
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + c * rowsz + i));
+            const __m256 xs = _mm256_loadu_ps((const float *)(xt + c * rowsz + kp) + i / 4);
+            __m256i xsum = _mm256_setzero_si256();
+            if (WIDE) xsum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xv), _mm256_set1_epi16(128));
             for (int r = 0; r < R; r++) {
-                const __m256i d = _mm256_madd_epi16(w[r], xv);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws[r] * xs), acc[r][c]);
+                const __m256i p = _mm256_maddubs_epi16(aw[r], WIDE ? _mm256_sign_epi8(xv, w[r]) : xv);
+                __m256i d = _mm256_madd_epi16(p, ones);
+                if (WIDE) d = _mm256_add_epi32(d, xsum);
+                const __m256 ws = _mm256_loadu_ps((const float *)(wt + r * rowsz + kp) + i / 4);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[r][c]);
             }
         }
     }
@@ -55,6 +66,19 @@ static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, in
             s = _mm_add_ss(s, _mm_movehdup_ps(s));
             out[r][c] += _mm_cvtss_f32(s);
         }
+}
+
+template <int R, int C>
+static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+    static_assert(R % 2 == 0, "rows in pairs");
+    __m256i any = _mm256_setzero_si256(); /* a decoded byte >= 128 anywhere in the tile? */
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < kp; i += 32) any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i)));
+    const bool wide = _mm256_movemask_epi8(any) != 0;
+    for (int r = 0; r < R; r += 2) { /* two rows a pass: 2 x C accumulators stay in registers */
+        if (wide) tile_q_part<2, C, true>(wt + r * rowsz, xt, rowsz, kp, out + r);
+        else tile_q_part<2, C, false>(wt + r * rowsz, xt, rowsz, kp, out + r);
+    }
 }
 
 template <int R, int C>
