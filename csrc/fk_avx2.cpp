@@ -1,5 +1,5 @@
-/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products are
- * widened to int16 and summed with vpmaddwd, which cannot saturate. */
+/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products go through
+ * vpmaddubsw (kept from saturating, see tile_q_part) and vpmaddwd. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,39 +22,76 @@ static inline float hsum8(__m256 v) {
 }
 
 #define FK_C 4
-template <int R, int C>
-static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+/* R x C block of int8 dots, 32 values a step: vpmaddubsw (u8 x s8 pairs -> int16), vpmaddwd
+ * with ones (-> int32 per 4-value lane), then one FMA with the lane scales (weight x act).
+ * Decoded weights u <= 127 go in as they are (2 * 127 * 127 < 32767). Wider rows (Q8_0,
+ * IQ4_*: bytes up to 255) go in as w = u - 128 (s8) with the sign trick (|w| x sign(x, w),
+ * at most 2 * 128 * 127), and the 128 * ls * sum(x) that leaves out joins the row's offsets:
+ * off + 128 * ls, which is exactly 0 for those formats (off = -128 * d, ls = d). */
+template <int R, int C, bool WIDE>
+static inline void tile_q_part(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C], int c0) {
     __m256 acc[R][C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kp; i += 16) {
-        __m256i w[R];
-        float ws[R];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (size_t i = 0; i < (size_t)kp; i += 32) {
+        __m256i w[R], aw[R];
         for (int r = 0; r < R; r++) {
-            w[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wt + r * rowsz + i)));
-            ws[r] = ((const float *)(wt + r * rowsz + kp))[i / 4];
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i));
+            w[r] = WIDE ? _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)) : u;
+            aw[r] = WIDE ? _mm256_abs_epi8(w[r]) : u;
         }
         for (int c = 0; c < C; c++) {
-            const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xt + c * rowsz + i)));
-            const float xs = ((const float *)(xt + c * rowsz + kp))[i / 4];
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + c * rowsz + i));
+            const __m256 xs = _mm256_loadu_ps((const float *)(xt + c * rowsz + kp) + i / 4);
             for (int r = 0; r < R; r++) {
-                const __m256i d = _mm256_madd_epi16(w[r], xv);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws[r] * xs), acc[r][c]);
+                const __m256i p = _mm256_maddubs_epi16(aw[r], WIDE ? _mm256_sign_epi8(xv, w[r]) : xv);
+                const __m256i d = _mm256_madd_epi16(p, ones);
+                const __m256 ws = _mm256_loadu_ps((const float *)(wt + r * rowsz + kp) + i / 4);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[r][c]);
             }
         }
     }
     const int64_t n16 = kp / 16; /* a multiple of 4 */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const float *wo = (const float *)(wt + r * rowsz + 2 * kp);
-            const float *xo = (const float *)(xt + c * rowsz + 2 * kp);
-            __m128 s = _mm_setzero_ps();
-            for (int64_t j = 0; j < n16; j += 4) s = _mm_fmadd_ps(_mm_loadu_ps(wo + j), _mm_loadu_ps(xo + j), s);
-            out[r][c] = hsum8(acc[r][c]);
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            out[r][c] += _mm_cvtss_f32(s);
+    for (int r = 0; r < R; r++) {
+        const float *wo = (const float *)(wt + r * rowsz + 2 * kp), *wl = (const float *)(wt + r * rowsz + kp);
+        __m128 s[C];
+        for (int c = 0; c < C; c++) s[c] = _mm_setzero_ps();
+        for (int64_t j0 = 0; j0 < n16; j0 += 64) {
+            const int64_t nj = n16 - j0 < 64 ? n16 - j0 : 64;
+            alignas(16) float o[64];
+            const float *op = wo + j0;
+            if (WIDE) {
+                for (int64_t j = 0; j < nj; j++) o[j] = fmaf(wl[4 * (j0 + j)], 128.0f, wo[j0 + j]);
+                op = o;
+            }
+            for (int c = 0; c < C; c++) {
+                const float *xo = (const float *)(xt + c * rowsz + 2 * kp) + j0;
+                for (int64_t j = 0; j < nj; j += 4) s[c] = _mm_fmadd_ps(_mm_loadu_ps(op + j), _mm_loadu_ps(xo + j), s[c]);
+            }
         }
+        for (int c = 0; c < C; c++) {
+            __m128 t = _mm_add_ps(s[c], _mm_movehl_ps(s[c], s[c]));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            out[r][c0 + c] = hsum8(acc[r][c]) + _mm_cvtss_f32(t);
+        }
+    }
+}
+
+template <int R, int C>
+static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+    static_assert(R % 2 == 0, "rows in pairs");
+    __m256i any = _mm256_setzero_si256(); /* a decoded byte >= 128 anywhere in the tile? */
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < kp; i += 32) any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i)));
+    const bool wide = _mm256_movemask_epi8(any) != 0;
+    for (int r = 0; r < R; r += 2) { /* two rows a pass: 2 x C accumulators stay in registers */
+        if (!wide) {
+            tile_q_part<2, C, false>(wt + r * rowsz, xt, rowsz, kp, out + r, 0);
+        } else {
+            tile_q_part<2, C, true>(wt + r * rowsz, xt, rowsz, kp, out + r, 0);
+        }
+    }
 }
 
 template <int R, int C>
@@ -77,9 +114,19 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 
 static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst);
 #define FK_FAST_DECODE fast_decode
+static bool gemv_ok(int qt);
+static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                      const uint8_t *g, float *y);
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
+#define FK_FAST_GEMV_OK gemv_ok
+#define FK_FAST_GEMV gemv_rows
+#define FK_FAST_GEMV_PREP gemv_prep
+static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst);
+#define FK_FAST_QUANT_ACT fast_quant_act
 
 #include "fk_impl.inc"
 #include "fk_decode_avx2.inc"
+#include "fk_gemv_avx2.inc"
 
 }  // namespace fk_avx2_ns
 
