@@ -164,3 +164,15 @@ def test_batch_errors_are_typed(tmp_path_factory):
         model.native_plan.run_batch(x, [ptrs], [4], [4], [model.rope.table(8)])
     with pytest.raises(KernelError):     # rows and caches disagree
         model.native_plan.run_batch(torch.zeros(2, model.config.n_embd), [ptrs], [0], [4], [model.rope.table(8)])
+
+
+def test_long_prompts_run_in_chunks(tmp_path_factory):
+    """A prompt longer than native_chunk runs as several calls: same logits as one."""
+    model = _model(tmp_path_factory, "gemma3-d32-window", Q.F32)
+    whole, _ = _run(model, True, [20])
+    model.native_chunk = 6
+    try:
+        chunked, _ = _run(model, True, [20])
+    finally:
+        del model.native_chunk
+    assert (chunked - whole).abs().max() < 1e-4 * whole.abs().max()

@@ -277,7 +277,10 @@ class DecoderBase:
         if ptrs is not None:
             x = x.float().contiguous()
             tables = [t.table(pos0 + m) for t in self.rope_tables()]
-            self.native_plan.run(x, ptrs, cache.capacity, pos0, tables)
+            # chunks bound the step's scratch (~70 KB a row on Qwen3-0.6B) on long prompts;
+            # each chunk attends to the cache the previous ones wrote
+            for s in range(0, m, self.native_chunk):
+                self.native_plan.run(x[s:s + self.native_chunk], ptrs, cache.capacity, pos0 + s, tables)
         else:
             for i in range(self.config.n_layer):
                 x = self.block(i, x, cache, pos0)
@@ -287,6 +290,7 @@ class DecoderBase:
     # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
 
     native_plan: "kernels.DecoderPlan | None" = None   # set by families that can build one
+    native_chunk = 512                                  # rows per native call on long prompts
     # False: the torch blocks (reference, A/B); FUCINA_NATIVE_STEP=0 sets it for a process
     use_native_step = os.environ.get("FUCINA_NATIVE_STEP", "1") != "0"
 
