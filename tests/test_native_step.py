@@ -124,11 +124,13 @@ def test_plan_rejects_inconsistent_weights(tmp_path_factory):
     model = _model(tmp_path_factory, "llama-d16", Q.F32)
     c = model.config
     layer = model.plan_layer(0, model.layers[0])
-    bad = dict(layer, wo=model.layers[0].down)      # [64, 128] where [64, 64] belongs
-    with pytest.raises(KernelError):
-        K.DecoderPlan.build(n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
-                            n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu", eps=1e-6, scale=0.25,
-                            layers=[bad])
+    for bad in (dict(layer, wo=model.layers[0].down),          # [64, 128] where [64, 64] belongs
+                dict(layer, attn_norm=torch.ones(c.n_embd - 1)),  # a norm of the wrong length
+                dict(layer, q_norm=torch.ones(c.n_embd))):
+        with pytest.raises(KernelError):
+            K.DecoderPlan.build(n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
+                                n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu", eps=1e-6, scale=0.25,
+                                layers=[bad])
 
 
 @pytest.mark.parametrize("name", ["llama-d16", "gemma3-d32-window"])

@@ -312,8 +312,9 @@ class DecoderPlan:
                 if v is None:
                     ints.append(0)
                     continue
-                if v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous():
-                    raise KernelError(f"plan: {name} must be a contiguous f32 vector")
+                size = head_dim if name in ("q_norm", "k_norm") else n_embd
+                if v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous() or v.numel() != size:
+                    raise KernelError(f"plan: {name} must be a contiguous f32 vector of {size}")
                 keep.append(v)
                 ints.append(v.data_ptr())
             for key, slots in (("qkv", 3), ("wo", 1), ("gu", 2), ("down", 1)):
