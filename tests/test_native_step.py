@@ -110,11 +110,13 @@ def test_step_errors_are_typed(tmp_path_factory):
     tables = [model.rope.table(16)]
     x = torch.zeros(2, model.config.n_embd)
     with pytest.raises(KernelError):          # past the capacity
-        plan.run(x, ptrs, 8, 7, tables)
+        plan.run(x, ptrs, 7, tables)
     with pytest.raises(KernelError):          # wrong width
-        plan.run(torch.zeros(2, 3), ptrs, 8, 0, tables)
+        plan.run(torch.zeros(2, 3), ptrs, 0, tables)
     with pytest.raises(KernelError):          # RoPE table too short for the positions
-        plan.run(x, ptrs, 8, 0, [t[:1] for t in tables])
+        plan.run(x, ptrs, 0, [t[:1] for t in tables])
+    with pytest.raises(KernelError):          # not a pointer table of this plan
+        plan.run(x, ptrs.ptrs, 0, tables)
     with pytest.raises(KernelError):          # cache of another geometry
         K.DecoderPlan.cache_pointers([torch.zeros(8, 3, 16, dtype=torch.float16)] * 2,
                                      [torch.zeros(8, 3, 16, dtype=torch.float16)] * 2, 2, 16)
@@ -163,9 +165,9 @@ def test_batch_errors_are_typed(tmp_path_factory):
     ptrs = model._native_cache(cache)
     x = torch.zeros(1, model.config.n_embd)
     with pytest.raises(KernelError):     # position past the cache
-        model.native_plan.run_batch(x, [ptrs], [4], [4], [model.rope.table(8)])
+        model.native_plan.run_batch(x, [ptrs], [4], [model.rope.table(8)])
     with pytest.raises(KernelError):     # rows and caches disagree
-        model.native_plan.run_batch(torch.zeros(2, model.config.n_embd), [ptrs], [0], [4], [model.rope.table(8)])
+        model.native_plan.run_batch(torch.zeros(2, model.config.n_embd), [ptrs], [0], [model.rope.table(8)])
 
 
 def test_long_prompts_run_in_chunks(tmp_path_factory):

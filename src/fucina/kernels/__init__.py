@@ -284,6 +284,15 @@ _ACTS = {"silu": 0, "gelu_tanh": 1}
 _NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
 
 
+class KVPointers:
+    """A cache's per-layer K/V addresses and capacity, as DecoderPlan.cache_pointers made them."""
+
+    __slots__ = ("ptrs", "capacity")
+
+    def __init__(self, ptrs: torch.Tensor, capacity: int):
+        self.ptrs, self.capacity = ptrs, capacity
+
+
 class DecoderPlan:
     """Every layer of a llama-shaped decoder as one native call (csrc/fk_step_impl.inc):
     norm -> QKV -> q/k norms -> RoPE -> f16 KV cache -> attention -> O -> norm -> gate/up
@@ -338,43 +347,47 @@ class DecoderPlan:
         return cls(capsule, len(layers), n_embd, n_rot, keep)
 
     @staticmethod
-    def cache_pointers(k: list[torch.Tensor], v: list[torch.Tensor], n_kv: int, head_dim: int) -> torch.Tensor:
-        """[k0, v0, k1, v1, ...] data pointers of an f16 cache, its geometry checked."""
+    def cache_pointers(k: list[torch.Tensor], v: list[torch.Tensor], n_kv: int, head_dim: int) -> "KVPointers":
+        """The [k0, v0, k1, v1, ...] addresses of an f16 cache with its capacity, its geometry
+        checked here once (the caller keeps the tensors alive and in place)."""
         for t in (*k, *v):
             if (t.dtype is not torch.float16 or t.dim() != 3 or tuple(t.shape[1:]) != (n_kv, head_dim)
                     or not t.is_contiguous() or t.shape[0] != k[0].shape[0]):
                 raise KernelError("plan: the cache must be contiguous f16 [capacity, n_kv, head_dim] per layer")
-        return torch.tensor([p for a, b in zip(k, v) for p in (a.data_ptr(), b.data_ptr())], dtype=torch.int64)
+        ptrs = torch.tensor([p for a, b in zip(k, v) for p in (a.data_ptr(), b.data_ptr())], dtype=torch.int64)
+        return KVPointers(ptrs, int(k[0].shape[0]))
 
-    def run(self, x: torch.Tensor, kv_ptrs: torch.Tensor, capacity: int, pos0: int,
-            tables: list[torch.Tensor]) -> None:
+    def _check_kv(self, kv: "KVPointers") -> None:
+        if not isinstance(kv, KVPointers) or kv.ptrs.numel() != 2 * self.n_layer:
+            raise KernelError("plan: cache pointers do not match the layers")
+
+    def run(self, x: torch.Tensor, kv: "KVPointers", pos0: int, tables: list[torch.Tensor]) -> None:
         """x [m, n_embd] f32 contiguous, updated in place; K/V rows written at pos0..;
         tables: RoPE (cos, sin) tables [len, n_rot / 2, 2] f32, one or two."""
         if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.n_embd
                 or not x.is_contiguous()):
             raise KernelError(f"plan: x must be contiguous f32 [m, {self.n_embd}]")
-        if kv_ptrs.dtype is not torch.int64 or kv_ptrs.numel() != 2 * self.n_layer:
-            raise KernelError("plan: cache pointers do not match the layers")
+        self._check_kv(kv)
         t0, t1 = self._tables(tables)
         try:
-            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, capacity, kv_ptrs.data_ptr(),
+            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, kv.capacity, kv.ptrs.data_ptr(),
                          t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
         except ValueError as e:
             raise KernelError(str(e)) from None
 
-    def run_batch(self, x: torch.Tensor, kv_ptrs: list[torch.Tensor], positions: list[int],
-                  capacities: list[int], tables: list[torch.Tensor]) -> None:
-        """One token per stream: row i of x at positions[i] of the cache kv_ptrs[i]
-        (a cache_pointers table) of capacity capacities[i]; x updated in place."""
-        m = len(kv_ptrs)
+    def run_batch(self, x: torch.Tensor, kvs: list["KVPointers"], positions: list[int],
+                  tables: list[torch.Tensor]) -> None:
+        """One token per stream: row i of x at positions[i] of the cache kvs[i]; x updated
+        in place."""
+        m = len(kvs)
         if (x.dtype is not torch.float32 or x.dim() != 2 or tuple(x.shape) != (m, self.n_embd)
-                or not x.is_contiguous() or len(positions) != m or len(capacities) != m):
+                or not x.is_contiguous() or len(positions) != m):
             raise KernelError(f"plan: x must be contiguous f32 [{m}, {self.n_embd}], one row per cache")
-        if any(p.dtype is not torch.int64 or p.numel() != 2 * self.n_layer for p in kv_ptrs):
-            raise KernelError("plan: cache pointers do not match the layers")
-        rows = torch.cat(kv_ptrs)
+        for kv in kvs:
+            self._check_kv(kv)
+        rows = torch.cat([kv.ptrs for kv in kvs])
         pos = torch.tensor(positions, dtype=torch.int64)
-        cap = torch.tensor(capacities, dtype=torch.int64)
+        cap = torch.tensor([kv.capacity for kv in kvs], dtype=torch.int64)
         t0, t1 = self._tables(tables)
         try:
             _native.step_batch(self._capsule, x.data_ptr(), m, rows.data_ptr(), pos.data_ptr(), cap.data_ptr(),

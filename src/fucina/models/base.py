@@ -256,7 +256,7 @@ class DecoderBase:
         if all(p is not None for p in ptrs):
             x = x.float().contiguous()
             end = max(c.len for c in caches) + 1
-            self.native_plan.run_batch(x, ptrs, [c.len for c in caches], [c.capacity for c in caches],
+            self.native_plan.run_batch(x, ptrs, [c.len for c in caches],
                                        [t.table(end) for t in self.rope_tables()])
         else:
             batch = Ragged(caches)
@@ -280,7 +280,7 @@ class DecoderBase:
             # chunks bound the step's scratch (~70 KB a row on Qwen3-0.6B) on long prompts;
             # each chunk attends to the cache the previous ones wrote
             for s in range(0, m, self.native_chunk):
-                self.native_plan.run(x[s:s + self.native_chunk], ptrs, cache.capacity, pos0 + s, tables)
+                self.native_plan.run(x[s:s + self.native_chunk], ptrs, pos0 + s, tables)
         else:
             for i in range(self.config.n_layer):
                 x = self.block(i, x, cache, pos0)
@@ -298,7 +298,7 @@ class DecoderBase:
         """The RoPE tables the plan's layers index (families with two override this)."""
         return [self.rope]
 
-    def _native_cache(self, cache: KVCache) -> torch.Tensor | None:
+    def _native_cache(self, cache: KVCache) -> "kernels.KVPointers | None":
         """The cache's pointer table when the native step serves this call, else None.
         Only a plain f16 KVCache qualifies (the q8_0 cache keeps the torch path)."""
         if self.native_plan is None or not self.use_native_step or type(cache) is not KVCache \
