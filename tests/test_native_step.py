@@ -180,3 +180,18 @@ def test_long_prompts_run_in_chunks(tmp_path_factory):
     finally:
         del model.native_chunk
     assert (chunked - whole).abs().max() < 1e-4 * whole.abs().max()
+
+
+def test_family_with_its_own_block_gets_no_plan_by_accident(tmp_path_factory):
+    """A subclass that changes the block math without describing it keeps the torch path."""
+    from fucina.models import llama
+    from fucina.gguf import GGUFFile
+
+    class Odd(llama.Model):
+        def block(self, i, x, cache, pos0):
+            return super().block(i, x, cache, pos0) * 0.5
+
+    arch, kw = CASES["llama-d16"]
+    path = write_model(tmp_path_factory.mktemp("odd") / "m.gguf", arch, **kw)
+    assert Odd(GGUFFile(path)).native_plan is None
+    assert llama.Model(GGUFFile(path)).native_plan is not None

@@ -119,6 +119,9 @@ class Model(DecoderBase):
         c = self.config
         if c.head_dim % 16 or c.n_rot % 2 or c.n_rot > c.head_dim:
             return None
+        cls = type(self)
+        if cls.block is not Model.block and cls.plan_layer is Model.plan_layer:
+            return None   # a family with its own block math must describe it to get a plan
         return kernels.DecoderPlan.build(
             n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim, n_ff=c.n_ff,
             n_rot=c.n_rot, neox=c.rope_neox, act=self.plan_act, eps=c.rms_eps, scale=self.plan_scale(),
