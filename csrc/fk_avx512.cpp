@@ -78,6 +78,10 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
 #define FK_FAST_GEMV gemv_rows
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
 #define FK_FAST_GEMV_PREP gemv_prep
+static bool gemv_m_ok(int qt, int64_t m);
+static void gemv_m(const fk_matmul_args *a, uint8_t *act, size_t rowsz, int nt);
+#define FK_FAST_GEMV_M_OK gemv_m_ok
+#define FK_FAST_GEMV_M gemv_m
 #define FK_FAST_QUANT_ACT fast_quant_act
 
 static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, float *__restrict dst) {
@@ -404,14 +408,25 @@ static inline int offset_c(int qt) {
 /* prepared activations: q'[kp] | ls'[kp/4] f32 | init[kp/4] i32 | x32[kp/32] f32 */
 static const uint8_t *gemv_prep_k23(int qt, const uint8_t *act, int64_t k, int64_t kp);
 
+static inline bool prep_needed(int qt) {
+    return qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
+           qt == FK_IQ4_XS || qt == FK_Q4_K || qt == FK_Q5_K;
+}
+static inline size_t prep_bytes(int64_t kp) { return (size_t)(3 * kp + kp / 4) + 64; }
+static const uint8_t *gemv_prep_into(int qt, const uint8_t *act, int64_t k, int64_t kp, uint8_t *g);
+
 static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
     if (qt == FK_Q2_K || qt == FK_Q3_K) return gemv_prep_k23(qt, act, k, kp);
+    if (!prep_needed(qt)) return act;
+    uint8_t *g = scratch(1, prep_bytes(kp));
+    return g ? gemv_prep_into(qt, act, k, kp, g) : NULL;
+}
+
+/* the activation row `act` rearranged for qt's fused GEMV into g (prep_bytes(kp)) */
+static const uint8_t *gemv_prep_into(int qt, const uint8_t *act, int64_t k, int64_t kp, uint8_t *g) {
+    (void)k;
+    if (!prep_needed(qt)) return act;
     const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
-    if (!(qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
-          qt == FK_IQ4_XS || k45))
-        return act;
-    uint8_t *g = scratch(1, (size_t)(3 * kp + kp / 4) + 64);
-    if (!g) return NULL;
     const int8_t *q = (const int8_t *)act;
     const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
     int8_t *q2 = (int8_t *)g;
@@ -484,17 +499,28 @@ static inline __m512i unpack2(const uint8_t *p0, const uint8_t *p1) {
 
 static const int32_t kPairNib[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};
 
-template <int QT>
-static float gemv32(const uint8_t *__restrict p, int64_t k, const uint8_t *__restrict g, int64_t kp) {
+/* M activation rows (1..3) against one weight row: the unpacked blocks and their scales
+ * are shared, each row adds its own integer dots and rescale (m = 2..3 is the decode
+ * route of small batches and speculation). */
+template <int QT, int M>
+static void gemv32(const uint8_t *__restrict p, int64_t k, const uint8_t *const *g, int64_t kp, float *out) {
     const int bs = QT == FK_Q4_0 || QT == FK_IQ4_NL ? 18 : QT == FK_Q4_1 ? 20 : QT == FK_Q5_0 ? 22 : QT == FK_Q5_1 ? 24 : 34;
     const bool mins = QT == FK_Q4_1 || QT == FK_Q5_1;
-    const int8_t *xq = (const int8_t *)g;
-    const float *xls = (const float *)(g + kp), *x32 = (const float *)(g + 3 * kp);
-    const int32_t *init = (const int32_t *)(g + 2 * kp);
+    const int8_t *xq[M];
+    const float *xls[M], *x32[M];
+    const int32_t *init[M];
+    __m512 acc0[M], acc1[M];
+    __m128 oacc[M];
+    for (int j = 0; j < M; j++) {
+        xq[j] = (const int8_t *)g[j];
+        xls[j] = (const float *)(g[j] + kp);
+        x32[j] = (const float *)(g[j] + 3 * kp);
+        init[j] = (const int32_t *)(g[j] + 2 * kp);
+        acc0[j] = acc1[j] = _mm512_setzero_ps();
+        oacc[j] = _mm_setzero_ps();
+    }
     const __m512i ia = _mm512_loadu_si512((const void *)(QT == FK_Q8_0 ? kPairLin : kPairNib));
     const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(2));
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m128 oacc = _mm_setzero_ps();
     const int64_t nb = k / 32;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
@@ -502,30 +528,38 @@ static float gemv32(const uint8_t *__restrict p, int64_t k, const uint8_t *__res
         _mm_prefetch((const char *)p0 + 1024, _MM_HINT_T0);
         _mm_prefetch((const char *)p0 + 1088, _MM_HINT_T0);
         const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)gather4_u16(p0, bs))));
+        const __m512 da = _mm512_permutexvar_ps(ia, d4), db = _mm512_permutexvar_ps(ib, d4);
         const __m512i v0 = unpack2<QT>(p0, p0 + bs), v1 = unpack2<QT>(p0 + 2 * bs, p0 + 3 * bs);
-        const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8)), v0,
-                                               _mm512_loadu_si512((const void *)(xq + b * 32)));
-        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8 + 16)), v1,
-                                               _mm512_loadu_si512((const void *)(xq + b * 32 + 64)));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(_mm512_permutexvar_ps(ia, d4), _mm512_loadu_ps(xls + b * 8)), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(_mm512_permutexvar_ps(ib, d4), _mm512_loadu_ps(xls + b * 8 + 16)), acc1);
-        if (mins) {
-            const __m128 m4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)gather4_u16(p0 + 2, bs)));
-            oacc = _mm_fmadd_ps(m4, _mm_loadu_ps(x32 + b), oacc);
+        __m128 m4 = _mm_setzero_ps();
+        if (mins) m4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)gather4_u16(p0 + 2, bs)));
+        for (int j = 0; j < M; j++) {
+            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init[j] + b * 8)), v0,
+                                                   _mm512_loadu_si512((const void *)(xq[j] + b * 32)));
+            const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init[j] + b * 8 + 16)), v1,
+                                                   _mm512_loadu_si512((const void *)(xq[j] + b * 32 + 64)));
+            acc0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(da, _mm512_loadu_ps(xls[j] + b * 8)), acc0[j]);
+            acc1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(db, _mm512_loadu_ps(xls[j] + b * 8 + 16)), acc1[j]);
+            if (mins) oacc[j] = _mm_fmadd_ps(m4, _mm_loadu_ps(x32[j] + b), oacc[j]);
         }
     }
     for (; b < nb; b += 2) { /* 1..3 blocks left: pairs, the last maybe alone */
         const uint8_t *p0 = p + b * bs, *p1 = b + 1 < nb ? p0 + bs : NULL;
         const float d0 = rdh(p0), d1 = p1 ? rdh(p1) : 0.0f;
-        const __m512 d2 = _mm512_castps128_ps512(_mm_setr_ps(d0, d1, 0.0f, 0.0f));
-        const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init + b * 8)), unpack2<QT>(p0, p1),
-                                               _mm512_loadu_si512((const void *)(xq + b * 32)));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(_mm512_permutexvar_ps(ia, d2), _mm512_loadu_ps(xls + b * 8)), acc0);
-        if (mins) oacc = _mm_add_ss(oacc, _mm_set_ss(rdh(p0 + 2) * x32[b] + (p1 ? rdh(p1 + 2) * x32[b + 1] : 0.0f)));
+        const __m512 da = _mm512_permutexvar_ps(ia, _mm512_castps128_ps512(_mm_setr_ps(d0, d1, 0.0f, 0.0f)));
+        const __m512i v = unpack2<QT>(p0, p1);
+        const float m0 = mins ? rdh(p0 + 2) : 0.0f, m1 = mins && p1 ? rdh(p1 + 2) : 0.0f;
+        for (int j = 0; j < M; j++) {
+            const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(init[j] + b * 8)), v,
+                                                   _mm512_loadu_si512((const void *)(xq[j] + b * 32)));
+            acc0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(da, _mm512_loadu_ps(xls[j] + b * 8)), acc0[j]);
+            if (mins) oacc[j] = _mm_add_ss(oacc[j], _mm_set_ss(m0 * x32[j][b] + (p1 ? m1 * x32[j][b + 1] : 0.0f)));
+        }
     }
-    __m128 o = _mm_add_ps(oacc, _mm_movehl_ps(oacc, oacc));
-    o = _mm_add_ss(o, _mm_movehdup_ps(o));
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(o);
+    for (int j = 0; j < M; j++) {
+        __m128 o = _mm_add_ps(oacc[j], _mm_movehl_ps(oacc[j], oacc[j]));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + _mm_cvtss_f32(o);
+    }
 }
 
 static const int32_t kSpanLo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2};
@@ -533,28 +567,37 @@ static const int32_t kSpanLo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2,
 /* Q4_K / Q5_K, m = 1: 64 bytes of qs per step (groups 4h..4h+3 of a superblock), the
  * activations pre-arranged to match; group scale x activation scale taken once per
  * superblock (both are per 32 values), offsets as one 8-wide FMA per superblock. */
-template <int QT>
-static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict g) {
+template <int QT, int M>
+static void gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *const *g, float *out) {
     const int bs = QT == FK_Q4_K ? 144 : 176;
-    const int8_t *xq = (const int8_t *)g;
-    const float *x32 = (const float *)(g + 3 * kp), *d32 = (const float *)(g + 3 * kp + kp / 8);
+    const int8_t *xq[M];
+    const float *x32[M], *d32[M];
+    __m512 acc0[M], acc1[M];
+    __m256 oacc[M];
+    for (int j = 0; j < M; j++) {
+        xq[j] = (const int8_t *)g[j];
+        x32[j] = (const float *)(g[j] + 3 * kp);
+        d32[j] = (const float *)(g[j] + 3 * kp + kp / 8);
+        acc0[j] = acc1[j] = _mm512_setzero_ps();
+        oacc[j] = _mm256_setzero_ps();
+    }
     const __m512i lo_idx = _mm512_loadu_si512((const void *)kSpanLo);
     const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m256 oacc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * bs, *qs = p + (QT == FK_Q4_K ? 16 : 48);
         for (int l = 0; l < 3; l++) _mm_prefetch((const char *)p + 2048 + 64 * l, _MM_HINT_T0);
         __m512 S, O;
         q45k_scales(p, S, O);
-        const __m512 C = _mm512_mul_ps(S, _mm512_castps256_ps512(_mm256_loadu_ps(d32 + 8 * b)));
-        oacc = _mm256_fmadd_ps(_mm512_castps512_ps256(O), _mm256_loadu_ps(x32 + 8 * b), oacc);
+        __m512 C[M];
+        for (int j = 0; j < M; j++) {
+            C[j] = _mm512_mul_ps(S, _mm512_castps256_ps512(_mm256_loadu_ps(d32[j] + 8 * b)));
+            oacc[j] = _mm256_fmadd_ps(_mm512_castps512_ps256(O), _mm256_loadu_ps(x32[j] + 8 * b), oacc[j]);
+        }
         __m512i qh2 = _mm512_setzero_si512();
         if (QT == FK_Q5_K) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
             qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
         }
-        const int8_t *x = xq + b * 256;
         for (int h = 0; h < 2; h++) {
             const __m512i z = _mm512_loadu_si512((const void *)(qs + 64 * h));
             __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
@@ -562,45 +605,59 @@ static float gemv_q45k(const uint8_t *__restrict src, int64_t k, int64_t kp, con
                 lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * h)), one), 4));
                 hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * h + 1)), one), 4));
             }
-            const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(x + 128 * h)));
-            const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(x + 128 * h + 64)));
             const __m512i idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(4 * h));
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_permutexvar_ps(idx, C), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), C), acc1);
+            const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
+            for (int j = 0; j < M; j++) {
+                const int8_t *x = xq[j] + b * 256;
+                const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(x + 128 * h)));
+                const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(x + 128 * h + 64)));
+                acc0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_permutexvar_ps(idx, C[j]), acc0[j]);
+                acc1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_permutexvar_ps(idx1, C[j]), acc1[j]);
+            }
         }
     }
-    __m128 o = _mm_add_ps(_mm256_castps256_ps128(oacc), _mm256_extractf128_ps(oacc, 1));
-    o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-    o = _mm_add_ss(o, _mm_movehdup_ps(o));
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(o);
+    for (int j = 0; j < M; j++) {
+        __m128 o = _mm_add_ps(_mm256_castps256_ps128(oacc[j]), _mm256_extractf128_ps(oacc[j], 1));
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + _mm_cvtss_f32(o);
+    }
 }
 
-static float gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *__restrict act) {
-    const int8_t *xq = (const int8_t *)act;
-    const float *xls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
+template <int M>
+static void gemv_q6k(const uint8_t *__restrict src, int64_t k, int64_t kp, const uint8_t *const *act, float *out) {
+    const int8_t *xq[M];
+    const float *xls[M], *s16[M];
+    __m512 acc[M], oacc[M];
+    for (int j = 0; j < M; j++) {
+        xq[j] = (const int8_t *)act[j];
+        xls[j] = (const float *)(act[j] + kp);
+        s16[j] = (const float *)(act[j] + 2 * kp);
+        acc[j] = oacc[j] = _mm512_setzero_ps();
+    }
     const __m512i quad = _mm512_loadu_si512((const void *)kQuad);
-    __m512 acc = _mm512_setzero_ps(), oacc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *p = src + b * 210;
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 2048 + 64 * l, _MM_HINT_T0);
         const __m512 S = q6k_scales(p);
-        oacc = _mm512_fmadd_ps(_mm512_mul_ps(S, _mm512_set1_ps(-32.0f)), _mm512_loadu_ps(s16 + b * 16), oacc);
-        const int8_t *x = xq + b * 256;
-        const float *xl = xls + b * 64;
+        const __m512 So = _mm512_mul_ps(S, _mm512_set1_ps(-32.0f));
+        for (int j = 0; j < M; j++) oacc[j] = _mm512_fmadd_ps(So, _mm512_loadu_ps(s16[j] + b * 16), oacc[j]);
         for (int n = 0; n < 2; n++) {
             __m512i v0, v1;
             q6k_half(p, n, v0, v1);
-            const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512((const void *)(x + 128 * n)));
-            const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v1, _mm512_loadu_si512((const void *)(x + 128 * n + 64)));
-            const __m512 c0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n)), S),
-                                            _mm512_loadu_ps(xl + 32 * n));
-            const __m512 c1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n + 4)), S),
-                                            _mm512_loadu_ps(xl + 32 * n + 16));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), c0, acc);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), c1, acc);
+            const __m512 s0 = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n)), S);
+            const __m512 s1 = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(8 * n + 4)), S);
+            for (int j = 0; j < M; j++) {
+                const int8_t *x = xq[j] + b * 256;
+                const float *xl = xls[j] + b * 64;
+                const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512((const void *)(x + 128 * n)));
+                const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v1, _mm512_loadu_si512((const void *)(x + 128 * n + 64)));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, _mm512_loadu_ps(xl + 32 * n)), acc[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, _mm512_loadu_ps(xl + 32 * n + 16)), acc[j]);
+            }
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, oacc));
+    for (int j = 0; j < M; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], oacc[j]));
 }
 
 /* Q2_K / Q3_K, m = 1. The 64 bytes of qs hold 2-bit field j (bits 2j, 2j+1) of elements
@@ -815,27 +872,77 @@ static bool gemv_ok(int qt) {
     return false;
 }
 
-template <int QT>
-static void gemv32_rows(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
-                        const uint8_t *g, float *y) {
-    for (int64_t r = r0; r < r1; r++) y[r] = gemv32<QT>(w + r * rb, k, g, kp);
+/* rows [r0, r1) of the weight against M prepared activation rows g[0..M) -> y[j * ldy + r] */
+template <int M, typename F>
+static inline void rows_loop(F dot, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; r++) {
+        float o[M];
+        dot(w + r * rb, o);
+        for (int j = 0; j < M; j++) y[j * ldy + r] = o[j];
+    }
+}
+
+template <int M>
+static void gemv_rows_m(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                        const uint8_t *const *g, float *y, int64_t ldy) {
+#define FK_ROWS(call) rows_loop<M>([&](const uint8_t *wr, float *o) { call; }, w, rb, r0, r1, y, ldy)
+    switch (qt) {
+    case FK_Q4_0: FK_ROWS((gemv32<FK_Q4_0, M>(wr, k, g, kp, o))); break;
+    case FK_Q4_1: FK_ROWS((gemv32<FK_Q4_1, M>(wr, k, g, kp, o))); break;
+    case FK_IQ4_NL: FK_ROWS((gemv32<FK_IQ4_NL, M>(wr, k, g, kp, o))); break;
+    case FK_Q5_0: FK_ROWS((gemv32<FK_Q5_0, M>(wr, k, g, kp, o))); break;
+    case FK_Q5_1: FK_ROWS((gemv32<FK_Q5_1, M>(wr, k, g, kp, o))); break;
+    case FK_Q8_0: FK_ROWS((gemv32<FK_Q8_0, M>(wr, k, g, kp, o))); break;
+    case FK_Q4_K: FK_ROWS((gemv_q45k<FK_Q4_K, M>(wr, k, kp, g, o))); break;
+    case FK_Q5_K: FK_ROWS((gemv_q45k<FK_Q5_K, M>(wr, k, kp, g, o))); break;
+    case FK_Q6_K: FK_ROWS((gemv_q6k<M>(wr, k, kp, g, o))); break;
+    /* one activation row only (gemv_m_ok keeps them out of M > 1) */
+    case FK_Q2_K: FK_ROWS((o[0] = gemv_q2k(wr, k, kp, g[0]))); break;
+    case FK_Q3_K: FK_ROWS((o[0] = gemv_q3k(wr, k, kp, g[0]))); break;
+    case FK_IQ4_XS: FK_ROWS((o[0] = gemv_iq4xs(wr, k, g[0], kp))); break;
+    }
+#undef FK_ROWS
 }
 
 static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
                       const uint8_t *act, float *y) {
+    gemv_rows_m<1>(qt, w, rb, r0, r1, k, kp, &act, y, 0);
+}
+
+/* formats with a fused route for 2..FK_GEMV_MAX_M activation rows */
+#define FK_GEMV_MAX_M 4
+static bool gemv_m_ok(int qt, int64_t m) {
+    if (m < 2 || m > FK_GEMV_MAX_M) return false;
     switch (qt) {
-    case FK_Q4_0: gemv32_rows<FK_Q4_0>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_Q4_1: gemv32_rows<FK_Q4_1>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_IQ4_NL: gemv32_rows<FK_IQ4_NL>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_Q5_0: gemv32_rows<FK_Q5_0>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_Q5_1: gemv32_rows<FK_Q5_1>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_Q8_0: gemv32_rows<FK_Q8_0>(w, rb, r0, r1, k, kp, act, y); break;
-    case FK_Q4_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q4_K>(w + r * rb, k, kp, act); break;
-    case FK_Q5_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q45k<FK_Q5_K>(w + r * rb, k, kp, act); break;
-    case FK_Q6_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q6k(w + r * rb, k, kp, act); break;
-    case FK_Q2_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q2k(w + r * rb, k, kp, act); break;
-    case FK_Q3_K: for (int64_t r = r0; r < r1; r++) y[r] = gemv_q3k(w + r * rb, k, kp, act); break;
-    case FK_IQ4_XS: for (int64_t r = r0; r < r1; r++) y[r] = gemv_iq4xs(w + r * rb, k, act, kp); break;
+    case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
+    case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
+        return true;
+    }
+    return false;
+}
+
+/* m = 2..3 rows: quantize and prepare each activation row, then one pass over the weight
+ * rows (the same contiguous runs per thread as m = 1); act is matmul_q's [m][rowsz] */
+static void gemv_m(const fk_matmul_args *a, uint8_t *act, size_t rowsz, int nt) {
+    const int64_t n = a->n, k = a->k, m = a->m, kp = fk_round_up(k, 64);
+    uint8_t *pb = scratch(1, (size_t)m * prep_bytes(kp));
+    if (!pb) return;
+    const uint8_t *g[FK_GEMV_MAX_M];
+    for (int64_t j = 0; j < m; j++) {
+        uint8_t *aj = act + j * rowsz;
+        quant_act(a->x + j * k, k, kp, aj);
+        g[j] = gemv_prep_into(a->qtype, aj, k, kp, pb + j * prep_bytes(kp));
+    }
+    int64_t chunk = (n + 4 * (int64_t)nt - 1) / (4 * (int64_t)nt);
+    if (chunk < 16) chunk = 16;
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    if (nt > nchunks) nt = (int)nchunks;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t r1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        if (m == 2) gemv_rows_m<2>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
+        else if (m == 3) gemv_rows_m<3>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
+        else gemv_rows_m<4>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
     }
 }
 

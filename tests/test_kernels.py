@@ -102,11 +102,12 @@ def test_every_format_every_isa(isa, qt):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_decode_route_odd_block_counts(isa, qt):
-    """m = 1 (the fused GEMV on AVX-512) over 1..7 blocks per row, and rows not a multiple of 16."""
+    """m = 1..4 (the fused GEMVs on AVX-512) over 1..7 blocks per row, and rows not a multiple of 16."""
     rng = np.random.default_rng(int(qt) + 11)
     bs = max(TYPE_SIZES[qt][0], 32)
     for nblocks in (1, 2, 3, 5, 6, 7):
-        check(qt, 19, nblocks * bs, 1, rng)
+        for m in (1, 2, 3, 4):
+            check(qt, 19, nblocks * bs, m, rng)
     if qt in FLOATS:  # float rows of any length
         for k in (1, 5, 37, 100):
             for m in (1, 3, 9):
@@ -160,6 +161,19 @@ def test_prefill_panels(prefill, qt):
         if qt == T.BF16:  # rows of any length
             for k in (37, 100, 130):
                 check(qt, 40, k, 14, rng)
+    finally:
+        K.set_threads(n0)
+
+
+def test_small_batches_on_two_threads():
+    """The m = 2..4 fused route splits weight rows over threads like m = 1."""
+    n0 = K.get_threads()
+    K.set_threads(2)
+    try:
+        rng = np.random.default_rng(5)
+        for qt in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1):
+            for m in (2, 3, 4):
+                check(qt, 301, 1024, m, rng)
     finally:
         K.set_threads(n0)
 
