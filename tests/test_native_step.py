@@ -26,6 +26,10 @@ CASES = {
                                          sliding_window=5)),
     "gemma3-d256": ("gemma3", dict(hidden=64, heads=2, kv_heads=1, head_dim=256, layers=3,
                                    sliding_window=7)),
+    # 8 query heads per kv head and a head size with no specialised kernel (48)
+    "qwen3-d48-g8": ("qwen3", dict(hidden=64, heads=8, kv_heads=1, head_dim=48, layers=2)),
+    "gemma3-d48-window3": ("gemma3", dict(hidden=96, heads=4, kv_heads=4, head_dim=48, layers=3,
+                                          sliding_window=3)),
 }
 
 IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9]
