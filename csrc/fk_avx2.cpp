@@ -117,7 +117,7 @@ static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_
 static bool gemv_ok(int qt);
 static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
                       const uint8_t *g, float *y);
-static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp, int slot);
 #define FK_FAST_GEMV_OK gemv_ok
 #define FK_FAST_GEMV gemv_rows
 #define FK_FAST_GEMV_PREP gemv_prep

@@ -76,12 +76,13 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
                       const uint8_t *act, float *y);
 #define FK_FAST_GEMV_OK gemv_ok
 #define FK_FAST_GEMV gemv_rows
-static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp);
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp, int slot);
 #define FK_FAST_GEMV_PREP gemv_prep
 static bool gemv_m_ok(int qt, int64_t m);
-static void gemv_m(const fk_matmul_args *a, uint8_t *act, size_t rowsz, int nt);
+static void gemv_rows_multi(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                            const uint8_t *const *g, int64_t m, float *y, int64_t ldy);
 #define FK_FAST_GEMV_M_OK gemv_m_ok
-#define FK_FAST_GEMV_M gemv_m
+#define FK_FAST_GEMV_M gemv_rows_multi
 #define FK_FAST_QUANT_ACT fast_quant_act
 
 static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, float *__restrict dst) {
@@ -412,20 +413,15 @@ static inline bool prep_needed(int qt) {
     return qt == FK_Q4_0 || qt == FK_Q4_1 || qt == FK_Q5_0 || qt == FK_Q5_1 || qt == FK_Q8_0 || qt == FK_IQ4_NL ||
            qt == FK_IQ4_XS || qt == FK_Q4_K || qt == FK_Q5_K;
 }
-static inline size_t prep_bytes(int64_t kp) { return (size_t)(3 * kp + kp / 4) + 64; }
-static const uint8_t *gemv_prep_into(int qt, const uint8_t *act, int64_t k, int64_t kp, uint8_t *g);
-
-static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp) {
-    if (qt == FK_Q2_K || qt == FK_Q3_K) return gemv_prep_k23(qt, act, k, kp);
+/* the activation row `act` rearranged for qt's fused GEMV, in row slot `slot` of the
+ * scratch (one size for every slot: no realloc between the rows of a call) */
+static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp, int slot) {
+    if (qt == FK_Q2_K || qt == FK_Q3_K) return gemv_prep_k23(qt, act, k, kp);   /* m = 1 only */
     if (!prep_needed(qt)) return act;
-    uint8_t *g = scratch(1, prep_bytes(kp));
-    return g ? gemv_prep_into(qt, act, k, kp, g) : NULL;
-}
-
-/* the activation row `act` rearranged for qt's fused GEMV into g (prep_bytes(kp)) */
-static const uint8_t *gemv_prep_into(int qt, const uint8_t *act, int64_t k, int64_t kp, uint8_t *g) {
-    (void)k;
-    if (!prep_needed(qt)) return act;
+    const size_t sz = (size_t)(3 * kp + kp / 4) + 64;
+    uint8_t *g = scratch(1, FK_GEMV_MAX_ROWS * sz);
+    if (!g) return NULL;
+    g += slot * sz;
     const bool k45 = qt == FK_Q4_K || qt == FK_Q5_K;
     const int8_t *q = (const int8_t *)act;
     const float *ls = (const float *)(act + kp), *s16 = (const float *)(act + 2 * kp);
@@ -909,10 +905,9 @@ static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     gemv_rows_m<1>(qt, w, rb, r0, r1, k, kp, &act, y, 0);
 }
 
-/* formats with a fused route for 2..FK_GEMV_MAX_M activation rows */
-#define FK_GEMV_MAX_M 4
+/* formats with a fused route for 2..4 activation rows */
 static bool gemv_m_ok(int qt, int64_t m) {
-    if (m < 2 || m > FK_GEMV_MAX_M) return false;
+    if (m < 2 || m > 4) return false;
     switch (qt) {
     case FK_Q4_0: case FK_Q4_1: case FK_IQ4_NL: case FK_Q5_0: case FK_Q5_1: case FK_Q8_0:
     case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
@@ -921,29 +916,11 @@ static bool gemv_m_ok(int qt, int64_t m) {
     return false;
 }
 
-/* m = 2..3 rows: quantize and prepare each activation row, then one pass over the weight
- * rows (the same contiguous runs per thread as m = 1); act is matmul_q's [m][rowsz] */
-static void gemv_m(const fk_matmul_args *a, uint8_t *act, size_t rowsz, int nt) {
-    const int64_t n = a->n, k = a->k, m = a->m, kp = fk_round_up(k, 64);
-    uint8_t *pb = scratch(1, (size_t)m * prep_bytes(kp));
-    if (!pb) return;
-    const uint8_t *g[FK_GEMV_MAX_M];
-    for (int64_t j = 0; j < m; j++) {
-        uint8_t *aj = act + j * rowsz;
-        quant_act(a->x + j * k, k, kp, aj);
-        g[j] = gemv_prep_into(a->qtype, aj, k, kp, pb + j * prep_bytes(kp));
-    }
-    int64_t chunk = (n + 4 * (int64_t)nt - 1) / (4 * (int64_t)nt);
-    if (chunk < 16) chunk = 16;
-    const int64_t nchunks = (n + chunk - 1) / chunk;
-    if (nt > nchunks) nt = (int)nchunks;
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
-    for (int64_t c = 0; c < nchunks; c++) {
-        const int64_t r1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-        if (m == 2) gemv_rows_m<2>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
-        else if (m == 3) gemv_rows_m<3>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
-        else gemv_rows_m<4>(a->qtype, a->w, a->row_bytes, c * chunk, r1, k, kp, g, a->y, a->ldy);
-    }
+static void gemv_rows_multi(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                            const uint8_t *const *g, int64_t m, float *y, int64_t ldy) {
+    if (m == 2) gemv_rows_m<2>(qt, w, rb, r0, r1, k, kp, g, y, ldy);
+    else if (m == 3) gemv_rows_m<3>(qt, w, rb, r0, r1, k, kp, g, y, ldy);
+    else gemv_rows_m<4>(qt, w, rb, r0, r1, k, kp, g, y, ldy);
 }
 
 /* ---- prefill route: weights decoded to bf16, AVX-512 BF16 outer-product GEMM --------
