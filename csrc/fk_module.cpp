@@ -48,16 +48,7 @@ static const fk_isa *isa_by_name(const char *name) {
     return NULL;
 }
 
-static int known_type(long t) {
-    switch (t) {
-    case FK_F32: case FK_F16: case FK_BF16: case FK_Q4_0: case FK_Q4_1: case FK_Q5_0: case FK_Q5_1:
-    case FK_Q8_0: case FK_Q2_K: case FK_Q3_K: case FK_Q4_K: case FK_Q5_K: case FK_Q6_K:
-    case FK_IQ4_NL: case FK_IQ4_XS:
-        return 1;
-    }
-    return 0;
-}
-
+/* block size and bytes per block of a format with a native route; 0 for any other type */
 static int type_block(long t, long *bs, long *ts) {
     switch (t) {
     case FK_F32: *bs = 1; *ts = 4; return 1;
@@ -110,7 +101,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     a.nthreads = g_threads;
     a.prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
     long bs, ts;
-    if (!known_type(a.qtype) || !type_block(a.qtype, &bs, &ts)) {
+    if (!type_block(a.qtype, &bs, &ts)) {
         PyErr_Format(PyExc_ValueError, "no native route for GGML type %d", a.qtype);
         return NULL;
     }
@@ -196,7 +187,7 @@ static int read_lin(const long long *v, fk_lin *w, int64_t n, int64_t k) {
     w->rb = v[2];
     w->n = v[3];
     w->k = v[4];
-    return known_type(w->qtype) && type_block(w->qtype, &bs, &ts) && w->w && w->n == n && w->k == k &&
+    return type_block(w->qtype, &bs, &ts) && w->w && w->n == n && w->k == k &&
            k % bs == 0 && w->rb == k / bs * ts;
 }
 
@@ -378,7 +369,7 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize
     const int64_t *ids = (const int64_t *)(uintptr_t)v[5];
     float *out = (float *)(uintptr_t)v[7];
     const long long rb = v[2], n = v[3], k = v[4], count = v[6];
-    if (!known_type(v[0]) || !type_block(v[0], &bs, &ts) || !w || !ids || !out || n <= 0 || k <= 0 ||
+    if (!type_block(v[0], &bs, &ts) || !w || !ids || !out || n <= 0 || k <= 0 ||
         k % bs || rb != k / bs * ts || count < 0 || k > (1LL << 28)) {
         PyErr_SetString(PyExc_ValueError, "dequant_rows: inconsistent shapes or null pointer");
         return NULL;
