@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch  # first: loads torch's libgomp, which the native module then shares
 
 from fucina.errors import FucinaError
@@ -338,7 +339,6 @@ class DecoderPlan:
                     ints += [k.qtype, k.ptr, k.rb, k.n, k.k]
                 ints += [0] * (5 * (slots - len(ws)))
             ints += [int(L.get("rope", 0)), int(L.get("window", 0))]
-        import numpy as np
         try:
             capsule = _native.plan_new(np.asarray(ints, dtype=np.int64).tobytes(),
                                        np.asarray([eps, scale], dtype=np.float64).tobytes())

@@ -35,13 +35,19 @@ class KVCache:
             raise ContextFull(f"{self.len} cached + {m} new tokens exceed the context of "
                               f"{self.capacity}")
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write [m, kv_heads, head_dim] rows at offset len (does not advance)."""
+    def check_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
+                   v_store: torch.Tensor) -> int:
+        """Room for [m, kv_heads, head_dim] rows k/v in the layer's stores; returns m."""
         m = k.shape[0]
         self.check_room(m)
-        if k.shape[1:] != self.k[layer].shape[1:] or v.shape[1:] != self.v[layer].shape[1:]:
+        if k.shape[1:] != k_store.shape[1:] or v.shape[1:] != v_store.shape[1:]:
             raise KVCacheError(f"layer {layer}: rows {tuple(k.shape)} do not fit cache "
-                               f"{tuple(self.k[layer].shape)}")
+                               f"{tuple(k_store.shape)}")
+        return m
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write [m, kv_heads, head_dim] rows at offset len (does not advance)."""
+        m = self.check_rows(layer, k, v, self.k[layer], self.v[layer])
         self.k[layer][self.len:self.len + m] = k
         self.v[layer][self.len:self.len + m] = v
 

@@ -66,18 +66,14 @@ class Q8Cache:
         return [(t.shape[1], t.shape[2]) for t in self.kq]
 
     check_room = KVCache.check_room
+    check_rows = KVCache.check_rows
     advance = KVCache.advance
     truncate = KVCache.truncate
     reset = KVCache.reset
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize [m, kv_heads, head_dim] rows into offset len (does not advance)."""
-        m = k.shape[0]
-        self.check_room(m)
-        if k.shape[1:] != self.kq[layer].shape[1:] or v.shape[1:] != self.vq[layer].shape[1:]:
-            raise KVCacheError(f"layer {layer}: rows {tuple(k.shape)} do not fit cache "
-                               f"{tuple(self.kq[layer].shape)}")
-        end = self.len + m
+        end = self.len + self.check_rows(layer, k, v, self.kq[layer], self.vq[layer])
         self.kq[layer][self.len:end], self.ks[layer][self.len:end] = quantize_q8_0(k)
         self.vq[layer][self.len:end], self.vs[layer][self.len:end] = quantize_q8_0(v)
 
