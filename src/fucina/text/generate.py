@@ -145,7 +145,7 @@ class ReplyDecoder:
         if tok in self.stop_ids:
             r.finish_reason, r.stop_token = "stop", tok
             return None, self._finish()
-        if self.cache.len >= self.cache.capacity:
+        if len(self.history) >= self.cache.capacity:   # == cache.len on the plain path
             r.finish_reason = "context"
             return None, self._finish()
         piece = self.scan.feed(self.stream.push(tok))
@@ -179,11 +179,14 @@ class ReplyDecoder:
 
 def decode(model, cache, history: list[int], logits: torch.Tensor, sampler: Sampler, tokenizer, *,
            max_tokens: int, stop_ids: Iterable[int] = (), stop: Sequence[str] = (),
-           reply: Reply | None = None) -> Generator[str, None, Reply]:
+           reply: Reply | None = None, spec=None) -> Generator[str, None, Reply]:
     """Generate one reply after a prefill. Yields text pieces; returns the Reply (filled
-    in place when given, so an abandoned stream's partial reply stays readable)."""
+    in place when given, so an abandoned stream's partial reply stays readable).
+    `spec` (a fucina.text.speculative.Speculation) decodes speculatively: same tokens."""
     rd = ReplyDecoder(cache, history, sampler, tokenizer, max_tokens=max_tokens,
                       stop_ids=stop_ids, stop=stop, reply=reply)
+    if spec is not None:
+        return (yield from spec.drive(model, rd, logits))
     return (yield from drive(model, rd, logits))
 
 

@@ -1,0 +1,58 @@
+"""Lossless draft-free speculative decoding (seed §13.9).
+
+Drafts come from indexes over text the model has already seen (the conversation, the
+reference documents a caller hands in, the verify passes' own top-k); a verify pass
+scores [carried token, draft...] in one forward, and the full sampler at every row
+decides what is committed. `Speculation` is the bundle a front end holds per stream.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from fucina import kernels
+from fucina.text.speculative.cascade import Gate, SpeculationIndex
+from fucina.text.speculative.decoder import SpeculativeDecoder, Stats
+from fucina.text.speculative.gate import DEFAULT_COST_TABLE, CostGate, table_cost
+from fucina.text.speculative.recycling import TokenRecycling
+from fucina.text.speculative.sam import Cursor, SamIndex, SpeculationError
+from fucina.text.speculative.source import DraftSource
+
+__all__ = ["CostGate", "Cursor", "DEFAULT_COST_TABLE", "DraftSource", "Gate", "SamIndex",
+           "Speculation", "SpeculationError", "SpeculationIndex", "SpeculativeDecoder", "Stats",
+           "TokenRecycling", "batch_invariant", "table_cost"]
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels promise that an m-row forward reproduces m single steps
+    bitwise (then the speculative stream is the plain stream token for token). False
+    until the kernels say otherwise."""
+    probe = getattr(kernels, "batch_invariant", None)
+    try:
+        return bool(probe()) if callable(probe) else False
+    except Exception:
+        return False
+
+
+class Speculation:
+    """One stream's speculative state: the cascade index and the decoder over it."""
+
+    def __init__(self, n_vocab: int, references: Sequence[Sequence[int]] = (), *, max_draft: int = 16,
+                 min_draft: int = 2, pin_rows: bool = False, gate: CostGate | None = None):
+        self.index = SpeculationIndex(n_vocab, accounting_min_draft=min_draft)
+        for ref in references:
+            self.index.add_reference(ref)
+        self.decoder = SpeculativeDecoder(self.index, max_draft=max_draft, min_draft=min_draft,
+                                          pin_rows=pin_rows, gate=gate)
+
+    @property
+    def stats(self) -> Stats:
+        return self.decoder.stats
+
+    def add_reference(self, tokens: Sequence[int]) -> None:
+        self.index.add_reference(tokens)
+
+    def drive(self, model, rd, logits):
+        return self.decoder.drive(model, rd, logits)
+
+    def summary(self) -> str:
+        return f"{self.stats.summary()}\nsources: {self.index.source_summary()}"

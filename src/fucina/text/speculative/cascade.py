@@ -1,0 +1,191 @@
+"""SpeculationIndex: the cascade behind one DraftSource.
+
+(1) an online SamIndex over every committed token of the conversation, (2) frozen
+SamIndex reference documents (the RAG seam: a prediction, a file to edit, retrieved
+text), (3) the token-recycling table as the fallback and the consumer of verification
+top-k. The source with the longest current match drafts (ties go to the conversation,
+then to the first-added reference), with a budget of min(n, beta * (1 + match)); a match
+shorter than min_match falls back to the recycling top-1 chain.
+
+Each source keeps a rolling acceptance gate over its last `gate_window` verified draft
+tokens, settled at the suggest -> observe seam (longest common prefix of the draft and
+what was committed next). Below `mute_acceptance` a source is muted for `mute_commits`
+committed tokens, then re-probed; a muted source keeps observing so it stays in sync.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from fucina.text.generate import common_prefix
+from fucina.text.speculative.recycling import TokenRecycling
+from fucina.text.speculative.sam import Cursor, SamIndex, frozen_index
+from fucina.text.speculative.source import DraftSource
+
+GATE_WINDOW = 64
+
+
+class Gate:
+    """Rolling acceptance of one source; muted for a while when it stops paying."""
+
+    def __init__(self, mute_acceptance: float, mute_commits: int, window: int = GATE_WINDOW):
+        self.mute_acceptance, self.mute_commits = mute_acceptance, mute_commits
+        self.window = window
+        self.outcomes: deque[tuple[int, int]] = deque()   # (drafted, accepted) per draft
+        self.drafted = self.accepted = 0
+        self.muted_for = 0
+        self.total_drafted = self.total_accepted = 0
+
+    def muted(self) -> bool:
+        return self.muted_for > 0
+
+    def settle(self, drafted: int, accepted: int) -> None:
+        self.outcomes.append((drafted, accepted))
+        self.drafted += drafted
+        self.accepted += accepted
+        self.total_drafted += drafted
+        self.total_accepted += accepted
+        while self.drafted - self.outcomes[0][0] >= self.window:
+            d, a = self.outcomes.popleft()
+            self.drafted -= d
+            self.accepted -= a
+        if self.drafted >= self.window and self.accepted < self.mute_acceptance * self.drafted:
+            self.muted_for = self.mute_commits
+            self.outcomes.clear()
+            self.drafted = self.accepted = 0
+
+    def tick(self, committed: int) -> None:
+        if self.muted_for:
+            self.muted_for = max(0, self.muted_for - committed)
+
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class FrozenRef:
+    def __init__(self, index: SamIndex, gate: Gate):
+        self.index, self.gate = index, gate
+        self.cursor = Cursor()
+
+
+class SpeculationIndex(DraftSource):
+    wants_topk = True
+
+    def __init__(self, n_vocab: int, *, beta: int = 2, min_match: int = 2, recycling_chain: int = 8,
+                 mute_acceptance: float = 0.20, mute_commits: int = 128, accounting_min_draft: int = 2,
+                 recycling: bool = True):
+        self.beta, self.min_match, self.recycling_chain = beta, min_match, recycling_chain
+        self.mute_acceptance, self.mute_commits = mute_acceptance, mute_commits
+        self.accounting_min_draft = accounting_min_draft
+        self.conv = SamIndex(min_match=min_match)
+        self.conv_gate = self._gate()
+        self.refs: list[FrozenRef] = []
+        self.recycling = TokenRecycling(n_vocab) if recycling else None
+        self.rec_gate = self._gate()
+        self._pending: tuple[Gate, list[int]] | None = None
+
+    def _gate(self) -> Gate:
+        return Gate(self.mute_acceptance, self.mute_commits)
+
+    # -- references -------------------------------------------------------------------
+
+    def add_reference(self, tokens: Sequence[int]) -> None:
+        """Index a document the reply may copy from; its cursor is caught up over the
+        stream observed so far, so it can match at once."""
+        if not tokens:
+            return
+        ref = FrozenRef(frozen_index([int(t) for t in tokens], self.min_match), self._gate())
+        for t in self.conv.tokens[-4096:]:
+            ref.index.advance(ref.cursor, t)
+        self.refs.append(ref)
+
+    def clear_references(self) -> None:
+        self.refs.clear()
+
+    # -- DraftSource ------------------------------------------------------------------
+
+    def suggest(self, context: Sequence[int], n: int) -> list[int]:
+        self._pending = None
+        if n <= 0:
+            return []
+        best_len, best = 0, None
+        if not self.conv_gate.muted():
+            best_len, best = self.conv.match_len(), None
+        for ref in self.refs:
+            if not ref.gate.muted() and ref.cursor.len > best_len:
+                best_len, best = ref.cursor.len, ref
+        draft: list[int] = []
+        gate = None
+        if best_len >= self.min_match:
+            budget = min(n, self.beta * (1 + best_len))
+            if best is None:
+                draft, gate = self.conv.draft(budget, periodic=True), self.conv_gate
+            else:
+                draft, gate = best.index.draft_from(best.cursor, budget), best.gate
+        if not draft and self.recycling is not None and not self.rec_gate.muted() and context:
+            draft = self.recycling.draft_chain(context[-1], min(n, self.recycling_chain))
+            gate = self.rec_gate
+        if draft:
+            self._pending = (gate, draft)
+        return draft
+
+    def truncate_pending(self, new_len: int) -> None:
+        if self._pending is not None:
+            gate, draft = self._pending
+            self._pending = (gate, draft[:new_len]) if new_len > 0 else None
+
+    def observe(self, committed: Sequence[int]) -> None:
+        committed = [int(t) for t in committed]
+        if not committed:
+            return
+        if self._pending is not None:
+            gate, draft = self._pending
+            self._pending = None
+            if len(draft) >= self.accounting_min_draft:
+                gate.settle(len(draft), common_prefix(draft, committed))
+        self._append(committed)
+
+    def observe_topk(self, tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:
+        if self.recycling is not None:
+            self.recycling.observe_topk(tokens, topk)
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Mirror `history`: append what is new, or rebuild when history was rewound or
+        edited (a suffix automaton cannot forget)."""
+        self._pending = None
+        seen = self.conv.tokens
+        if self.conv.poisoned or len(seen) > len(history) or common_prefix(seen, history) != len(seen):
+            self.conv = SamIndex(min_match=self.min_match)
+            for ref in self.refs:
+                ref.cursor = Cursor()
+            seen = self.conv.tokens
+            if self.recycling is not None:
+                self.recycling.sync(history[:0])
+        self._append([int(t) for t in history[len(seen):]])
+
+    def _append(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if not self.conv.poisoned:
+            try:
+                self.conv.append(tokens)
+            except Exception:
+                pass    # degraded: the poisoned index answers 0 from now on
+        for ref in self.refs:
+            for t in tokens:
+                ref.index.advance(ref.cursor, t)
+        if self.recycling is not None:
+            self.recycling.observe(tokens)
+        for g in self._gates():
+            g.tick(len(tokens))
+
+    def _gates(self) -> list[Gate]:
+        return [self.conv_gate, self.rec_gate] + [r.gate for r in self.refs]
+
+    def source_summary(self) -> str:
+        def one(name, g):
+            rate = g.total_accepted / g.total_drafted if g.total_drafted else 0.0
+            return f"{name} {g.total_accepted}/{g.total_drafted} ({rate:.0%}){' muted' if g.muted() else ''}"
+        parts = [one("conversation", self.conv_gate), one("recycling", self.rec_gate)]
+        parts += [one(f"ref{i}", r.gate) for i, r in enumerate(self.refs)]
+        return ", ".join(parts)

@@ -1,0 +1,138 @@
+"""CostGate: speculation runs only while it pays.
+
+The estimate is committed tokens per plain-step-equivalent of verify cost over the last
+`rate_window` verify passes, where cost(k) is what a verify of 1 + k rows costs against
+one plain step: a table measured on this project's CPU kernels, rescaled online by the
+decoder's own timings (an EWMA per draft length over an EWMA of plain steps, clamped so
+one noisy measurement cannot swing it). Below `min_speedup` the gate switches
+speculation off; it re-probes after `reprobe_after` plain steps (doubling up to
+`reprobe_max` each time a probe fails) and switches back on only with a
+`probe_margin` of headroom. The draft budget follows the rolling acceptance rate.
+The gate decides WHEN speculation runs, never WHAT is committed.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from fucina.errors import FucinaError
+
+# (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured with the native
+# step on SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M, 2 threads (benchmarks/speculative.py
+# --costs); interpolated linearly between points, extrapolated from the last two
+DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = ((0, 1.0), (2, 1.25), (4, 1.45), (8, 1.9), (16, 2.9))
+
+
+def table_cost(table, k: int) -> float:
+    pts = sorted(table)
+    if k <= pts[0][0]:
+        return pts[0][1]
+    for (k0, c0), (k1, c1) in zip(pts, pts[1:]):
+        if k <= k1:
+            return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
+    (k0, c0), (k1, c1) = pts[-2], pts[-1]
+    return c1 + (c1 - c0) * (k - k1) / (k1 - k0)
+
+
+class CostGate:
+    def __init__(self, *, max_draft: int = 16, min_draft: int = 2, rate_window: int = 16,
+                 min_window_drafted: int = 8, min_speedup: float = 1.0, probe_margin: float = 0.10,
+                 reprobe_after: int = 128, reprobe_max: int = 1024, probe_steps: int = 4,
+                 cost_table=DEFAULT_COST_TABLE, adapt_budget: bool = True, timed: bool = True):
+        if rate_window < 2 or probe_steps < 1 or reprobe_after < 1 or not cost_table:
+            raise FucinaError("cost gate: rate_window >= 2, probe_steps >= 1, reprobe_after >= 1 "
+                              "and a non-empty cost table are required")
+        self.max_draft, self.min_draft = max_draft, min_draft
+        self.rate_window, self.min_window_drafted = rate_window, min_window_drafted
+        self.min_speedup, self.probe_margin = min_speedup, probe_margin
+        self.reprobe_after, self.reprobe_max, self.probe_steps = reprobe_after, reprobe_max, probe_steps
+        self.table = tuple(cost_table)
+        self.adapt_budget, self.timed = adapt_budget, timed
+        self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
+        self.plain_time: float | None = None
+        self.verify_time: dict[int, float] = {}
+        self.on = True
+        self.off_for = 0              # plain steps left before the next probe
+        self.backoff = reprobe_after
+        self.probing = 0              # probe verify passes left
+        self.switches = 0
+
+    # -- costs --------------------------------------------------------------------------
+
+    def cost(self, k: int) -> float:
+        prior = table_cost(self.table, k)
+        t = self.verify_time.get(k)
+        if not self.timed or k == 0 or t is None or not self.plain_time:
+            return prior
+        return min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior)
+
+    def record(self, k: int, seconds: float) -> None:
+        """The forward time of a pass with k draft tokens (k = 0: a plain step)."""
+        if k == 0:
+            self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
+        else:
+            old = self.verify_time.get(k)
+            self.verify_time[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    # -- the estimate -------------------------------------------------------------------
+
+    def settle(self, drafted: int, accepted: int, committed: int) -> None:
+        self.window.append((drafted, accepted, committed, self.cost(drafted)))
+        while len(self.window) > self.rate_window:
+            self.window.popleft()
+        if self.probing:
+            self.probing -= 1
+            if self.probing == 0:
+                self._decide(self.min_speedup + self.probe_margin, probe=True)
+        elif self.on and sum(w[0] for w in self.window) >= self.min_window_drafted:
+            self._decide(self.min_speedup, probe=False)
+
+    def est_speedup(self) -> float:
+        cost = sum(w[3] for w in self.window)
+        return sum(w[2] for w in self.window) / cost if cost else 1.0
+
+    def acceptance(self) -> float:
+        d = sum(w[0] for w in self.window)
+        return sum(w[1] for w in self.window) / d if d else 1.0
+
+    def _decide(self, threshold: float, probe: bool) -> None:
+        if self.est_speedup() >= threshold:
+            if probe:
+                self.backoff = self.reprobe_after
+            self.on = True
+            return
+        if self.on or probe:
+            self.switches += 1
+        self.on = False
+        self.off_for = self.backoff
+        if probe:
+            self.backoff = min(2 * self.backoff, self.reprobe_max)
+        self.window.clear()
+
+    # -- what the decoder asks ----------------------------------------------------------
+
+    def active(self) -> bool:
+        return self.on or self.probing > 0
+
+    def tick(self) -> None:
+        """One plain step taken while off; the probe starts when the wait is over."""
+        if self.off_for > 0:
+            self.off_for -= 1
+        if self.off_for == 0 and not self.on and not self.probing:
+            self.probing = self.probe_steps
+
+    def budget(self) -> int:
+        """Draft tokens worth verifying: the k maximising expected committed tokens per
+        cost under the rolling acceptance rate a (each draft token survives with a)."""
+        if not self.adapt_budget or len(self.window) < 2:
+            return self.max_draft
+        a = min(self.acceptance(), 0.999)
+        best_k, best = self.max_draft, -1.0
+        expect, p = 1.0, 1.0
+        for k in range(1, self.max_draft + 1):
+            p *= a
+            expect += p
+            if k >= self.min_draft:
+                value = expect / self.cost(k)
+                if value > best + 1e-9:
+                    best_k, best = k, value
+        return best_k

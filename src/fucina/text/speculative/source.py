@@ -1,0 +1,34 @@
+"""The draft-source contract the decoder drives.
+
+A source proposes continuation tokens for the committed context and is told what was
+actually committed. Drafts never decide what is committed (the verify pass does), so a
+source can only cost speed, never correctness; it must still be deterministic (a
+function of what it has observed), and the decoder clamps one that returns too much.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class DraftSource:
+    """No-op defaults; override what you need."""
+
+    def suggest(self, context: Sequence[int], n: int) -> list[int]:
+        """Up to n continuation tokens for `context` (the committed history); [] = none."""
+        return []
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Tokens newly committed after `context` (in order, once each)."""
+
+    def observe_topk(self, tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:
+        """Verification feedback: after input token tokens[r], the model's top-k next
+        candidates were topk[r]. Called only when `wants_topk` is True."""
+
+    wants_topk = False
+
+    def truncate_pending(self, new_len: int) -> None:
+        """The draft just returned was cut to its first new_len tokens before verifying."""
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Make the source's view of the stream equal `history` (a reply start: after a
+        prefill, a rewind, a new turn). Sources without stream state ignore it."""
