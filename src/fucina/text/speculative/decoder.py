@@ -142,7 +142,7 @@ class SpeculativeDecoder:
     def _draft(self, rd: ReplyDecoder, n_vocab: int) -> list[int]:
         s, history, cache = self.stats, rd.history, rd.cache
         s.steps += 1
-        room = min(self.gate.budget(), cache.capacity - cache.len - 1,
+        room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - 1,
                    rd.max_tokens - len(rd.reply.tokens) - 1)
         if not self.enabled or room < self.min_draft:
             s.fallback_steps += 1
