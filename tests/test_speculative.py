@@ -333,3 +333,46 @@ def test_decoder_rejects_bad_options_and_bad_drafts(tiny):
     dec = SpeculativeDecoder(Liar(), gate=CostGate(timed=False))
     assert generate_ids(tiny, SamplingConfig(), spec=dec, max_tokens=12)[1] == plain[1]
     assert dec.stats.spec_steps == 0 and dec.stats.fallback_steps > 0
+
+
+# -- front ends: Conversation and the Python API --------------------------------------
+
+@pytest.fixture
+def exact(monkeypatch):
+    """Row-by-row verify: bitwise single steps on today's kernels."""
+    monkeypatch.setattr(Speculation, "pin_rows_default", True)
+
+
+def test_conversation_spec_equals_plain_across_turns(tiny, exact):
+    from fucina.text.chat_template import ChatTemplate
+    from fucina.text.conversation import Conversation
+    chatml = ChatTemplate.builtin("chatml", bos_token="<s>", eos_token="</s>")
+    turns = ["say abc abc abc", "and again: abc abc abc abc", "quote your first reply"]
+    for cfg in (SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=4)):
+        plain = Conversation(tiny, FakeTokenizer(), chatml, sampling=cfg, max_tokens=20, stop=["c a"])
+        spec = Conversation(tiny, FakeTokenizer(), chatml, sampling=cfg, max_tokens=20, stop=["c a"],
+                            speculative=True, references=["abc abc abc abc"])
+        for t in turns:
+            assert spec.send(t) == plain.send(t)
+            assert spec.tokens == plain.tokens and spec.cache.len == len(spec.tokens)
+            assert spec.sampler.draws == plain.sampler.draws
+            assert (spec.last.finish_reason, spec.last.fired_stop) == (plain.last.finish_reason,
+                                                                       plain.last.fired_stop)
+        assert spec.spec_stats.committed >= sum(1 for m in spec.messages if m["role"] == "assistant")
+    with pytest.raises(FucinaError):
+        plain.add_reference("x")
+
+
+def test_api_generate_stream_chat_speculative(tiny, exact):
+    from fucina.text.api import LLM
+    from fucina.text.chat_template import ChatTemplate
+    llm = LLM(tiny, FakeTokenizer(), ChatTemplate.builtin("chatml", bos_token="<s>", eos_token="</s>"))
+    prompt = "the cat sat; the cat sat; the cat"
+    for opts in (dict(), dict(temperature=0.8, seed=9, top_k=40)):
+        want = llm.generate(prompt, max_tokens=30, **opts)
+        assert llm.generate(prompt, max_tokens=30, speculative=True, references=["the cat sat"],
+                            **opts) == want
+        assert "".join(llm.stream(prompt, max_tokens=30, speculative=True, **opts)) == want
+    assert llm.spec.stats.committed > 0 and llm.spec.stats.steps > 0
+    a, b = llm.chat(speculative=True), llm.chat()
+    assert a.send("hi hi hi") == b.send("hi hi hi")

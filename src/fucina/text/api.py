@@ -11,6 +11,8 @@
 Sampling keywords follow llama.cpp/OpenAI: temperature, top_k, top_p, min_p,
 repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus stop
 (a string or a list of strings). The default is greedy (temperature 0).
+`speculative=True` (with optional `references=[text, ...]`, `spec_max=N`) decodes
+speculatively: drafts from what the model has seen, verified in one pass; same tokens.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from fucina.text.chat_template import ChatTemplate
 from fucina.text.conversation import Conversation
 from fucina.text.generate import Reply, decode, prefill, run
 from fucina.text.sampler import SAMPLING_KEYS, Sampler, SamplingConfig
+from fucina.text.speculative import Speculation, reference_ids
 
 
 def _split_options(kw: dict[str, Any]) -> tuple[SamplingConfig, list[str]]:
@@ -46,6 +49,7 @@ class LLM:
         self._cache = None
         self._history: list[int] = []
         self.last: Reply | None = None
+        self.spec: Speculation | None = None     # the raw-completion speculative state
 
     @property
     def config(self):
@@ -62,19 +66,34 @@ class LLM:
         """Continue `prompt` (text, or token ids), yielding UTF-8-safe text pieces. The
         cache is kept between calls and its longest common prefix with the next prompt
         is reused."""
-        cfg, stops = _split_options(dict(options))
+        options = dict(options)
+        spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
+                                 options.pop("spec_max", 16))
+        cfg, stops = _split_options(options)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
-        return self._complete(ids, max_tokens, Sampler(cfg), stops)
+        return self._complete(ids, max_tokens, Sampler(cfg), stops, spec)
 
-    def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]):
+    def _speculation(self, on: bool, references, spec_max: int) -> Speculation | None:
+        if not on:
+            return None
+        if self.spec is None or self.spec.decoder.max_draft != spec_max:
+            self.spec = Speculation(self.config.n_vocab, max_draft=spec_max)
+        self.spec.index.clear_references()
+        for ref in [references] if isinstance(references, str) else references:
+            self.spec.add_reference(reference_ids(self.tokenizer, ref))
+        return self.spec
+
+    def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
+                  spec: Speculation | None = None):
         logits, reused = prefill(self.model, self._cache, self._history, ids)
         reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
         stop_ids = set(getattr(self.tokenizer, "eog_ids", ()) or ())
         try:
             yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
-                              max_tokens=max_tokens, stop_ids=stop_ids, stop=stops, reply=reply)
+                              max_tokens=max_tokens, stop_ids=stop_ids, stop=stops, reply=reply,
+                              spec=spec)
         finally:
             self.last = reply
         return reply.text
@@ -86,13 +105,16 @@ class LLM:
     # -- chat --------------------------------------------------------------------------
     def chat(self, system: str | None = None, max_tokens: int = 1024, *, think: bool = True,
              tools: Sequence[dict] | None = None, persist: str | os.PathLike | None = None,
+             speculative: bool = False, references: Sequence[str] = (), spec_max: int = 16,
              **options: Any) -> Conversation:
-        """A new multi-turn Conversation with its own KV cache."""
+        """A new multi-turn Conversation with its own KV cache (speculative: every
+        reply decoded speculatively, drafting from the chat and `references`)."""
         cfg, stops = _split_options(dict(options))
         return Conversation(self.model, self.tokenizer, self.template, system=system,
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
-                            persist=persist)
+                            persist=persist, speculative=speculative, references=references,
+                            spec_max=spec_max)
 
     def __repr__(self) -> str:
         path = getattr(getattr(self.model, "gguf", None), "path", "?")

@@ -25,6 +25,7 @@ from fucina.text.chat_template import ChatTemplate, prompt_ids
 from fucina.text.generate import Reply, ReplyDecoder, drive, pieces_text, prefill, run
 from fucina.text.logit_processor import LogitProcessor
 from fucina.text.sampler import Sampler, SamplingConfig
+from fucina.text.speculative import Speculation, reference_ids
 
 
 class Conversation:
@@ -34,7 +35,8 @@ class Conversation:
                  stop_ids: Sequence[int] = (), processor: LogitProcessor | None = None,
                  capacity: int | None = None, cache_type: str = "f16", cache=None,
                  tokens: Sequence[int] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-                 persist: str | os.PathLike | None = None):
+                 persist: str | os.PathLike | None = None, speculative: bool = False,
+                 references: Sequence[str | Sequence[int]] = (), spec_max: int = 16):
         self.model, self.tokenizer = model, tokenizer
         if template is None:
             meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
@@ -51,6 +53,9 @@ class Conversation:
             self.messages.append({"role": "system", "content": system})
         self.last: Reply | None = None
         self._committed_text: str | None = None  # the text whose tokens are self.tokens
+        self.spec = Speculation(model.config.n_vocab, max_draft=spec_max) if speculative else None
+        for ref in references:
+            self.add_reference(ref)
         self._persist = KVPersist(persist) if persist is not None else None
         if self._persist is not None:
             self._resume()
@@ -92,6 +97,18 @@ class Conversation:
         gen = self._generate(list(ids), max_tokens)
         return run(gen, on_piece)
 
+    def add_reference(self, ref: str | Sequence[int]) -> None:
+        """A document the replies may copy from (text or ids): speculation drafts its
+        spans (the RAG seam). Needs speculative=True."""
+        if self.spec is None:
+            raise FucinaError("add_reference needs a speculative conversation (speculative=True)")
+        self.spec.add_reference(reference_ids(self.tokenizer, ref))
+
+    @property
+    def spec_stats(self):
+        """The speculative decoder's lifetime Stats (None when speculation is off)."""
+        return self.spec.stats if self.spec is not None else None
+
     def take_cache(self) -> tuple[Any, list[int]]:
         """Release the cache and the ids describing its positions (a server slot keeps
         them for the next request: `Conversation(..., cache=c, tokens=t)`)."""
@@ -130,7 +147,10 @@ class Conversation:
                   msgs: list[dict[str, Any]] | None = None, prompt_text: str | None = None):
         rd, logits = self._begin(ids, max_tokens)
         try:
-            yield from drive(self.model, rd, logits)
+            if self.spec is not None:
+                yield from self.spec.drive(self.model, rd, logits)
+            else:
+                yield from drive(self.model, rd, logits)
         finally:
             self._end(rd, ids, msgs, prompt_text)
         return rd.reply
@@ -192,7 +212,9 @@ def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,
     """One user message on each of N sibling conversations (same model), decoded in
     lockstep: each step forwards one token per live stream through one batched
     weight pass, then samples each stream with its own sampler and history. Per-stream
-    results equal N plain `send` calls. `on_piece(i, text)` streams stream i's text."""
+    results equal N plain `send` calls. `on_piece(i, text)` streams stream i's text.
+    Speculative conversations decode plainly here (same tokens): the lockstep pass
+    advances every stream by exactly one token."""
     from fucina.text.batch import lockstep
 
     if len(convos) != len(users):

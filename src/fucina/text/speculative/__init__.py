@@ -19,7 +19,15 @@ from fucina.text.speculative.source import DraftSource
 
 __all__ = ["CostGate", "Cursor", "DEFAULT_COST_TABLE", "DraftSource", "Gate", "SamIndex",
            "Speculation", "SpeculationError", "SpeculationIndex", "SpeculativeDecoder", "Stats",
-           "TokenRecycling", "batch_invariant", "table_cost"]
+           "TokenRecycling", "batch_invariant", "reference_ids", "table_cost"]
+
+
+def reference_ids(tokenizer, ref) -> list[int]:
+    """A reference document as ids: text is tokenized without specials (as it would
+    appear inside a reply), ids pass through."""
+    if isinstance(ref, str):
+        return tokenizer.encode(ref, add_special=False, parse_special=False)
+    return [int(t) for t in ref]
 
 
 def batch_invariant() -> bool:
@@ -36,8 +44,11 @@ def batch_invariant() -> bool:
 class Speculation:
     """One stream's speculative state: the cascade index and the decoder over it."""
 
+    pin_rows_default = False   # True: verify row by row (exact on any kernels, no speedup)
+
     def __init__(self, n_vocab: int, references: Sequence[Sequence[int]] = (), *, max_draft: int = 16,
-                 min_draft: int = 2, pin_rows: bool = False, gate: CostGate | None = None):
+                 min_draft: int = 2, pin_rows: bool | None = None, gate: CostGate | None = None):
+        pin_rows = self.pin_rows_default if pin_rows is None else pin_rows
         self.index = SpeculationIndex(n_vocab, accounting_min_draft=min_draft)
         for ref in references:
             self.index.add_reference(ref)
