@@ -28,6 +28,36 @@ def add_sampling_args(p) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def add_spec_args(p) -> None:
+    g = p.add_argument_group("speculative decoding (lossless: drafts are verified, never trusted)")
+    g.add_argument("--spec", action="store_true",
+                   help="draft from text already seen (prompt, reply, --spec-ref) and verify "
+                        "several tokens per pass; the cost gate turns it off where it does not pay")
+    g.add_argument("--spec-ref", action="append", default=None, metavar="FILE",
+                   help="a reference document the reply may copy from (repeatable; implies --spec)")
+    g.add_argument("--spec-max", type=int, default=16, metavar="N", help="max draft tokens per pass (16)")
+    g.add_argument("--verbose", "-v", action="store_true", help="print speculation stats to stderr")
+
+
+def spec_options(args) -> dict:
+    """speculative/references/spec_max keywords for LLM and Conversation."""
+    refs = []
+    for path in args.spec_ref or ():
+        try:
+            with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+                refs.append(fh.read())
+        except OSError as e:
+            raise FucinaError(f"cannot read --spec-ref {path}: {e.strerror}") from e
+    if args.spec_max < 0:
+        raise FucinaError(f"--spec-max must be >= 0, got {args.spec_max}")
+    return dict(speculative=bool(args.spec or refs), references=refs, spec_max=args.spec_max)
+
+
+def print_spec_stats(args, spec) -> None:
+    if args.verbose and spec is not None:
+        print(spec.summary(), file=sys.stderr)
+
+
 def sampling_from_args(args):
     from fucina.text.sampler import SamplingConfig
 
@@ -48,7 +78,9 @@ def add_parser(sub) -> None:
     s.add_argument("--ctx", "-c", type=int, default=None, help="context size (default min(train, 4096))")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
     s.add_argument("--threads", "-t", type=int)
+    s.add_argument("--ids-out", help="write each reply's generated ids here, one per line")
     add_sampling_args(s)
+    add_spec_args(s)
     s.set_defaults(func=cmd_chat)
 
 
@@ -87,12 +119,21 @@ def cmd_chat(args) -> int:
 
     conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system, max_tokens=args.gen,
                         think=not args.no_think, sampling=sampling_from_args(args),
-                        stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type)
+                        stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
+                        **spec_options(args))
+    try:
+        ids_out = open(args.ids_out, "w") if args.ids_out else None
+    except OSError as e:
+        raise FucinaError(f"cannot write --ids-out {args.ids_out}: {e.strerror}") from e
 
     def turn(text: str) -> None:
         conv.send(text, on_piece=lambda p: (sys.stdout.write(p), sys.stdout.flush()))
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if ids_out is not None:
+            ids_out.writelines(f"{t}\n" for t in conv.last.tokens)
+            ids_out.flush()
+        print_spec_stats(args, conv.spec)
 
     if message is not None:
         turn(message)

@@ -77,6 +77,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from fucina.cli.chat import print_spec_stats, spec_options
     from fucina.text.api import LLM
 
     model = _load(args)
@@ -95,13 +96,14 @@ def cmd_run(args) -> int:
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
-    for piece in llm.stream(ids, args.gen, stop=args.stop or [], **opts):
+    for piece in llm.stream(ids, args.gen, stop=args.stop or [], **opts, **spec_options(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.ids_out:
         with open(args.ids_out, "w") as fh:
             fh.writelines(f"{t}\n" for t in llm.last.tokens)
+    print_spec_stats(args, llm.spec)
     return 0
 
 
@@ -210,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("names", nargs="*", help="smollm2 (default) and/or gemma3")
     s.set_defaults(func=cmd_pull)
 
-    from fucina.cli.chat import add_sampling_args
+    from fucina.cli.chat import add_sampling_args, add_spec_args
 
     s = sub.add_parser("run", help="continue a prompt (greedy unless sampling flags are given)")
     s.add_argument("model", nargs="?", help=model_help)
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16", help="KV cache storage")
     s.add_argument("--threads", "-t", type=int)
     add_sampling_args(s)
+    add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")

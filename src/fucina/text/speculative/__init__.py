@@ -7,6 +7,7 @@ decides what is committed. `Speculation` is the bundle a front end holds per str
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from fucina import kernels
@@ -44,7 +45,9 @@ def batch_invariant() -> bool:
 class Speculation:
     """One stream's speculative state: the cascade index and the decoder over it."""
 
-    pin_rows_default = False   # True: verify row by row (exact on any kernels, no speedup)
+    # True: verify row by row, bitwise the plain steps on any kernels, no speedup (a check;
+    # FUCINA_SPEC_EXACT=1 sets it for a process)
+    pin_rows_default = os.environ.get("FUCINA_SPEC_EXACT", "0") == "1"
 
     def __init__(self, n_vocab: int, references: Sequence[Sequence[int]] = (), *, max_draft: int = 16,
                  min_draft: int = 2, pin_rows: bool | None = None, gate: CostGate | None = None):

@@ -129,6 +129,10 @@ class SpeculationIndex(DraftSource):
             self._pending = (gate, draft)
         return draft
 
+    def match_len(self) -> int:
+        best = 0 if self.conv_gate.muted() else self.conv.match_len()
+        return max([best] + [r.cursor.len for r in self.refs if not r.gate.muted()])
+
     def truncate_pending(self, new_len: int) -> None:
         if self._pending is not None:
             gate, draft = self._pending

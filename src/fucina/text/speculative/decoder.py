@@ -79,6 +79,7 @@ class SpeculativeDecoder:
         self.source, self.max_draft, self.min_draft = source, max_draft, min_draft
         self.topk_feedback, self.pin_rows, self.enabled = topk_feedback, pin_rows, enabled
         self.gate = gate if gate is not None else CostGate(max_draft=max_draft, min_draft=min_draft)
+        self.strong_match = 8   # a match this long re-probes a gated-off decoder at once
         self.stats = Stats()
 
     # -- one reply -------------------------------------------------------------------
@@ -149,7 +150,7 @@ class SpeculativeDecoder:
             return []
         if not self.gate.active():
             s.disabled_steps += 1
-            self.gate.tick()
+            self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
         draft = [int(t) for t in self.source.suggest(history, room)][:room]   # clamp a liar
         draft = self._shape(rd, draft)

@@ -50,6 +50,7 @@ class CostGate:
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.plain_time: float | None = None
         self.verify_time: dict[int, float] = {}
+        self.samples: dict[int, int] = {}     # timings seen per draft length (the first is warm-up)
         self.on = True
         self.off_for = 0              # plain steps left before the next probe
         self.backoff = reprobe_after
@@ -61,12 +62,17 @@ class CostGate:
     def cost(self, k: int) -> float:
         prior = table_cost(self.table, k)
         t = self.verify_time.get(k)
-        if not self.timed or k == 0 or t is None or not self.plain_time:
+        if not self.timed or k == 0 or t is None or not self.plain_time \
+                or min(self.samples.get(k, 0), self.samples.get(0, 0)) < 3:
             return prior
         return min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior)
 
     def record(self, k: int, seconds: float) -> None:
-        """The forward time of a pass with k draft tokens (k = 0: a plain step)."""
+        """The forward time of a pass with k draft tokens (k = 0: a plain step). The
+        first pass of each shape is not timed (one-off allocations, cold caches)."""
+        self.samples[k] = self.samples.get(k, 0) + 1
+        if self.samples[k] == 1:
+            return
         if k == 0:
             self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
         else:
@@ -83,7 +89,7 @@ class CostGate:
             self.probing -= 1
             if self.probing == 0:
                 self._decide(self.min_speedup + self.probe_margin, probe=True)
-        elif self.on and sum(w[0] for w in self.window) >= self.min_window_drafted:
+        elif self.on and len(self.window) >= 4 and sum(w[0] for w in self.window) >= self.min_window_drafted:
             self._decide(self.min_speedup, probe=False)
 
     def est_speedup(self) -> float:
@@ -113,10 +119,11 @@ class CostGate:
     def active(self) -> bool:
         return self.on or self.probing > 0
 
-    def tick(self) -> None:
-        """One plain step taken while off; the probe starts when the wait is over."""
+    def tick(self, strong_match: bool = False) -> None:
+        """One plain step taken while off; the probe starts when the wait is over, or at
+        once when the source reports a long exact match (a copy is starting)."""
         if self.off_for > 0:
-            self.off_for -= 1
+            self.off_for = 0 if strong_match else self.off_for - 1
         if self.off_for == 0 and not self.on and not self.probing:
             self.probing = self.probe_steps
 

@@ -26,6 +26,11 @@ class DraftSource:
 
     wants_topk = False
 
+    def match_len(self) -> int:
+        """How long an exact match the source's best draft would follow (0: unknown);
+        a long one lets a gated-off decoder probe at once."""
+        return 0
+
     def truncate_pending(self, new_len: int) -> None:
         """The draft just returned was cut to its first new_len tokens before verifying."""
 
