@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
     s.add_argument("--batch", type=int, default=1, help="decode up to N requests in lockstep (default 1)")
     s.add_argument("--queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
+    s.add_argument("--spec", action="store_true",
+                   help="lossless speculative decoding for every request (a request's "
+                        "'speculative': false opts out; an OpenAI 'prediction' turns it on)")
+    s.add_argument("--spec-max", type=int, default=16, metavar="N", help="max draft tokens per pass (16)")
     s.add_argument("--threads", "-t", type=int)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
@@ -42,7 +46,8 @@ def cmd_serve(args) -> int:
         if v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
-    server = Server.from_llm(llm, slots=args.slots, batch=args.batch, api_key=args.api_key,
+    server = Server.from_llm(llm, slots=args.slots, batch=args.batch, spec=args.spec, spec_max=args.spec_max,
+                             api_key=args.api_key,
                              allow_hosts=args.allow_host, max_queue=args.queue)
     print(f"fucina: serving {server.model_id} on http://{args.host}:{args.port} "
           f"(ctx {server.engine.n_ctx}, slots {len(server.engine.pool.slots)}, batch {server.engine.batch})",

@@ -54,13 +54,14 @@ class Server:
         self.fingerprint = "fucina"
 
     @classmethod
-    def from_llm(cls, llm, *, slots: int = 1, batch: int = 1, **kw) -> "Server":
+    def from_llm(cls, llm, *, slots: int = 1, batch: int = 1, spec: bool = False, spec_max: int = 16,
+                 **kw) -> "Server":
         import os
 
         path = str(getattr(getattr(llm.model, "gguf", None), "path", "model"))
         name = os.path.basename(path).removesuffix(".gguf")
         engine = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
-                        cache_type=llm.cache_type, name=name)
+                        cache_type=llm.cache_type, name=name, spec=spec, spec_max=spec_max)
         return cls(engine, **kw)
 
     # -- helpers the dialects call ---------------------------------------------------

@@ -48,6 +48,8 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
+    speculative: bool | None = None     # None: the engine's default (serve --spec)
+    references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
 
 
 @dataclass
@@ -210,6 +212,10 @@ class _Stream:
                                max_tokens=req.max_tokens, stop_ids=req.stop_ids, stop=req.stop,
                                reply=Reply(prompt_tokens=len(req.ids), reused_tokens=reused))
         self.sent = 0           # logprob entries already handed out
+        self.gen = None         # speculative: the decoder's generator (it runs its own forwards)
+        if req.references or (engine.spec if req.speculative is None else req.speculative):
+            self.spec = engine.slot_speculation(slot, req.references)
+            self.gen = self.spec.drive(engine.model, self.rd, logits)
         job.sink(Started(len(req.ids), reused))
 
     @property
@@ -220,19 +226,36 @@ class _Stream:
         if self.job.cancelled:
             return None
         tok, piece = self.rd.step(self.logits)
+        self._emit(piece)
+        return tok
+
+    def _emit(self, piece: str) -> None:
         if piece:
             n = len(self.rd.reply.tokens)
             lps = self.sampler.entries[self.sent:n] if self.sampler.top is not None else []
             self.sent = max(self.sent, n)
             self.job.sink(Piece(piece, lps))
-        return tok
+
+    def spec_step(self) -> bool:
+        """Run the speculative decoder to its next piece; False when the reply is over."""
+        if self.job.cancelled:
+            self.gen.close()
+            return False
+        try:
+            self._emit(next(self.gen))
+            return True
+        except StopIteration:
+            if self.job.req.references:
+                self.rd.reply.prediction = self.spec.prediction_counts()
+            return False
 
 
 class Engine:
     """Model + tokenizer + template + slots; `run` is the worker loop."""
 
     def __init__(self, model, tokenizer, template, *, n_ctx: int | None = None, slots: int = 1,
-                 batch: int = 1, cache_type: str = "f16", name: str | None = None):
+                 batch: int = 1, cache_type: str = "f16", name: str | None = None,
+                 spec: bool = False, spec_max: int = 16):
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
         self.batch = max(1, batch)
@@ -240,6 +263,18 @@ class Engine:
         self.name = name or "model"
         self.stop_ids = frozenset(template.stop_ids(tokenizer))
         self.stats = collections.Counter()
+        self.spec, self.spec_max = spec, spec_max
+
+    def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]]):
+        """The slot's speculative state (its index mirrors the slot's tokens), armed
+        with this request's references."""
+        from fucina.text.speculative import Speculation
+        if getattr(slot, "spec", None) is None:
+            slot.spec = Speculation(self.model.config.n_vocab, max_draft=self.spec_max)
+        slot.spec.index.clear_references()
+        for ref in references:      # a prediction: the expected reply, aligned with its start
+            slot.spec.add_reference(ref, anchored=True)
+        return slot.spec
 
     # -- worker ------------------------------------------------------------------
     def run(self, take: Callable[[int, bool], list[Job] | None]) -> None:
@@ -289,8 +324,15 @@ class Engine:
 
     def _step(self, live: list[_Stream]) -> list[_Stream]:
         forward: list[tuple[_Stream, int]] = []
+        going: list[_Stream] = []   # speculative streams: each runs its own verify passes
         for s in live:
             try:
+                if s.gen is not None:
+                    if s.spec_step():
+                        going.append(s)
+                    else:
+                        self._finish(s)
+                    continue
                 tok = s.step()
             except Exception as e:
                 if not isinstance(e, FucinaError):
@@ -302,7 +344,7 @@ class Engine:
             else:
                 forward.append((s, tok))
         if not forward:
-            return []
+            return going
         streams = [s for s, _ in forward]
         try:
             if len(forward) == 1:
@@ -316,8 +358,8 @@ class Engine:
             log.exception("forward failed")
             for s in streams:
                 self._finish(s, e)
-            return []
-        return streams
+            return going
+        return going + streams
 
 
 def check_fits(ids: Sequence[int], n_ctx: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import render_chat, render_completion
-from fucina.serve.protocol import ApiError, Fields, bad, sampling
+from fucina.serve.protocol import ApiError, Fields, bad, sampling, speculation
 from fucina.serve.turn import LogProbs, Turn
 
 
@@ -121,8 +121,13 @@ def chat_logprobs(server, entries: list[tuple]) -> dict:
 
 def usage(turn: Turn) -> dict:
     p, c = turn.prompt_tokens, turn.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": turn.reused}}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": turn.reused}}
+    pred = getattr(turn.reply, "prediction", None)
+    if pred is not None:      # Predicted Outputs: the prediction's drafts, verified / rejected
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": pred[0],
+                                            "rejected_prediction_tokens": pred[1]}
+    return out
 
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
@@ -191,7 +196,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
                                                think=_think(f)))
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, stops,
-                     server.engine.stop_ids, top)
+                     server.engine.stop_ids, top, *speculation(f, server.engine.tokenizer))
     single = isinstance(choice, dict) or not parallel
     return Turn(server, prompt, req, single_call=bool(tools) and single), {
         "stream": stream, "include_usage": bool(so.bool("include_usage", False)),
@@ -270,7 +275,8 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
     top = f.int("logprobs", None, 0, 20)
     prompt = server.render(lambda: render_completion(server.engine, p))
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
-                     sampling(f), f.stops("stop"), server.engine.stop_ids, top)
+                     sampling(f), f.stops("stop"), server.engine.stop_ids, top,
+                     *speculation(f, server.engine.tokenizer))
     so = Fields(f.dict("stream_options", {}), "stream_options.")
     return Turn(server, prompt, req), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),

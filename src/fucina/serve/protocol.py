@@ -121,3 +121,30 @@ def sampling(f: Fields, *, default_temperature: float = 1.0, seed: int | None = 
         repeat_penalty=f.num("repeat_penalty", 1.0, 0.0, 10.0) or 1.0,
         repeat_last_n=f.int("repeat_last_n", 64, -1),
         seed=s & 0xFFFFFFFF)
+
+
+def speculation(f: Fields, tokenizer) -> tuple[bool | None, list[list[int]]]:
+    """`speculative` (a fucina extension: true/false overrides serve --spec) and OpenAI
+    Predicted Outputs, `prediction: {"type": "content", "content": text or text parts}`,
+    which becomes a reference document the drafts copy from."""
+    on = f.bool("speculative", None)
+    pred = f.dict("prediction")
+    if pred is None:
+        return on, []
+    pf = Fields(pred, "prediction.")
+    if pf.str("type", "content") != "content":
+        raise bad("'prediction.type' must be 'content'", "prediction.type")
+    content = pf.require("content")
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            cf = Fields(part, f"prediction.content[{i}].")
+            if cf.str("type", "text") != "text":
+                raise bad(f"'prediction.content[{i}].type' must be 'text'", f"prediction.content[{i}].type")
+            parts.append(cf.str("text", required=True))
+        content = "".join(parts)
+    elif not isinstance(content, str):
+        raise bad("'prediction.content' must be a string or an array of text parts", "prediction.content")
+    if on is False or not content:
+        return on, []
+    return True, [tokenizer.encode(content, add_special=False, parse_special=False)]

@@ -30,6 +30,7 @@ class Reply:
     fired_stop: int | None = None    # index into the stop strings of the one that fired
     prompt_tokens: int = 0
     reused_tokens: int = 0           # prompt tokens served from the cache (cached_tokens)
+    prediction: tuple[int, int] | None = None   # speculative: reference drafts (accepted, rejected)
 
 
 class PieceStream:

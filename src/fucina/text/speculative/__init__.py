@@ -62,11 +62,17 @@ class Speculation:
     def stats(self) -> Stats:
         return self.decoder.stats
 
-    def add_reference(self, tokens: Sequence[int]) -> None:
-        self.index.add_reference(tokens)
+    def add_reference(self, tokens: Sequence[int], anchored: bool = False) -> None:
+        self.index.add_reference(tokens, anchored)
 
     def drive(self, model, rd, logits):
         return self.decoder.drive(model, rd, logits)
+
+    def prediction_counts(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens that came from the references since they
+        were added (OpenAI's accepted/rejected_prediction_tokens)."""
+        acc = sum(r.gate.total_accepted for r in self.index.refs)
+        return acc, sum(r.gate.total_drafted for r in self.index.refs) - acc
 
     def summary(self) -> str:
         return f"{self.stats.summary()}\nsources: {self.index.source_summary()}"

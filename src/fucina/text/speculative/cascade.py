@@ -63,9 +63,10 @@ class Gate:
 
 
 class FrozenRef:
-    def __init__(self, index: SamIndex, gate: Gate):
-        self.index, self.gate = index, gate
+    def __init__(self, index: SamIndex, gate: Gate, anchored: bool = False):
+        self.index, self.gate, self.anchored = index, gate, anchored
         self.cursor = Cursor()
+        self.anchor: int | None = None    # anchored: where the reply so far ends in the document
 
 
 class SpeculationIndex(DraftSource):
@@ -89,12 +90,14 @@ class SpeculationIndex(DraftSource):
 
     # -- references -------------------------------------------------------------------
 
-    def add_reference(self, tokens: Sequence[int]) -> None:
+    def add_reference(self, tokens: Sequence[int], anchored: bool = False) -> None:
         """Index a document the reply may copy from; its cursor is caught up over the
-        stream observed so far, so it can match at once."""
+        stream observed so far, so it can match at once. `anchored`: the document is
+        the expected reply itself (a Predicted Output): while the reply follows it, it
+        drafts from where the reply has got to."""
         if not tokens:
             return
-        ref = FrozenRef(frozen_index([int(t) for t in tokens], self.min_match), self._gate())
+        ref = FrozenRef(frozen_index([int(t) for t in tokens], self.min_match), self._gate(), anchored)
         for t in self.conv.tokens[-4096:]:
             ref.index.advance(ref.cursor, t)
         self.refs.append(ref)
@@ -112,6 +115,9 @@ class SpeculationIndex(DraftSource):
         if not self.conv_gate.muted():
             best_len, best = self.conv.match_len(), None
         for ref in self.refs:
+            if ref.anchor is not None and ref.anchor < ref.index.token_count() and not ref.gate.muted():
+                self._pending = (ref.gate, ref.index.tokens[ref.anchor:ref.anchor + n])
+                return list(self._pending[1])
             if not ref.gate.muted() and ref.cursor.len > best_len:
                 best_len, best = ref.cursor.len, ref
         draft: list[int] = []
@@ -157,6 +163,8 @@ class SpeculationIndex(DraftSource):
         """Mirror `history`: append what is new, or rebuild when history was rewound or
         edited (a suffix automaton cannot forget)."""
         self._pending = None
+        for ref in self.refs:
+            ref.anchor = 0 if ref.anchored else None
         seen = self.conv.tokens
         if self.conv.poisoned or len(seen) > len(history) or common_prefix(seen, history) != len(seen):
             self.conv = SamIndex(min_match=self.min_match)
@@ -176,8 +184,11 @@ class SpeculationIndex(DraftSource):
             except Exception:
                 pass    # degraded: the poisoned index answers 0 from now on
         for ref in self.refs:
+            doc = ref.index.tokens
             for t in tokens:
                 ref.index.advance(ref.cursor, t)
+                if ref.anchor is not None:
+                    ref.anchor = ref.anchor + 1 if ref.anchor < len(doc) and doc[ref.anchor] == t else None
         if self.recycling is not None:
             self.recycling.observe(tokens)
         for g in self._gates():
