@@ -153,12 +153,12 @@ def test_cost_gate_rescales_by_measured_times():
     g.record(4, 0.500)                     # the first pass of a shape is warm-up: not timed
     for _ in range(4):
         g.record(0, 0.010)
-        g.record(4, 0.012)
-    assert g.cost(4) == pytest.approx(1.2)
-    assert g.cost(2) == 1.25               # too few timings of this shape: the table
+        g.record(4, 0.025)
+    assert g.cost(4) == pytest.approx(2.5)
+    assert g.cost(2) == 1.6                # too few timings of this shape: the table
     for _ in range(4):
-        g.record(8, 0.100)                 # a noisy outlier is clamped to 2x the table
-    assert g.cost(8) == pytest.approx(2 * 1.9)
+        g.record(8, 0.500)                 # a noisy outlier is clamped to 2x the table
+    assert g.cost(8) == pytest.approx(2 * 5.5)
 
 
 # -- the decoder: speculative == plain ------------------------------------------------

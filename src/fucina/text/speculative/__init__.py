@@ -50,7 +50,7 @@ class Speculation:
     pin_rows_default = os.environ.get("FUCINA_SPEC_EXACT", "0") == "1"
 
     def __init__(self, n_vocab: int, references: Sequence[Sequence[int]] = (), *, max_draft: int = 16,
-                 min_draft: int = 2, pin_rows: bool | None = None, gate: CostGate | None = None):
+                 min_draft: int = 1, pin_rows: bool | None = None, gate: CostGate | None = None):
         pin_rows = self.pin_rows_default if pin_rows is None else pin_rows
         self.index = SpeculationIndex(n_vocab, accounting_min_draft=min_draft)
         for ref in references:

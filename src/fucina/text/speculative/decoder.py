@@ -117,7 +117,7 @@ class SpeculativeDecoder:
             cache.truncate(base)
             raise
         self.gate.record(len(draft), time.perf_counter() - t0)
-        if self.source.wants_topk:
+        if draft and self.source.wants_topk:     # verify passes only: a plain step stays plain
             self._feedback(history[-1], draft, rows)
         committed: list[int] = []
         carried, n_acc = None, 0

@@ -1,0 +1,164 @@
+"""Speculative vs plain decoding, paired in one run (A B A B), on five chat workloads.
+
+    python benchmarks/speculative.py [MODEL.gguf ...] [--reps 2] [--max-tokens 160] [--threads 2]
+                                     [--json OUT] [--exact] [--costs]
+
+Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
+about a given document, a multi-turn chat whose last turn quotes the first, a free-form
+story. Greedy decoding. For each: decode tokens/s (first streamed piece to the end, so
+the identical prefill is left out) plain and speculative, their ratio (median over
+reps), draft acceptance, tokens per forward pass, and whether the two token streams
+were identical. `--exact` verifies row by row (bitwise single steps on any kernels: the
+streams must be identical; no speedup expected). `--costs` prints the measured cost of a
+verify pass of 1 + k rows in plain steps (the CostGate's table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import fucina
+from fucina import kernels
+from fucina.text.speculative import Speculation
+
+PASSAGE = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was "
+           "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it "
+           "was the season of Light, it was the season of Darkness, it was the spring of hope, it was "
+           "the winter of despair, we had everything before us, we had nothing before us, we were all "
+           "going direct to Heaven, we were all going direct the other way.")
+
+CODE = '''def mean(values):
+    """Return the arithmetic mean of a non-empty list of numbers."""
+    if not values:
+        raise ValueError("mean() needs at least one value")
+    total = 0.0
+    for v in values:
+        total += v
+    return total / len(values)'''
+
+DOC = ("The KV cache stores the keys and values of every position so that each new token only "
+       "attends to what is already there. The --cache-type flag chooses how it is stored: f16 keeps "
+       "two bytes per value and is the default, while q8_0 stores blocks of 32 values as 8-bit "
+       "integers with one scale, which halves the memory the cache needs. The cache is allocated "
+       "once for the whole context, and a rewind only moves its length back.")
+
+POEM = ("The fog comes\non little cat feet.\nIt sits looking\nover harbor and city\n"
+        "on silent haunches\nand then moves on.")
+
+WORKLOADS = {
+    "copy": ["Repeat the following text exactly, word for word, and nothing else:\n\n" + PASSAGE],
+    "edit": ["Here is a Python function:\n\n```python\n" + CODE + "\n```\n\nRename the variable `total` "
+             "to `acc`. Reply with the whole function in a code block, otherwise unchanged."],
+    "summary": [DOC + "\n\nUsing only the text above, explain what the --cache-type flag does and which "
+                "values it takes. Quote the relevant sentences."],
+    "multiturn": ["Here is a short poem:\n\n" + POEM + "\n\nPlease remember it.",
+                  "Now quote the poem back to me exactly, line by line."],
+    "story": ["Write a short story about a lighthouse keeper who befriends a seagull."],
+}
+
+
+def one_run(llm, turns, spec: bool, max_tokens: int):
+    conv = llm.chat(speculative=spec, max_tokens=max_tokens)
+    for t in turns[:-1]:
+        conv.send(t)
+    before = dict(conv.spec.stats.__dict__) if spec else None
+    first = []
+    t0 = time.perf_counter()
+    conv.send(turns[-1], on_piece=lambda p: first or first.append(time.perf_counter()))
+    t1 = time.perf_counter()
+    n = len(conv.last.tokens)
+    row = {"tokens": n, "total_s": t1 - t0,
+           "decode_tok_s": (n - 1) / (t1 - first[0]) if first and n > 1 and t1 > first[0] else 0.0,
+           "ids": list(conv.last.tokens)}
+    if spec:
+        d = {k: v - before[k] for k, v in conv.spec.stats.__dict__.items()}
+        row.update(acceptance=d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+                   tokens_per_step=d["committed"] / d["steps"] if d["steps"] else 0.0,
+                   drafted=d["drafted"], accepted=d["accepted"], verify_steps=d["spec_steps"])
+    return row
+
+
+def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
+    llm = fucina.load(path)
+    one_run(llm, ["Hello!"], True, 8)        # warm-up: both paths' first calls
+    out = []
+    for name in names:
+        runs = {False: [], True: []}
+        for _ in range(reps):
+            for spec in (False, True):       # A B A B
+                runs[spec].append(one_run(llm, WORKLOADS[name], spec, max_tokens))
+        p, s = runs[False], runs[True]
+        ratio = statistics.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(p, s)
+                                  if a["decode_tok_s"])
+        out.append({
+            "model": os.path.basename(path), "workload": name, "tokens": s[-1]["tokens"],
+            "plain_tok_s": statistics.median(r["decode_tok_s"] for r in p),
+            "spec_tok_s": statistics.median(r["decode_tok_s"] for r in s),
+            "speedup": ratio, "acceptance": s[-1]["acceptance"],
+            "tokens_per_step": s[-1]["tokens_per_step"], "verify_steps": s[-1]["verify_steps"],
+            "identical": all(a["ids"] == b["ids"] for a, b in zip(p, s)),
+        })
+        r = out[-1]
+        print(f"{r['model']:<36} {name:<10} {r['tokens']:>4} tok  plain {r['plain_tok_s']:6.1f}  "
+              f"spec {r['spec_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  accept {r['acceptance']:.0%}  "
+              f"{r['tokens_per_step']:.2f} tok/step  identical {r['identical']}", flush=True)
+    return out
+
+
+def costs(path: str, ks=(1, 2, 4, 8, 12, 16), reps: int = 7) -> dict:
+    """Median time of a verify pass of 1 + k rows over a plain step, paired per rep."""
+    llm = fucina.load(path)
+    m = llm.model
+    cache = m.init_cache(1024)
+    m.forward_step(cache, list(range(100, 400)), 0)
+    base = cache.len
+    ratios = {k: [] for k in ks}
+    for _ in range(reps):
+        for k in ks:
+            t = time.perf_counter()
+            m.forward_step(cache, [5], base)
+            plain = time.perf_counter() - t
+            cache.truncate(base)
+            t = time.perf_counter()
+            m.forward_step_all_logits(cache, list(range(5, 6 + k)), base)
+            ratios[k].append((time.perf_counter() - t) / plain)
+            cache.truncate(base)
+    res = {k: round(statistics.median(v), 2) for k, v in ratios.items()}
+    print(os.path.basename(path), "verify cost (plain steps) by draft length:", res, flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    home = os.path.expanduser(os.environ.get("FUCINA_CACHE", "~/.cache/fucina"))
+    ap.add_argument("models", nargs="*", default=[os.path.join(home, "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                                                  os.path.join(home, "gemma-3-270m-q4_k_m.gguf")])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--json")
+    ap.add_argument("--exact", action="store_true", help="row-by-row verify (bitwise; no speedup)")
+    ap.add_argument("--costs", action="store_true", help="measure the verify cost table instead")
+    a = ap.parse_args(argv)
+    kernels.set_threads(a.threads)
+    if a.costs:
+        for path in a.models:
+            costs(path)
+        return 0
+    Speculation.pin_rows_default = a.exact
+    rows = []
+    for path in a.models:
+        rows += bench_model(path, a.reps, a.max_tokens, a.workloads.split(","))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
