@@ -382,3 +382,26 @@ def test_api_generate_stream_chat_speculative(tiny, exact):
     assert llm.spec.stats.committed > 0 and llm.spec.stats.steps > 0
     a, b = llm.chat(speculative=True), llm.chat()
     assert a.send("hi hi hi") == b.send("hi hi hi")
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+def test_cli_run_and_chat_spec_match_plain(tmp_path, capsys, exact):
+    from fucina.cli.main import main
+    from synth import write_model
+    model = write_model(tmp_path / "t.gguf", "llama")
+    ref = tmp_path / "ref.txt"
+    ref.write_text("abc abc abc abc")
+    ids = {}
+    for name, extra in (("plain", []), ("spec", ["--spec", "--spec-ref", str(ref), "--spec-max", "4", "-v"])):
+        for cmd in ("run", "chat"):
+            out = tmp_path / f"{cmd}-{name}.ids"
+            args = ([cmd, model, "--prompt", "abc abc abc"] if cmd == "run" else [cmd, model, "abc abc abc"])
+            assert main(args + ["-n", "24", "--temp", "0.7", "--seed", "3", "-t", "1",
+                                "--ids-out", str(out)] + extra) == 0
+            ids[cmd, name] = out.read_text()
+            cap = capsys.readouterr()
+            assert ("speculative:" in cap.err) == (name == "spec")
+    assert ids["run", "plain"] == ids["run", "spec"] and ids["chat", "plain"] == ids["chat", "spec"]
+    assert len(ids["chat", "spec"].split()) > 0
+    assert main(["run", model, "--prompt", "x", "--spec-ref", str(tmp_path / "missing")]) == 1
