@@ -1,7 +1,7 @@
 """Speculative vs plain decoding, paired in one run (A B A B), on five chat workloads.
 
     python benchmarks/speculative.py [MODEL.gguf ...] [--reps 2] [--max-tokens 160] [--threads 2]
-                                     [--json OUT] [--exact] [--costs]
+                                     [--json OUT] [--exact] [--costs] [--llama-server DIR]
 
 Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
 about a given document, a multi-turn chat whose last turn quotes the first, a free-form
@@ -132,6 +132,54 @@ def costs(path: str, ks=(1, 2, 4, 8, 12, 16), reps: int = 7) -> dict:
     return res
 
 
+def llama_server(bin_dir: str, path: str, threads: int, max_tokens: int, names,
+                 types=("none", "ngram-simple", "ngram-mod")) -> list[dict]:
+    """llama.cpp's own draft-free speculation on the same prompts: llama-server per
+    --spec-type, greedy; decode tok/s is the server's `timings.predicted_per_second`."""
+    import socket
+    import subprocess
+
+    import httpx
+
+    out = []
+    env = dict(os.environ, LD_LIBRARY_PATH=bin_dir)
+    for kind in types:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        cmd = [os.path.join(bin_dir, "llama-server"), "-m", path, "-t", str(threads), "--port", str(port),
+               "-c", "4096", "--spec-type", kind, "--log-disable"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(600):
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            for name in names:
+                msgs = []
+                for turn in WORKLOADS[name]:
+                    msgs.append({"role": "user", "content": turn})
+                    r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+                        "messages": msgs, "temperature": 0, "max_tokens": max_tokens}).json()
+                    msgs.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+                t = r.get("timings", {})
+                drafted, acc = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+                out.append({"model": os.path.basename(path), "workload": name, "llama_spec": kind,
+                            "tokens": t.get("predicted_n"), "tok_s": t.get("predicted_per_second"),
+                            "acceptance": acc / drafted if drafted else 0.0})
+                r = out[-1]
+                print(f"llama.cpp {kind:<13} {r['model']:<34} {name:<10} {r['tokens']} tok "
+                      f"{r['tok_s']:.1f} tok/s accept {r['acceptance']:.0%}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     home = os.path.expanduser(os.environ.get("FUCINA_CACHE", "~/.cache/fucina"))
@@ -144,11 +192,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--exact", action="store_true", help="row-by-row verify (bitwise; no speedup)")
     ap.add_argument("--costs", action="store_true", help="measure the verify cost table instead")
+    ap.add_argument("--llama-server", metavar="DIR", help="instead: llama.cpp's llama-server from DIR "
+                    "(runnable copy, e.g. tests/oracle.py's oracle_dir()) with --spec-type none / "
+                    "ngram-simple / ngram-mod on the same prompts")
     a = ap.parse_args(argv)
     kernels.set_threads(a.threads)
     if a.costs:
         for path in a.models:
             costs(path)
+        return 0
+    if a.llama_server:
+        rows = []
+        for path in a.models:
+            rows += llama_server(a.llama_server, path, a.threads, a.max_tokens, a.workloads.split(","))
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
         return 0
     Speculation.pin_rows_default = a.exact
     rows = []
