@@ -405,3 +405,32 @@ def test_cli_run_and_chat_spec_match_plain(tmp_path, capsys, exact):
     assert ids["run", "plain"] == ids["run", "spec"] and ids["chat", "plain"] == ids["chat", "spec"]
     assert len(ids["chat", "spec"].split()) > 0
     assert main(["run", model, "--prompt", "x", "--spec-ref", str(tmp_path / "missing")]) == 1
+
+
+def test_structured_processor_cuts_drafts_and_batch_send_stays_plain(tiny, exact):
+    from fucina.text.chat_template import ChatTemplate
+    from fucina.text.conversation import Conversation, send_batch
+    from fucina.text.logit_processor import LogitProcessor
+
+    class Structured(LogitProcessor):            # a "grammar" that accepts one draft token
+        def forced_tokens(self):
+            return []
+
+        def valid_prefix_len(self, tokens):
+            return 1
+
+    cfg = SamplingConfig(temperature=0.7, seed=1)
+    plain = generate_ids(tiny, cfg, max_tokens=24)
+    dec = SpeculativeDecoder(OracleSource(plain[1], bad=50), pin_rows=True, min_draft=1,
+                             gate=CostGate(timed=False))
+    cache = tiny.init_cache(128)
+    history: list[int] = []
+    logits, _ = prefill(tiny, cache, history, PROMPT)
+    run(decode(tiny, cache, history, logits, Sampler(cfg, Structured()), FakeTokenizer(),
+               max_tokens=24, spec=dec))
+    assert history == plain[1] and dec.stats.drafted == dec.stats.spec_steps   # one token a draft
+
+    chatml = ChatTemplate.builtin("chatml", bos_token="<s>", eos_token="</s>")
+    a, b = (Conversation(tiny, FakeTokenizer(), chatml, max_tokens=12, speculative=s) for s in (True, False))
+    assert send_batch([a], ["abc abc"]) == send_batch([b], ["abc abc"])
+    assert a.send("abc abc abc") == b.send("abc abc abc") and a.tokens == b.tokens
