@@ -10,6 +10,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
+from fucina.serve.choices import MAX_CHOICES, indexed_events, make_turns, turns_of
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import render_chat, render_completion
@@ -168,8 +169,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     f = Fields(body)
     f.str("model")
     messages = chat_messages(f)
-    if f.int("n", 1, 1) != 1:
-        raise bad("'n' must be 1 (one choice per request)", "n")
+    n = f.int("n", 1, 1, MAX_CHOICES)
     fmt = f.dict("response_format")
     if fmt is not None and fmt.get("type", "text") != "text":
         raise bad("'response_format' other than text is not supported", "response_format")
@@ -193,12 +193,19 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, stops,
                      server.engine.stop_ids, top)
     single = isinstance(choice, dict) or not parallel
-    return Turn(server, prompt, req, single_call=bool(tools) and single), {
+    return make_turns(server, prompt, req, n, single_call=bool(tools) and single), {
         "stream": stream, "include_usage": bool(so.bool("include_usage", False)),
         "id": _rid("chatcmpl-"), "created": int(time.time()), "logprobs": top is not None}
 
 
 def respond_chat(server, turn: Turn, opt: dict) -> dict:
+    return {"id": opt["id"], "object": "chat.completion", "created": opt["created"],
+            "model": server.model_id, "system_fingerprint": server.fingerprint,
+            "choices": [_chat_choice(server, t, opt, i) for i, t in enumerate(turns_of(turn))],
+            "usage": usage(turn)}
+
+
+def _chat_choice(server, turn: Turn, opt: dict, index: int) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": turn.content or (None if turn.calls else "")}
     if turn.reasoning_text:
         msg["reasoning_content"] = turn.reasoning_text
@@ -206,24 +213,24 @@ def respond_chat(server, turn: Turn, opt: dict) -> dict:
         msg["tool_calls"] = [{"id": c["id"], "type": "function",
                               "function": {"name": c["name"], "arguments": c["arguments"]}}
                              for c in turn.calls]
-    choice = {"index": 0, "message": msg, "finish_reason": FINISH[turn.finish],
-              "logprobs": chat_logprobs(server, turn.logprobs) if opt["logprobs"] else None}
-    return {"id": opt["id"], "object": "chat.completion", "created": opt["created"],
-            "model": server.model_id, "system_fingerprint": server.fingerprint,
-            "choices": [choice], "usage": usage(turn)}
+    return {"index": index, "message": msg, "finish_reason": FINISH[turn.finish],
+            "logprobs": chat_logprobs(server, turn.logprobs) if opt["logprobs"] else None}
 
 
 async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
     def chunk(delta: dict, finish=None, logprobs=None) -> str:
         c = {"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
              "model": server.model_id, "system_fingerprint": server.fingerprint,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if opt["include_usage"]:
             c["usage"] = None
         return sse(c)
 
-    async for ev in turn.events():
-        if isinstance(ev, Started):
+    async for i, ev in indexed_events(turn):
+        if ev is None:                       # choice i is over
+            if turns_of(turn)[i].error is None:
+                yield chunk({}, FINISH[turns_of(turn)[i].finish])
+        elif isinstance(ev, Started):
             yield chunk({"role": "assistant", "content": ""})
         elif isinstance(ev, Text):
             yield chunk({"content": ev.text})
@@ -239,7 +246,6 @@ async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
-        yield chunk({}, FINISH[turn.finish])
         if opt["include_usage"]:
             yield sse({"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
                        "model": server.model_id, "choices": [], "usage": usage(turn)})
@@ -263,8 +269,9 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
             raise bad(f"'prompt' holds a token id outside [0, {n_vocab})", "prompt")
     elif not isinstance(p, str):
         raise bad("'prompt' must be a string or an array of token ids", "prompt")
-    if f.int("n", 1, 1) != 1 or f.int("best_of", 1, 1) != 1:
-        raise bad("'n' and 'best_of' must be 1", "n")
+    n = f.int("n", 1, 1, MAX_CHOICES)
+    if f.int("best_of", n, 1) != n:
+        raise bad("'best_of' must equal 'n' (every choice is returned)", "best_of")
     if f.has("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     top = f.int("logprobs", None, 0, 20)
@@ -272,7 +279,7 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
                      sampling(f), f.stops("stop"), server.engine.stop_ids, top)
     so = Fields(f.dict("stream_options", {}), "stream_options.")
-    return Turn(server, prompt, req), {
+    return make_turns(server, prompt, req, n), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),
         "echo": f.bool("echo", False), "id": _rid("cmpl-"), "created": int(time.time()),
         "logprobs": top is not None}
@@ -291,11 +298,12 @@ def _completion_logprobs(server, entries: list[tuple]) -> dict:
 
 
 def respond_completion(server, turn: Turn, opt: dict) -> dict:
-    text = (turn.prompt.text if opt["echo"] else "") + turn.content
+    head = turn.prompt.text if opt["echo"] else ""
     return {"id": opt["id"], "object": "text_completion", "created": opt["created"],
             "model": server.model_id, "system_fingerprint": server.fingerprint,
-            "choices": [{"index": 0, "text": text, "finish_reason": FINISH[turn.finish],
-                         "logprobs": _completion_logprobs(server, turn.logprobs) if opt["logprobs"] else None}],
+            "choices": [{"index": i, "text": head + t.content, "finish_reason": FINISH[t.finish],
+                         "logprobs": _completion_logprobs(server, t.logprobs) if opt["logprobs"] else None}
+                        for i, t in enumerate(turns_of(turn))],
             "usage": usage(turn)}
 
 
@@ -303,10 +311,13 @@ async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]
     def chunk(text: str, finish=None, logprobs=None) -> str:
         return sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                     "model": server.model_id,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+                    "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
-    async for ev in turn.events():
-        if isinstance(ev, Started) and opt["echo"]:
+    async for i, ev in indexed_events(turn):
+        if ev is None:                       # choice i is over
+            if turns_of(turn)[i].error is None:
+                yield chunk("", FINISH[turns_of(turn)[i].finish])
+        elif isinstance(ev, Started) and opt["echo"]:
             yield chunk(turn.prompt.text)
         elif isinstance(ev, Text):
             yield chunk(ev.text)
@@ -315,7 +326,6 @@ async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
-        yield chunk("", FINISH[turn.finish])
         if opt["include_usage"]:
             yield sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                        "model": server.model_id, "choices": [], "usage": usage(turn)})
