@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py --server fucina --clients 32 --duration 60 --runs 2
     python benchmarks/serve_load.py --server llama --clients 32 --duration 60 --runs 2
+    python benchmarks/serve_load.py --server both --clients 32 --duration 60 --runs 2 --slots 32
 
 Starts the server itself (fucina: `python -m fucina serve`; llama: the reference
 `llama-server`, laid out runnable as tests/oracle.py does) on 127.0.0.1 only, then
@@ -40,7 +41,8 @@ TOPICS = ["the sea", "mountains", "a city at night", "coffee", "rain", "a librar
 
 def llama_dir() -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
-    os.environ.setdefault("FUCINA_LLAMA_CPP", str(ROOT.parent / "shared" / "reference" / "bin"))
+    shared = next((d for d in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if d.is_dir()), ROOT.parent)
+    os.environ.setdefault("FUCINA_LLAMA_CPP", str(shared / "reference" / "bin"))
     from oracle import oracle_dir
 
     d = oracle_dir()
@@ -60,7 +62,8 @@ def start(args) -> subprocess.Popen:
                                                            args.profile]
         cmd = [sys.executable, *boot, "serve", model, "--host", HOST, "--port", str(args.port),
                "--ctx", str(args.ctx), "--slots", str(args.slots),
-               *(["--batch", str(args.batch)] if args.batch else []), "--threads", str(args.threads),
+               *(["--batch", str(args.batch)] if args.batch else []),
+               *(["--chunk", str(args.chunk)] if args.chunk else []), "--threads", str(args.threads),
                "--queue", str(args.queue), "--log-level", "warning"]
         env = dict(os.environ)
     else:
@@ -227,7 +230,8 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--_profiled":
         return profiled_server(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", choices=("fucina", "llama"), default="fucina")
+    ap.add_argument("--server", choices=("fucina", "llama", "both"), default="fucina",
+                    help="both: llama-server and fucina paired, one fresh server per run, order A B then B A")
     ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
     ap.add_argument("--port", type=int, default=18080)
     ap.add_argument("--clients", type=int, default=32)
@@ -236,26 +240,45 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
-    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=4, help="fucina --slots; llama-server -np (and -c ctx * slots)")
     ap.add_argument("--batch", type=int, default=None, help="fucina --batch (default: the server's)")
-    ap.add_argument("--queue", type=int, default=64, help="fucina --queue")
+    ap.add_argument("--queue", type=int, default=256, help="fucina --queue")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="fucina: sample the server's threads, write the raw counts to FILE")
+    ap.add_argument("--chunk", type=int, default=None, help="fucina --chunk (default: the server's)")
     args = ap.parse_args()
+    servers = ["llama", "fucina"] if args.server == "both" else [args.server]
+    for run in range(args.runs if args.server == "both" else 1):
+        for name in servers if run % 2 == 0 else servers[::-1]:     # both: A B, then B A
+            serve_runs(argparse.Namespace(**{**vars(args), "server": name}),
+                       1 if args.server == "both" else args.runs, run)
+    if args.profile and Path(args.profile).exists():
+        print(json.dumps({"profile": profile_split(args.profile)}), flush=True)
+    return 0
+
+
+def serve_runs(args, runs: int, first: int) -> None:
+    """Start one server, run the load `runs` times against it (one JSON line each), stop it."""
     p = start(args)
     url = f"http://{HOST}:{args.port}"
     try:
-        for run in range(args.runs):
+        for run in range(first, first + runs):
+            rss0 = rss_mib(p.pid)
             res = asyncio.run(one_run(url, args))
             res.update(server=args.server, run=run + 1, clients=args.clients, max_tokens=args.max_tokens,
                        threads=args.threads, slots=args.slots, batch=args.batch if args.server == "fucina" else None,
-                       rss_mib=round(rss_mib(p.pid), 1), load_avg=os.getloadavg()[0])
+                       rss_mib_before=round(rss0, 1), rss_mib=round(rss_mib(p.pid), 1),
+                       load_avg=round(os.getloadavg()[0], 2))
             if args.server == "fucina":
                 time.sleep(0.5)
                 h = httpx.get(url + "/health", timeout=10).json()
                 res["busy_slots_after"] = sum(s["busy"] for s in h["slots"])
                 res["queue_after"] = h["queue"]
+                res["streams"] = h["batch"]
+                m = httpx.get(url + "/metrics", timeout=10).text
+                res["prefix_hit_ratio"] = next((float(line.split()[-1]) for line in m.splitlines()
+                                                if line.startswith("fucina_prefix_cache_hit_ratio")), None)
             print(json.dumps(res), flush=True)
     finally:
         p.send_signal(signal.SIGINT)
@@ -263,9 +286,6 @@ def main() -> int:
             p.wait(15)
         except subprocess.TimeoutExpired:
             p.kill()
-    if args.profile and Path(args.profile).exists():
-        print(json.dumps({"profile": profile_split(args.profile)}), flush=True)
-    return 0
 
 
 if __name__ == "__main__":
