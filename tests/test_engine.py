@@ -251,3 +251,22 @@ def test_native_rows_alone_and_under_load(smollm2_path, monkeypatch):
         assert got == want
     else:
         assert len(got) == len(want) == 12
+
+
+def test_greedy_fast_path_matches_the_sampler():
+    from fucina.errors import SamplingError
+    from fucina.serve.engine import ServeSampler
+    from fucina.text.sampler import Sampler, SamplingConfig
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        row = torch.randn(300, generator=g)
+        assert ServeSampler(SamplingConfig(), None).next(row) == Sampler(SamplingConfig()).next(row)
+    assert ServeSampler(SamplingConfig(), None).fast
+    assert not ServeSampler(SamplingConfig(repeat_penalty=1.3), None).fast
+    assert not ServeSampler(SamplingConfig(temperature=0.7), None).fast
+    for bad in (torch.tensor([0.0, float("nan"), 1.0]), torch.full((3,), float("-inf"))):
+        with pytest.raises(SamplingError):
+            ServeSampler(SamplingConfig(), None).next(bad)
+    tie = torch.tensor([1.0, 3.0, 3.0])
+    assert ServeSampler(SamplingConfig(), None).next(tie) == Sampler(SamplingConfig()).next(tie)
