@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     s.add_argument("--allow-host", action="append", default=[], metavar="H",
                    help="accept only requests whose Host header names H (repeatable; DNS-rebinding guard)")
     s.add_argument("--ctx", "-c", type=int, default=None, help="context per slot (default min(train, 4096))")
-    s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4)")
+    s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4; at least --batch)")
     s.add_argument("--batch", type=int, default=None,
                    help="streams served at once, each model pass serving all of them (default: as many "
                         "full contexts as the KV budget holds, at most 32)")
