@@ -48,6 +48,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
+    processor: Any = None               # this request's own LogitProcessor (a grammar Constraint)
 
 
 @dataclass
@@ -87,8 +88,8 @@ class ServeSampler(Sampler):
     """The request's sampler, also recording log-probabilities (of the model's raw
     distribution, before penalties and truncation) when asked."""
 
-    def __init__(self, config: SamplingConfig, top: int | None):
-        super().__init__(config)
+    def __init__(self, config: SamplingConfig, top: int | None, processor=None):
+        super().__init__(config, processor)
         self.top = top
         self.entries: list[tuple] = []
 
@@ -203,7 +204,7 @@ class _Stream:
     def __init__(self, engine: "Engine", job: Job, slot: Slot):
         self.engine, self.job, self.slot = engine, job, slot
         req = job.req
-        self.sampler = ServeSampler(req.sampling, req.logprobs)
+        self.sampler = ServeSampler(req.sampling, req.logprobs, req.processor)
         logits, reused = prefill(engine.model, slot.cache, slot.tokens, req.ids)
         self.logits = logits
         self.rd = ReplyDecoder(slot.cache, slot.tokens, self.sampler, engine.tokenizer,

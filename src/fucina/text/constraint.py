@@ -121,7 +121,7 @@ class Constraint(LogitProcessor):
         self._fresh = False            # _words holds the mask of the current state
         self.error: str | None = None  # why the matcher failed mid-reply, if it did
         self.mask_ns: list[int] = []   # time of each mask computation (benchmarks)
-        self.forced = 0                # tokens committed while the grammar allowed only them
+        self.forced = 0                # tokens committed by fast_forward (no sampling, no step of their own)
 
     @classmethod
     def build(cls, tokenizer, *, stop_ids: Iterable[int] = (), n_vocab: int | None = None,
@@ -192,6 +192,17 @@ class Constraint(LogitProcessor):
         if self.error is not None:
             return []
         return list(self.matcher.compute_ff_tokens())
+
+    def fast_forward(self, limit: int) -> list[int]:
+        """Commit and return (up to `limit` of) the tokens the grammar forces now."""
+        toks = self.forced_tokens()[:max(0, limit)]
+        if toks:
+            self._fresh = False
+            if not self.matcher.consume_tokens(toks):
+                self._fail(f"forced tokens rejected: {self.matcher.get_error().strip()}")
+                return []
+            self.forced += len(toks)
+        return toks
 
     def valid_prefix_len(self, tokens: Sequence[int]) -> int:
         if self.error is not None:

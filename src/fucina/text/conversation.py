@@ -201,6 +201,10 @@ def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,
         raise FucinaError("send_batch: the same conversation appears twice")
     if any(c.model is not convos[0].model for c in convos):
         raise FucinaError("send_batch: the conversations must share one model")
+    procs = [id(c.sampler.processor) for c in convos if c.sampler.processor is not None]
+    if len(set(procs)) != len(procs):
+        raise FucinaError("send_batch: a logit processor holds one stream's state; give each "
+                          "conversation its own (Constraint.clone())")
     turns, logits = [], []
     try:
         for c, text in zip(convos, users):      # prologues: render + per-stream prefill
