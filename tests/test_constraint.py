@@ -114,6 +114,16 @@ def test_forced_tokens_fast_forward_and_prefix(tok):
     assert c.valid_prefix_len(forced[3:]) == len(forced) - 3
 
 
+def test_mask_admits_only_the_canonical_spelling_of_forced_bytes(tok):
+    """Why `allows` reads the mask rather than the one-token validate_tokens: after
+    `{"` the key "ab" is forced, and the mask admits its canonical token only."""
+    c = constraint(tok, grammars.from_options(json_schema={
+        "type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"]}))
+    consume_text(c, tok, '{"')
+    a = ord("a") + 4
+    assert c.matcher.validate_tokens([a]) == 1 and not c.allows(a) and c.allows(3)
+
+
 def test_clone_is_independent(tok):
     c = constraint(tok, grammars.check(grammars.choice(["ab", "cd"])))
     twin = c.clone()

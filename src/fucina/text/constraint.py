@@ -9,9 +9,9 @@ once per (tokenizer, vocabulary width, stop ids), and cached.
 
 `Constraint` is one stream's matcher as a `LogitProcessor`:
 - `process(row)` writes -inf over every forbidden token (the generic seam path);
-- the sampler's cheaper path asks `allowed_words()` (the packed bitmask, computed into
-  a reusable buffer) and `allows(token)` and applies the mask only when its first
-  choice is forbidden (see `Sampler._pick_constrained`);
+- the sampler's cheaper path computes the packed bitmask (`allowed_words()`, into a
+  reusable buffer), tests its first choice's bit (`allows`) and applies the mask to
+  the row only when that choice is forbidden (`Sampler._pick_constrained`);
 - `commit(token)` advances the matcher; `reset()` re-arms it for a new reply;
 - `forced_tokens()` (llguidance's fast-forward) and `valid_prefix_len(draft)` are the
   structural lookahead hooks speculation uses;
@@ -181,6 +181,10 @@ class Constraint(LogitProcessor):
         return self._words
 
     def allows(self, token: int) -> bool:
+        """The mask's bit for `token`. (Not the cheaper one-token validate_tokens: where
+        the grammar forces bytes the mask admits only their canonical tokenization, and
+        validate_tokens also accepts the other spellings, so the distribution would
+        change.)"""
         w = self.allowed_words()
         return 0 <= token < self.n_vocab and bool((int(w[token >> 5]) >> (token & 31)) & 1)
 
@@ -212,17 +216,17 @@ class Constraint(LogitProcessor):
 
 def mask_bools(words: np.ndarray, n: int) -> np.ndarray:
     """The packed mask unpacked to one bool per token id (first n)."""
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:n].view(bool)
 
 
 def apply_mask(logits: torch.Tensor, words: np.ndarray) -> None:
     """-inf over every token the packed mask forbids (and past its width)."""
-    n = logits.shape[-1]
-    ok = mask_bools(words, min(n, words.shape[0] * 32))
     row = logits.view(-1)
+    n = row.shape[0]
+    ok = torch.from_numpy(mask_bools(words, min(n, words.shape[0] * 32)))
     if ok.shape[0] < n:
         row[ok.shape[0]:] = float("-inf")
-    row[:ok.shape[0]][torch.from_numpy(~ok)] = float("-inf")
+    row[:ok.shape[0]].masked_fill_(~ok, float("-inf"))
 
 
 CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "lark", "grammar", "choices"})
