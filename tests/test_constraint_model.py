@@ -212,3 +212,25 @@ def test_server_forced_tool_calls_anthropic(server):
             final = s.get_final_message()
         uses = [b for b in final.content if b.type == "tool_use"]
         assert uses and jsonschema.validate(uses[0].input, PARAMS[uses[0].name]) is None
+
+
+def test_server_batch_keeps_one_constraint_per_stream(server):
+    """Concurrent requests decode in one lockstep batch (batch=2), each under its own
+    grammar (or none)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    url = server + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "Answer."}]
+    jobs = [({"json_schema": SCHEMAS["const"]}, lambda t: valid(t, SCHEMAS["const"])),
+            ({"grammar": 'root ::= "B" [0-9] [0-9]'}, lambda t: re.fullmatch("B[0-9]{2}", t) or 1 / 0),
+            ({"json_schema": SCHEMAS["nested_arrays"]}, lambda t: valid(t, SCHEMAS["nested_arrays"])),
+            ({}, lambda t: None)]
+
+    def one(job):
+        body = {"messages": msgs, "temperature": 0.8, "max_tokens": 40, **job[0]}
+        return httpx.post(url, json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(one, jobs))
+    for (_, check), out in zip(jobs, outs):
+        check(out)
