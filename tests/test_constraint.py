@@ -70,10 +70,14 @@ def test_bridge_qwen3_markers_special(qwen_tok):
     assert llt.decode_bytes(ids) == "héllo wörld 123".encode()
 
 
-def test_grammar_text_cannot_reach_a_control_token(qwen_tok):
-    im_end = qwen_tok.token_id("<|im_end|>")
-    c = Constraint(qwen_tok, grammars.check(grammars.lark('start: "<|im_end|>" "x"')))
-    assert not c.allows(im_end)                 # spelled as text, never the control token
+def test_grammar_text_cannot_reach_a_special_token(qwen_tok):
+    for marker in ("<|im_end|>", "<think>"):      # control; user-defined (always split by our encode)
+        tid = qwen_tok.token_id(marker)
+        c = Constraint(qwen_tok, grammars.check(grammars.lark(f'start: "{marker}" "x" /[0-9]+/')))
+        assert not c.allows(tid)                  # spelled as text, never the special token
+        forced = c.forced_tokens()
+        assert tid not in forced and qwen_tok.decode(forced).startswith(marker)
+        assert c.fast_forward(99) == forced and c.error is None
 
 
 @pytest.mark.slow

@@ -74,11 +74,28 @@ class _Vocab:
         n = tokenizer.n_vocab
         self.tokens = [tokenizer.token_to_piece(i) for i in range(n)] + [b""] * (n_vocab - n)
         self.special_token_ids = sorted(special_ids(tokenizer))
+        self._special = frozenset(self.special_token_ids)
+        self._byte = {}                      # byte -> a plain single-byte token
+        for i, b in enumerate(self.tokens):
+            if len(b) == 1 and i not in self._special:
+                self._byte.setdefault(b[0], i)
         self._encode = weakref.WeakMethod(tokenizer.encode_raw)
 
     def __call__(self, text: str) -> list[int]:
+        """Our exact tokenization, with no special token in it: a user-defined marker
+        our tokenizer always splits out (`<think>`) is text here, spelled in single
+        bytes (llguidance's tokens must decode to exactly `text`)."""
         encode = self._encode()
-        return [] if encode is None else encode(text, parse_special=False)
+        ids = [] if encode is None else encode(text, parse_special=False)
+        if not self._special.intersection(ids):
+            return ids
+        out: list[int] = []
+        for i in ids:
+            if i in self._special:
+                out += [self._byte[b] for b in self.tokens[i] if b in self._byte]
+            else:
+                out.append(i)
+        return out
 
 
 def lltokenizer(tokenizer, n_vocab: int | None = None, stop_ids: Iterable[int] = ()) -> llg.LLTokenizer:
@@ -105,7 +122,7 @@ class Constraint(LogitProcessor):
     """One decode stream's grammar state over a compiled llguidance grammar."""
 
     def __init__(self, tokenizer, grammar: str, *, stop_ids: Iterable[int] = (), n_vocab: int | None = None,
-                 log_level: int = 1):
+                 log_level: int = 0):
         self.tokenizer = tokenizer
         self.grammar = grammar
         self.llt = lltokenizer(tokenizer, n_vocab, stop_ids)
