@@ -269,6 +269,19 @@ def test_tool_call_grammar_hermes(qwen_tok):
         grammars.tool_call_grammar(tools, qwen_tok, name="missing")
 
 
+def test_think_block_with_text_markers(tok):
+    for body, primed, text in ((grammars.json_object(), False, '<think>\nhmm {x} </thi\n</think>\n\n{"a": 1}'),
+                               (grammars.json_object(), False, '{"a": 1}'),
+                               (grammars.lark('start: "ok"'), True, 'no json here</think>ok'),
+                               (grammars.regex("a+"), True, '</think>\naa')):
+        c = constraint(tok, grammars.think_wrapped(body, tok, primed=primed))
+        consume_text(c, tok, text)
+        assert c.is_accepting(), text
+    c = constraint(tok, grammars.think_wrapped(grammars.json_object(), tok, primed=True))
+    consume_text(c, tok, "free</think>\n")
+    assert not c.allows(ord("x") + 4)
+
+
 def test_think_block_is_free_then_the_grammar(qwen_tok):
     g = grammars.think_wrapped(grammars.json_object(), qwen_tok, primed=False)
     c = Constraint(qwen_tok, g)

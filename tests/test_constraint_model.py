@@ -234,3 +234,30 @@ def test_server_batch_keeps_one_constraint_per_stream(server):
         outs = list(ex.map(one, jobs))
     for (_, check), out in zip(jobs, outs):
         check(out)
+
+
+def test_scripted_think_then_forced_call_passes_the_grammar_unchanged(llm):
+    """A scripted model (test_serve) that thinks, then writes a hermes call: under
+    tool_choice "required" the grammar (free think block, then a call valid for the
+    tool) admits every token it forces, so the reply is exactly the unconstrained one."""
+    from test_serve import ASK as WEATHER, live, oai, scripted_server
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "kelvin"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+    with live(scripted_server(llm)) as url:
+        c = oai(url)
+        for stream in (False, True):
+            kw = dict(model="x", messages=WEATHER, tools=[tool], tool_choice="required", max_tokens=80,
+                      temperature=0.8, parallel_tool_calls=False)
+            if not stream:
+                msg = c.chat.completions.create(**kw).choices[0].message
+                reasoning, args = msg.reasoning_content, msg.tool_calls[0].function.arguments
+            else:
+                reasoning, args = "", ""
+                for ch in c.chat.completions.create(**kw, stream=True):
+                    d = ch.choices[0].delta if ch.choices else None
+                    reasoning += (getattr(d, "reasoning_content", None) or "") if d else ""
+                    args += "".join(t.function.arguments or "" for t in (d.tool_calls or [])) if d else ""
+            assert "call the tool" in reasoning
+            assert json.loads(args) == {"city": "Paris", "unit": "celsius"}

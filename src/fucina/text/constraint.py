@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 import weakref
 from typing import Iterable, Sequence
 
@@ -41,7 +42,6 @@ log = logging.getLogger("fucina.constraint")
 
 _BRIDGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-BUILD_SECONDS: dict[tuple, float] = {}      # (n_vocab, stop ids) -> bridge build time (benchmarks)
 
 
 def special_ids(tokenizer) -> frozenset[int]:
@@ -113,7 +113,7 @@ def lltokenizer(tokenizer, n_vocab: int | None = None, stop_ids: Iterable[int] =
     if llt is None:
         t0 = time.perf_counter()
         llt = llg.LLTokenizer(_Vocab(tokenizer, n_vocab, stops[0]), n_vocab=n_vocab, eos_token=list(stops))
-        BUILD_SECONDS[key] = time.perf_counter() - t0
+        log.info("llguidance tokenizer for %d ids built in %.2f s", n_vocab, time.perf_counter() - t0)
         per_tok[key] = llt
     return llt
 
@@ -137,7 +137,7 @@ class Constraint(LogitProcessor):
         self._words = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
         self._fresh = False            # _words holds the mask of the current state
         self.error: str | None = None  # why the matcher failed mid-reply, if it did
-        self.mask_ns: list[int] = []   # time of each mask computation (benchmarks)
+        self.mask_ns: deque[int] = deque(maxlen=4096)   # recent mask computation times
         self.forced = 0                # tokens committed by fast_forward (no sampling, no step of their own)
 
     @classmethod
@@ -256,8 +256,8 @@ def pop_options(options: dict) -> dict:
 
 
 def thinks(template) -> bool:
-    """Whether the template opens a think block for the model to write in."""
-    return "<think>" in (template.source or "")
+    """Whether the template's model writes think blocks (as serve/prompt.py decides)."""
+    return "think>" in (template.source or "")
 
 
 def primed_think(template) -> bool:

@@ -124,20 +124,28 @@ def _is_special(tokenizer, tid: int) -> bool:
 
 
 def _named(grammar: str, name: str) -> list[dict]:
-    gs = json.loads(grammar)["grammars"]
+    """The grammar's list form with its top grammar named (Lark text is its own form)."""
+    try:
+        gs = json.loads(grammar)["grammars"]
+    except ValueError:
+        gs = [{"lark_grammar": grammar}]
     gs[0] = {**gs[0], "name": name}
     return gs
 
 
-def think_wrapped(grammar: str, tokenizer, *, primed: bool, max_think_bytes: int | None = None) -> str:
+def think_wrapped(grammar: str, tokenizer, *, primed: bool) -> str:
     """Free text in a think block, then `grammar`. `primed`: the prompt already ends
-    with the opening marker (the reply starts inside the block)."""
+    with the opening marker (the reply starts inside the block); otherwise the block
+    is optional (a model may answer straight away). A closing marker that is one
+    special token ends the free text by itself (no text can spell it); a textual one
+    is the free text's stop string (a lazy lexeme: greedy free text would swallow it)."""
     open_, close = token_ref(tokenizer, "<think>"), token_ref(tokenizer, "</think>")
-    rep = "*" if max_think_bytes is None else f"{{0,{int(max_think_bytes)}}}"
-    head = "" if primed else open_ + " "
-    top = (f"start: {head}THINK {close} /\\n{{0,2}}/ @body\n"
-           f"THINK: /(?s:.{rep})/\n")
-    return json.dumps({"grammars": [{"lark_grammar": top}] + _named(grammar, "body")})
+    if close.startswith("<["):
+        think = f"think: THINK {close}\nTHINK: /(?s:.*)/\n"
+    else:
+        think = f"think[stop={close}]: /(?s:.*)/\n"
+    start = "start: think /\\n{0,2}/ @body\n" if primed else f"start: ({open_} think /\\n{{0,2}}/)? @body\n"
+    return json.dumps({"grammars": [{"lark_grammar": start + think}] + _named(grammar, "body")})
 
 
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
