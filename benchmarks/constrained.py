@@ -151,7 +151,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import fucina.kernels as kernels
-    from fucina.text import grammar as grammars
     from fucina.text.api import load
 
     kernels.set_threads(args.threads)

@@ -14,7 +14,7 @@ import torch
 from fucina.errors import FucinaError, GrammarError
 from fucina.text import grammar as grammars
 from fucina.text.constraint import Constraint, apply_mask, lltokenizer, mask_bools, special_ids
-from fucina.text.sampler import Sampler, SamplingConfig, sample_candidates
+from fucina.text.sampler import Sampler, SamplingConfig
 from fucina.text.tokenizer import Tokenizer
 from synth import write_model
 

@@ -87,12 +87,10 @@ def from_options(*, json_schema: Any = None, regex: str | None = None, lark: str
     if not given:
         return None
     (kind, value), = given.items()
-    build = {"json_schema": _json_schema, "regex": _regex, "lark": _lark, "grammar": gbnf,
-             "choices": choice}[kind]
-    return check(build(value), kind)
+    return check(_BUILDERS[kind](value), kind)
 
 
-_json_schema, _regex, _lark = json_schema, regex, lark
+_BUILDERS = {"json_schema": json_schema, "regex": regex, "lark": lark, "grammar": gbnf, "choices": choice}
 
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "Lark grammar",
                "grammar": "grammar", "choices": "choice list", "tool": "tool schema"}
