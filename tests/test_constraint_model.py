@@ -123,6 +123,9 @@ def test_server_openai_response_formats(server):
     r = c.chat.completions.create(model="x", messages=msgs, response_format={"type": "json_object"}, seed=4,
                                   max_tokens=96, **HOT)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    parsed = c.responses.parse(model="x", input="Describe Paris.", text_format=City, max_output_tokens=80,
+                               **HOT)
+    assert isinstance(parsed.output_parsed, City) and parsed.text.format.type == "json_schema"
     schema = SCHEMAS["integer_range"]
     resp = c.responses.create(model="x", input="Reply in JSON.", max_output_tokens=96, **HOT,
                               text={"format": {"type": "json_schema", "name": "r", "schema": schema}})

@@ -407,7 +407,7 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
     return turn, {"stream": f.bool("stream", False), "id": _rid("resp_"), "created": int(time.time()),
                   "msg_id": _rid("msg_"), "rs_id": _rid("rs_"), "body": body, "tools": f.list("tools", []),
                   "tool_choice": f.get("tool_choice", "auto"), "parallel": parallel, "max": mt,
-                  "temperature": cfg.temperature, "top_p": cfg.top_p}
+                  "temperature": cfg.temperature, "top_p": cfg.top_p, "format": fmt or {"type": "text"}}
 
 
 def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: list) -> dict:
@@ -424,7 +424,7 @@ def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: lis
             "max_output_tokens": opt["max"], "model": server.model_id, "output": output,
             "parallel_tool_calls": opt["parallel"], "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": opt["temperature"], "text": {"format": {"type": "text"}},
+            "temperature": opt["temperature"], "text": {"format": opt["format"]},
             "tool_choice": opt["tool_choice"], "tools": opt["tools"], "top_p": opt["top_p"],
             "truncation": "disabled", "usage": u, "metadata": opt["body"].get("metadata") or {}}
 
