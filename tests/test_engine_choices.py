@@ -83,3 +83,25 @@ def test_metrics_route(client):
                  "fucina_generation_tokens_per_second", "fucina_time_to_first_token_seconds_bucket",
                  "fucina_prefix_cache_hit_ratio", "fucina_prompt_tokens_cached_total"):
         assert want in names
+
+
+def test_each_choice_gets_its_own_processor_and_seed():
+    import asyncio
+
+    from fucina.serve.choices import make_turns
+    from fucina.serve.engine import GenRequest
+    from fucina.serve.prompt import Prompt
+    from fucina.text.sampler import SamplingConfig
+
+    made = []
+
+    def fresh():
+        made.append(object())
+        return made[-1]
+
+    async def build():
+        req = GenRequest([1, 2, 3], 4, SamplingConfig(seed=10), processor=fresh())
+        return make_turns(None, Prompt("x", [1, 2, 3]), req, 3, fresh)
+    turns = asyncio.run(build()).turns
+    assert [t.req.sampling.seed for t in turns] == [10, 11, 12]
+    assert [t.req.processor for t in turns] == made and len(set(map(id, made))) == 3

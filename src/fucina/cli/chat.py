@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
     s.add_argument("--threads", "-t", type=int)
     add_sampling_args(s)
+    from fucina.cli.grammar_args import add_grammar_args
+    add_grammar_args(s)
     s.set_defaults(func=cmd_chat)
 
 
@@ -83,11 +85,13 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16"):
 def cmd_chat(args) -> int:
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    from fucina.cli.grammar_args import reply_constraint
     from fucina.text.conversation import Conversation
 
     conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system, max_tokens=args.gen,
                         think=not args.no_think, sampling=sampling_from_args(args),
-                        stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type)
+                        stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
+                        processor=reply_constraint(llm, args, think=not args.no_think))
 
     def turn(text: str) -> None:
         conv.send(text, on_piece=lambda p: (sys.stdout.write(p), sys.stdout.flush()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fucina.serve.engine import GenRequest
 from fucina.serve.turn import Turn
@@ -18,11 +18,18 @@ from fucina.serve.turn import Turn
 MAX_CHOICES = 16
 
 
-def make_turns(server, prompt, req: GenRequest, n: int, **kw) -> "Turn | Choices":
+def make_turns(server, prompt, req: GenRequest, n: int, new_processor: Callable[[], Any] | None = None,
+               **kw) -> "Turn | Choices":
+    """One Turn (n == 1) or n choices; choice i > 0 gets seed + i and, when the request
+    has a (stateful) logit processor, a fresh one from `new_processor`."""
     if n == 1:
         return Turn(server, prompt, req, **kw)
-    reqs = [dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=(req.sampling.seed + i)
-                                                                  & 0xFFFFFFFF)) for i in range(n)]
+
+    def choice(i: int) -> GenRequest:
+        sampling = dataclasses.replace(req.sampling, seed=(req.sampling.seed + i) & 0xFFFFFFFF)
+        proc = req.processor if i == 0 or req.processor is None or new_processor is None else new_processor()
+        return dataclasses.replace(req, sampling=sampling, processor=proc)
+    reqs = [choice(i) for i in range(n)]
     return Choices([Turn(server, prompt, r, **kw) for r in reqs])
 
 

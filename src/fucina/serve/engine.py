@@ -63,6 +63,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
+    processor: Any = None               # this request's own LogitProcessor (a grammar Constraint)
 
 
 @dataclass
@@ -102,8 +103,8 @@ class ServeSampler(Sampler):
     """The request's sampler, also recording log-probabilities (of the model's raw
     distribution, before penalties and truncation) when asked."""
 
-    def __init__(self, config: SamplingConfig, top: int | None):
-        super().__init__(config)
+    def __init__(self, config: SamplingConfig, top: int | None, processor=None):
+        super().__init__(config, processor)
         self.top = top
         self.entries: list[tuple] = []
         # plain greedy: the argmax of the row itself, without the base class's copy of
@@ -256,7 +257,7 @@ class _Stream:
         self.reserve = min(len(req.ids) + req.max_tokens, engine.n_ctx)
         self.donor: _Stream | None = None     # a stream prefilling the prefix this one shares
         self.share = 0                        # ... up to this position
-        self.sampler = ServeSampler(req.sampling, req.logprobs)
+        self.sampler = ServeSampler(req.sampling, req.logprobs, req.processor)
         self.rd = ReplyDecoder(slot.cache, slot.tokens, self.sampler, engine.tokenizer,
                                max_tokens=req.max_tokens, stop_ids=req.stop_ids, stop=req.stop,
                                reply=Reply(prompt_tokens=len(req.ids)))
