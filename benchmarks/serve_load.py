@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py --server fucina --clients 32 --duration 60 --runs 2
     python benchmarks/serve_load.py --server llama --clients 32 --duration 60 --runs 2
+    python benchmarks/serve_load.py --server both --clients 32 --duration 60 --runs 2 --slots 32
 
 Starts the server itself (fucina: `python -m fucina serve`; llama: the reference
 `llama-server`, laid out runnable as tests/oracle.py does) on 127.0.0.1 only, then
@@ -11,6 +12,10 @@ time to first token (first content delta), aggregate completion tokens/s, refusa
 (429/503), errors, the server's resident memory after the run, and for fucina the
 slot state from /health (no busy slot may remain). One JSON object per run on
 stdout. Loopback only: the URL is always 127.0.0.1.
+
+`--profile` (fucina only) runs the server under a sampling profiler (every 2 ms, each
+thread's stack is classified: model pass, lm head, sampling, detokenize, engine Python,
+template, tokenize, SSE/JSON, HTTP, idle) and prints the split as one more JSON line.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ TOPICS = ["the sea", "mountains", "a city at night", "coffee", "rain", "a librar
 
 def llama_dir() -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
-    os.environ.setdefault("FUCINA_LLAMA_CPP", str(ROOT.parent / "shared" / "reference" / "bin"))
+    shared = next((d for d in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if d.is_dir()), ROOT.parent)
+    os.environ.setdefault("FUCINA_LLAMA_CPP", str(shared / "reference" / "bin"))
     from oracle import oracle_dir
 
     d = oracle_dir()
@@ -52,9 +58,13 @@ def start(args) -> subprocess.Popen:
         model = str(resolve_model(None))
     log = open(Path(tempfile.gettempdir()) / f"serve_load_{args.server}.log", "w")
     if args.server == "fucina":
-        cmd = [sys.executable, "-m", "fucina", "serve", model, "--host", HOST, "--port", str(args.port),
-               "--ctx", str(args.ctx), "--slots", str(args.slots), "--batch", str(args.batch),
-               "--threads", str(args.threads), "--queue", str(args.queue), "--log-level", "warning"]
+        boot = ["-m", "fucina"] if not args.profile else [str(Path(__file__).resolve()), "--_profiled",
+                                                           args.profile]
+        cmd = [sys.executable, *boot, "serve", model, "--host", HOST, "--port", str(args.port),
+               "--ctx", str(args.ctx), "--slots", str(args.slots),
+               *(["--batch", str(args.batch)] if args.batch else []),
+               *(["--chunk", str(args.chunk)] if args.chunk else []), "--threads", str(args.threads),
+               "--queue", str(args.queue), "--log-level", "warning"]
         env = dict(os.environ)
     else:
         d = llama_dir()
@@ -76,6 +86,75 @@ def start(args) -> subprocess.Popen:
         time.sleep(0.5)
     p.kill()
     raise SystemExit("server did not become healthy")
+
+
+# -- the sampling profiler (runs inside the server process) ---------------------------------
+
+# (category, substrings of "file:function" any frame of the stack may match), first match wins
+CATEGORIES = [
+    ("sse_json", ("json/encoder", "json/__init__.py:dumps", "openai.py:sse", "anthropic.py:sse")),
+    ("template", ("chat_template", "jinja2")),
+    ("tokenize", ("tokenizer/core.py:encode", "tokenizer/bpe", "pretokenize")),
+    ("detokenize", ("generate.py:push", "generate.py:feed", "token_to_piece", "StopScanner")),
+    ("sampling", ("sampler.py", "logit_processor")),
+    ("lm_head", (":head",)),
+    ("model_pass", ("run_batch", "plan.py:run", "kernels/__init__.py:run", "forward_step", ":block",
+                    "forward_ragged")),
+    ("engine_python", ("serve/engine.py", "text/batch.py", "generate.py")),
+    ("http", ("uvicorn", "starlette", "h11", "httptools", "serve/turn.py", "serve/app.py", "openai.py",
+              "parsing.py", "asyncio")),
+]
+IDLE = ("selectors.py:select", "threading.py:wait", "queue.py:get", "base_events.py:_run_once")
+
+
+def classify(frame) -> str:
+    names = []
+    while frame is not None:
+        co = frame.f_code
+        names.append(f"{co.co_filename}:{co.co_name}")
+        frame = frame.f_back
+    if names and any(k in names[0] for k in IDLE):
+        return "idle"
+    for cat, keys in CATEGORIES:
+        if any(k in n for n in names for k in keys):
+            return cat
+    return "other"
+
+
+def profiled_server(out: str, argv: list[str]) -> int:
+    """Run `fucina <argv>` while a thread samples every thread's stack each 2 ms;
+    on exit write {thread name: {category: samples}} to `out`."""
+    import collections
+    import threading
+
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    stop = threading.Event()
+
+    def sample():
+        me = threading.get_ident()
+        while not stop.wait(0.002):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    counts[names.get(ident, "?")][classify(frame)] += 1
+
+    threading.Thread(target=sample, daemon=True).start()
+    from fucina.cli.main import main as fucina_main
+    try:
+        return fucina_main(argv)
+    finally:
+        stop.set()
+        Path(out).write_text(json.dumps({k: dict(v) for k, v in counts.items()}))
+
+
+def profile_split(path: str) -> dict:
+    raw = json.loads(Path(path).read_text())
+    split = {}
+    for thread, c in raw.items():
+        total = sum(c.values())
+        if total:
+            split[thread] = {k: round(v / total, 3) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
+    return split
 
 
 def rss_mib(pid: int) -> float:
@@ -148,8 +227,11 @@ async def one_run(url: str, args) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--_profiled":
+        return profiled_server(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", choices=("fucina", "llama"), default="fucina")
+    ap.add_argument("--server", choices=("fucina", "llama", "both"), default="fucina",
+                    help="both: llama-server and fucina paired, one fresh server per run, order A B then B A")
     ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
     ap.add_argument("--port", type=int, default=18080)
     ap.add_argument("--clients", type=int, default=32)
@@ -158,24 +240,45 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4, help="fucina --batch")
-    ap.add_argument("--queue", type=int, default=64, help="fucina --queue")
+    ap.add_argument("--slots", type=int, default=4, help="fucina --slots; llama-server -np (and -c ctx * slots)")
+    ap.add_argument("--batch", type=int, default=None, help="fucina --batch (default: the server's)")
+    ap.add_argument("--queue", type=int, default=256, help="fucina --queue")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="fucina: sample the server's threads, write the raw counts to FILE")
+    ap.add_argument("--chunk", type=int, default=None, help="fucina --chunk (default: the server's)")
     args = ap.parse_args()
+    servers = ["llama", "fucina"] if args.server == "both" else [args.server]
+    for run in range(args.runs if args.server == "both" else 1):
+        for name in servers if run % 2 == 0 else servers[::-1]:     # both: A B, then B A
+            serve_runs(argparse.Namespace(**{**vars(args), "server": name}),
+                       1 if args.server == "both" else args.runs, run)
+    if args.profile and Path(args.profile).exists():
+        print(json.dumps({"profile": profile_split(args.profile)}), flush=True)
+    return 0
+
+
+def serve_runs(args, runs: int, first: int) -> None:
+    """Start one server, run the load `runs` times against it (one JSON line each), stop it."""
     p = start(args)
     url = f"http://{HOST}:{args.port}"
     try:
-        for run in range(args.runs):
+        for run in range(first, first + runs):
+            rss0 = rss_mib(p.pid)
             res = asyncio.run(one_run(url, args))
             res.update(server=args.server, run=run + 1, clients=args.clients, max_tokens=args.max_tokens,
                        threads=args.threads, slots=args.slots, batch=args.batch if args.server == "fucina" else None,
-                       rss_mib=round(rss_mib(p.pid), 1), load_avg=os.getloadavg()[0])
+                       rss_mib_before=round(rss0, 1), rss_mib=round(rss_mib(p.pid), 1),
+                       load_avg=round(os.getloadavg()[0], 2))
             if args.server == "fucina":
                 time.sleep(0.5)
                 h = httpx.get(url + "/health", timeout=10).json()
                 res["busy_slots_after"] = sum(s["busy"] for s in h["slots"])
                 res["queue_after"] = h["queue"]
+                res["streams"] = h["batch"]
+                m = httpx.get(url + "/metrics", timeout=10).text
+                res["prefix_hit_ratio"] = next((float(line.split()[-1]) for line in m.splitlines()
+                                                if line.startswith("fucina_prefix_cache_hit_ratio")), None)
             print(json.dumps(res), flush=True)
     finally:
         p.send_signal(signal.SIGINT)
@@ -183,7 +286,6 @@ def main() -> int:
             p.wait(15)
         except subprocess.TimeoutExpired:
             p.kill()
-    return 0
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ def test_bad_inputs_openai(real):
         c.chat.completions.create(model="x", messages=[{"role": "wizard", "content": "hi"}])
     assert e.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="x", messages=USER, n=2)
+        c.chat.completions.create(model="x", messages=USER, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="x", messages=USER, max_tokens=0)

@@ -80,6 +80,8 @@ def add_parser(sub) -> None:
     s.add_argument("--threads", "-t", type=int)
     s.add_argument("--ids-out", help="write each reply's generated ids here, one per line")
     add_sampling_args(s)
+    from fucina.cli.grammar_args import add_grammar_args
+    add_grammar_args(s)
     add_spec_args(s)
     s.set_defaults(func=cmd_chat)
 
@@ -115,11 +117,13 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16"):
 def cmd_chat(args) -> int:
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    from fucina.cli.grammar_args import reply_constraint
     from fucina.text.conversation import Conversation
 
     conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system, max_tokens=args.gen,
                         think=not args.no_think, sampling=sampling_from_args(args),
                         stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
+                        processor=reply_constraint(llm, args, think=not args.no_think),
                         **spec_options(args))
     try:
         ids_out = open(args.ids_out, "w") if args.ids_out else None

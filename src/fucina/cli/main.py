@@ -94,9 +94,12 @@ def cmd_run(args) -> int:
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                 seed=args.seed)
     opts = {k: v for k, v in opts.items() if v is not None}
+    from fucina.cli.grammar_args import grammar_options
+    pieces = llm.stream(ids, args.gen, stop=args.stop or [], **opts, **grammar_options(args),
+                        **spec_options(args))
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
-    for piece in llm.stream(ids, args.gen, stop=args.stop or [], **opts, **spec_options(args)):
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -213,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_pull)
 
     from fucina.cli.chat import add_sampling_args, add_spec_args
+    from fucina.cli.grammar_args import add_grammar_args
 
     s = sub.add_parser("run", help="continue a prompt (greedy unless sampling flags are given)")
     s.add_argument("model", nargs="?", help=model_help)
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16", help="KV cache storage")
     s.add_argument("--threads", "-t", type=int)
     add_sampling_args(s)
+    add_grammar_args(s)
     add_spec_args(s)
     s.set_defaults(func=cmd_run)
 

@@ -1,5 +1,5 @@
 """`fucina serve [MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
-[--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--queue N]`.
+[--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--chunk N] [--kv-budget N] [--queue N]`.
 
 OpenAI- and Anthropic-compatible HTTP server (see fucina.serve). Binds to loopback
 unless --host says otherwise.
@@ -15,7 +15,7 @@ from fucina.cli.chat import MODEL_HELP, load_llm
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server",
                        epilog="Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, "
-                              "/v1/messages; GET /v1/models, /health. Any `model` name in a request "
+                              "/v1/messages; GET /v1/models, /health, /metrics. Any `model` name in a request "
                               "is answered by the loaded model.")
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -25,8 +25,17 @@ def add_parser(sub) -> None:
     s.add_argument("--allow-host", action="append", default=[], metavar="H",
                    help="accept only requests whose Host header names H (repeatable; DNS-rebinding guard)")
     s.add_argument("--ctx", "-c", type=int, default=None, help="context per slot (default min(train, 4096))")
-    s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4)")
-    s.add_argument("--batch", type=int, default=1, help="decode up to N requests in lockstep (default 1)")
+    s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4; at least --batch)")
+    s.add_argument("--batch", type=int, default=None,
+                   help="streams served at once, each model pass serving all of them (default: as many "
+                        "full contexts as the KV budget holds, at most 32)")
+    s.add_argument("--chunk", type=int, default=None,
+                   help="prompt tokens computed per pass, all arriving requests together (default 128): "
+                        "bounds what a long prompt adds to the other streams' time per token")
+    s.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
+                   help="KV positions the running streams may reserve together (prompt + max_tokens, "
+                        "at most --ctx each); more wait in the queue (default: a quarter of the "
+                        "available memory, at most 4 GiB)")
     s.add_argument("--queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
     s.add_argument("--spec", action="store_true",
@@ -42,15 +51,18 @@ def cmd_serve(args) -> int:
     from fucina.errors import FucinaError
     from fucina.serve import Server, run
 
-    for name, v in (("--slots", args.slots), ("--batch", args.batch), ("--queue", args.queue)):
-        if v < 1:
+    for name, v in (("--slots", args.slots), ("--batch", args.batch), ("--queue", args.queue),
+                    ("--chunk", args.chunk), ("--kv-budget", args.kv_budget)):
+        if v is not None and v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
-    server = Server.from_llm(llm, slots=args.slots, batch=args.batch, spec=args.spec, spec_max=args.spec_max,
+    server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
+                             kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,
                              allow_hosts=args.allow_host, max_queue=args.queue)
     print(f"fucina: serving {server.model_id} on http://{args.host}:{args.port} "
-          f"(ctx {server.engine.n_ctx}, slots {len(server.engine.pool.slots)}, batch {server.engine.batch})",
+          f"(ctx {server.engine.n_ctx}, slots {len(server.engine.pool.slots)}, batch {server.engine.batch}, "
+          f"kv budget {server.engine.kv_budget} tokens)",
           file=sys.stderr)
     run(server, args.host, args.port, log_level=args.log_level)
     return 0

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
 POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models,
-/v1/models/{id}, /health.
+/v1/models/{id}, /health, /metrics (Prometheus text; see fucina.serve.metrics).
 
 Policy, in one place:
 - errors come in the dialect of the route (Anthropic's schema under /v1/messages,
@@ -54,14 +54,16 @@ class Server:
         self.fingerprint = "fucina"
 
     @classmethod
-    def from_llm(cls, llm, *, slots: int = 1, batch: int = 1, spec: bool = False, spec_max: int = 16,
-                 **kw) -> "Server":
+    def from_llm(cls, llm, *, slots: int = 1, batch: int | None = None, chunk: int | None = None,
+                 kv_budget: int | None = None, spec: bool = False,
+                 spec_max: int = 16, **kw) -> "Server":
         import os
 
         path = str(getattr(getattr(llm.model, "gguf", None), "path", "model"))
         name = os.path.basename(path).removesuffix(".gguf")
         engine = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
-                        cache_type=llm.cache_type, name=name, spec=spec, spec_max=spec_max)
+                        cache_type=llm.cache_type, name=name, kv_budget=kv_budget, spec=spec, spec_max=spec_max,
+                        **({"chunk": chunk} if chunk else {}))
         return cls(engine, **kw)
 
     # -- helpers the dialects call ---------------------------------------------------
@@ -202,6 +204,14 @@ class Server:
                              "n_ctx": self.engine.n_ctx, "slots": self.engine.pool.stats(),
                              "requests": dict(self.engine.stats)})
 
+    async def metrics(self, request: Request) -> Response:
+        try:
+            self.guard(request)
+        except ApiError as e:
+            return self.error_response(e, "openai")
+        text = self.engine.metrics.render(self.scheduler.depth, self.engine.batch)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
 
 async def _guarded(turn: Turn, chunks):
     """An SSE body whose end (finished, failed, or the client gone) always settles the job."""
@@ -241,6 +251,7 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: not_found, Exception: crashed})

@@ -1,22 +1,34 @@
-"""The inference side of the server: one worker thread, KV slots, lockstep batching.
+"""The inference side of the server: one worker thread, KV slots, continuous batching.
 
 Requests arrive as `Job`s (a `GenRequest` plus a sink the worker pushes events into:
-`Piece` per streamed text piece, then exactly one `Finished`). The worker never waits
-on a client: the sink only enqueues. `Job.cancel()` (client gone, or the handler has
-what it needs) stops that stream at its next token; the other streams go on.
+`Started` once its prompt is in the cache, `Piece` per streamed text piece, then
+exactly one `Finished`). The worker never waits on a client: the sink only enqueues.
+`Job.cancel()` (client gone, or the handler has what it needs) stops that stream at
+the next step; the other streams go on.
 
 KV slots: each slot owns a cache and the ids it holds. A request takes the free slot
 sharing the longest common token prefix with its prompt (else an empty one, else the
-least recently used); only the rest is prefilled (`Reply.reused_tokens` is OpenAI's
-cached_tokens). A longer prefix held by another slot is copied row for row first.
+least recently used); only the rest is computed (`Reply.reused_tokens` is OpenAI's
+cached_tokens). A longer prefix held by another slot is copied row for row first, and
+a request whose prompt shares a long prefix with one still being prefilled waits for
+those rows and copies them, so a system prompt that N arrivals share is computed once.
 Slot caches are allocated on first use, and not at all when that would leave less
 than a quarter of the machine's memory available (a warm slot is reused instead).
 
-Batching (`batch > 1`): up to `batch` streams decode in lockstep, one batched
-forward per step; queued jobs join the running batch between steps (each new stream
-is prefilled on its own, then joins). Failures are per stream: a bad prompt, a
-sampler error or a cancelled client finishes that stream alone; only a failing
-batched forward finishes every stream in it.
+Scheduling (continuous batching): up to `batch` streams run at once. Every step is
+ONE model pass over all of them (`fucina.text.batch.ragged_step`): a row per decoding
+stream plus prompt chunks of the streams still prefilling, those chunks together at
+most `chunk` rows, so a long prompt arriving costs the decoding streams one bounded
+pass per step and never a stall. Streams join (admitted from the queue) and leave
+(finished, cancelled) between steps. Admission is by KV budget: a stream reserves
+min(prompt + max_tokens, n_ctx) positions and waits in the queue while the running
+streams' reservations would exceed `kv_budget`. Sampling is per stream (its own
+sampler and logits row), so a stream's tokens do not depend on its neighbours beyond
+what the batched kernels do (bit-equal rows where the kernels are batch-invariant).
+
+Failures are per stream: a bad prompt, a sampler error, a cancelled client or a
+segment that fails on the torch path finishes that stream alone; only a failing
+shared native pass finishes every stream in it.
 """
 from __future__ import annotations
 
@@ -31,13 +43,16 @@ import torch
 
 from fucina.errors import ContextFull, FucinaError
 from fucina.models.cache_q8 import make_cache
-from fucina.text.batch import forward_step_batch
-from fucina.text.generate import Reply, ReplyDecoder, common_prefix, prefill
+from fucina.serve.metrics import Metrics
+from fucina.text.batch import SegmentError, ragged_step
+from fucina.text.generate import Reply, ReplyDecoder, common_prefix
 from fucina.text.sampler import Sampler, SamplingConfig
 
 log = logging.getLogger("fucina.serve")
 
-COPY_MIN = 16    # copy another slot's prefix only when it saves at least this many tokens
+COPY_MIN = 16         # copy another slot's prefix only when it saves at least this many tokens
+CHUNK = 128           # prompt rows per pass, all prefilling streams together
+MAX_AUTO_STREAMS = 32
 
 
 @dataclass
@@ -48,6 +63,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
+    processor: Any = None               # this request's own LogitProcessor (a grammar Constraint)
     speculative: bool | None = None     # None: the engine's default (serve --spec)
     references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
 
@@ -89,13 +105,26 @@ class ServeSampler(Sampler):
     """The request's sampler, also recording log-probabilities (of the model's raw
     distribution, before penalties and truncation) when asked."""
 
-    def __init__(self, config: SamplingConfig, top: int | None):
-        super().__init__(config)
+    def __init__(self, config: SamplingConfig, top: int | None, processor=None):
+        super().__init__(config, processor)
         self.top = top
         self.entries: list[tuple] = []
+        # plain greedy: the argmax of the row itself, without the base class's copy of
+        # the row (a 1 MiB pass per stream and step on a 262k vocabulary)
+        self.fast = config.greedy and not config.penalties_on and self.processor is None
+
+    @staticmethod
+    def _plain_argmax(logits: torch.Tensor) -> int | None:
+        """The greedy token, or None when the row needs the full checks (NaN, +-inf at
+        the top: torch's argmax ranks NaN highest, so a NaN row always lands here)."""
+        row = logits.detach().reshape(-1)
+        best = int(torch.argmax(row))
+        return best if bool(torch.isfinite(row[best])) else None
 
     def next(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
-        tok = super().next(logits, history)
+        tok = self._plain_argmax(logits) if self.fast else None
+        if tok is None:
+            tok = super().next(logits, history)
         if self.top is not None:
             lp = torch.log_softmax(logits.detach().reshape(-1).float(), dim=-1)
             top: list[tuple[int, float]] = []
@@ -110,10 +139,26 @@ class Slot:
     def __init__(self, index: int):
         self.index = index
         self.cache = None
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []     # the ids the cache holds, always len(tokens) == cache.len
         self.busy = False
         self.last_used = 0.0
         self.requests = 0
+        self.copied = 0                 # rows the last acquire copied from another slot
+
+
+def copy_prefix(slot: Slot, donor: Slot, ids: Sequence[int], start: int, end: int) -> int:
+    """Make `slot` hold ids[:end], rows [start, end) copied from `donor` (which holds
+    them); returns the rows copied (0 when the copy is refused: slot keeps ids[:start])."""
+    try:
+        slot.cache.truncate(start)
+        del slot.tokens[start:]
+        slot.cache.copy_rows(donor.cache, start, end)
+        slot.tokens.extend(ids[start:end])
+        return end - start
+    except FucinaError:
+        slot.cache.truncate(start)
+        del slot.tokens[start:]
+        return 0
 
 
 class SlotPool:
@@ -144,7 +189,7 @@ class SlotPool:
             slot.cache = make_cache(self.model, self.capacity, self.cache_type)
         slot.busy = True
         slot.requests += 1
-        self._borrow_prefix(slot, ids)
+        slot.copied = self._borrow_prefix(slot, ids)
         return slot
 
     def cache_bytes(self) -> int:
@@ -169,9 +214,13 @@ class SlotPool:
             return True
         return avail - self.cache_bytes() > total // 4
 
-    def _borrow_prefix(self, slot: Slot, ids: Sequence[int]) -> None:
+    def kv_bytes_per_token(self) -> float:
+        return self.cache_bytes() / self.capacity
+
+    def _borrow_prefix(self, slot: Slot, ids: Sequence[int]) -> int:
         """Copy a longer common prefix held by another slot (busy ones too: rows
-        below a live stream's prompt never change) instead of prefilling it."""
+        below a live stream's prompt never change) instead of prefilling it; returns
+        the rows copied."""
         own = common_prefix(slot.tokens, ids)
         best, n = None, own
         for s in self.slots:
@@ -180,15 +229,8 @@ class SlotPool:
                 if k > n:
                     best, n = s, k
         if best is None or n - own < COPY_MIN or not hasattr(slot.cache, "copy_rows"):
-            return
-        try:
-            slot.cache.truncate(own)
-            del slot.tokens[own:]
-            slot.cache.copy_rows(best.cache, own, n)
-            slot.tokens.extend(ids[own:n])
-        except FucinaError:
-            slot.cache.truncate(own)
-            del slot.tokens[own:]
+            return 0
+        return copy_prefix(slot, best, ids, own, n)
 
     def release(self, slot: Slot) -> None:
         slot.busy = False
@@ -200,122 +242,209 @@ class SlotPool:
 
 
 class _Stream:
-    """One job being decoded in a slot."""
+    """One job in the running batch: prefilling while `pending` (prompt ids not yet in
+    the cache) is non-empty, then decoding from `logits`."""
 
     def __init__(self, engine: "Engine", job: Job, slot: Slot):
         self.engine, self.job, self.slot = engine, job, slot
         req = job.req
-        self.sampler = ServeSampler(req.sampling, req.logprobs)
-        logits, reused = prefill(engine.model, slot.cache, slot.tokens, req.ids)
-        self.logits = logits
+        if len(req.ids) > slot.cache.capacity:
+            raise ContextFull(f"prompt of {len(req.ids)} tokens exceeds the context of {slot.cache.capacity}")
+        keep = min(common_prefix(slot.tokens, req.ids), len(req.ids) - 1, slot.cache.len)
+        slot.cache.truncate(keep)
+        del slot.tokens[keep:]
+        self.copied = min(slot.copied, keep)
+        self.reused = keep - self.copied
+        self.pending: list[int] = [int(i) for i in req.ids[keep:]]
+        self.reserve = min(len(req.ids) + req.max_tokens, engine.n_ctx)
+        self.donor: _Stream | None = None     # a stream prefilling the prefix this one shares
+        self.share = 0                        # ... up to this position
+        self.sampler = ServeSampler(req.sampling, req.logprobs, req.processor)
         self.rd = ReplyDecoder(slot.cache, slot.tokens, self.sampler, engine.tokenizer,
                                max_tokens=req.max_tokens, stop_ids=req.stop_ids, stop=req.stop,
-                               reply=Reply(prompt_tokens=len(req.ids), reused_tokens=reused))
+                               reply=Reply(prompt_tokens=len(req.ids)))
+        self.logits: torch.Tensor | None = None
         self.sent = 0           # logprob entries already handed out
-        self.gen = None         # speculative: the decoder's generator (it runs its own forwards)
+        self.live = True
+        self.spec, self.gen = None, None   # speculative: it decodes outside the ragged pass
         if req.references or (engine.spec if req.speculative is None else req.speculative):
             self.spec = engine.slot_speculation(slot, req.references)
-            self.gen = self.spec.drive(engine.model, self.rd, logits)
-        job.sink(Started(len(req.ids), reused))
 
     @property
     def cache(self):
         return self.slot.cache
 
-    def step(self) -> int | None:
-        if self.job.cancelled:
-            return None
-        tok, piece = self.rd.step(self.logits)
-        self._emit(piece)
-        return tok
+    def wait_for_donor(self) -> bool:
+        """True while the shared prefix is still being computed by the donor; once it
+        is there, copy it (then this stream prefills only the rest)."""
+        d = self.donor
+        if d is None:
+            return False
+        if not d.live or d.cache.len < self.share and not d.pending:
+            self.donor = None        # it left (or cannot get there): compute the prefix here
+            return False
+        if d.cache.len < self.share:
+            return True
+        have = self.cache.len
+        n = copy_prefix(self.slot, d.slot, self.job.req.ids, have, self.share)
+        self.copied += n
+        del self.pending[:n]
+        self.donor = None
+        return False
 
-    def _emit(self, piece: str) -> None:
+    def prefilled(self, logits: torch.Tensor) -> None:
+        self.rd.reply.reused_tokens = self.reused + self.copied
+        self.engine.metrics.prompt(len(self.job.req.ids), self.reused, self.copied)
+        self.job.sink(Started(len(self.job.req.ids), self.reused + self.copied))
+        self.logits = logits
+
+    def spec_step(self) -> bool | None:
+        """Run the speculative decoder (its own verify passes) to its next piece; None
+        when the reply is over."""
+        if self.gen is None:
+            self.gen = self.spec.drive(self.engine.model, self.rd, self.logits)
+            self.logits = None
+        try:
+            piece = next(self.gen)
+        except StopIteration:
+            if self.job.req.references:
+                self.rd.reply.prediction = self.spec.prediction_counts()
+            return None
+        n = len(self.rd.reply.tokens)
+        lps = self.sampler.entries[self.sent:n] if self.sampler.top is not None else []
+        self.sent = max(self.sent, n)
+        self.job.sink(Piece(piece, lps))
+        return True
+
+    def sample(self) -> int | None:
+        """Sample the next token from `logits` and stream its text; None: the reply is over."""
+        first = not self.rd.reply.tokens
+        tok, piece = self.rd.step(self.logits)
+        self.logits = None
+        if first:
+            self.engine.metrics.first_token(time.monotonic() - self.job.enqueued)
         if piece:
             n = len(self.rd.reply.tokens)
             lps = self.sampler.entries[self.sent:n] if self.sampler.top is not None else []
             self.sent = max(self.sent, n)
             self.job.sink(Piece(piece, lps))
-
-    def spec_step(self) -> bool:
-        """Run the speculative decoder to its next piece; False when the reply is over."""
-        if self.job.cancelled:
-            self.gen.close()
-            return False
-        try:
-            self._emit(next(self.gen))
-            return True
-        except StopIteration:
-            if self.job.req.references:
-                self.rd.reply.prediction = self.spec.prediction_counts()
-            return False
+        return tok
 
 
 class Engine:
-    """Model + tokenizer + template + slots; `run` is the worker loop."""
+    """Model + tokenizer + template + slots; `run` is the worker loop.
+
+    `batch`: streams run at once (None: as many n_ctx-sized reservations as the KV
+    budget holds, at most MAX_AUTO_STREAMS); `kv_budget`: positions all running
+    streams may reserve together (None: a quarter of the memory available now, at
+    most 4 GiB of KV, and at least one full context); `chunk`: prompt rows per pass."""
 
     def __init__(self, model, tokenizer, template, *, n_ctx: int | None = None, slots: int = 1,
-                 batch: int = 1, cache_type: str = "f16", name: str | None = None,
-                 spec: bool = False, spec_max: int = 16):
+                 batch: int | None = None, cache_type: str = "f16", name: str | None = None,
+                 chunk: int = CHUNK, kv_budget: int | None = None, spec: bool = False,
+                 spec_max: int = 16):
         self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.spec, self.spec_max = spec, spec_max   # speculative decoding by default (serve --spec)
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
-        self.batch = max(1, batch)
+        if chunk < 1:
+            raise FucinaError(f"chunk must be at least 1, got {chunk}")
+        self.chunk = chunk
+        probe = SlotPool(model, 1, self.n_ctx, cache_type)
+        self.kv_budget = max(kv_budget or default_kv_budget(probe.kv_bytes_per_token()), self.n_ctx)
+        self.batch = max(1, batch) if batch else max(1, min(MAX_AUTO_STREAMS, self.kv_budget // self.n_ctx))
         self.pool = SlotPool(model, max(slots, self.batch), self.n_ctx, cache_type)
         self.name = name or "model"
         self.stop_ids = frozenset(template.stop_ids(tokenizer))
         self.stats = collections.Counter()
-        self.spec, self.spec_max = spec, spec_max
-
-    def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]]):
-        """The slot's speculative state (its index mirrors the slot's tokens), armed
-        with this request's references."""
-        from fucina.text.speculative import Speculation
-        if getattr(slot, "spec", None) is None:
-            slot.spec = Speculation(self.model.config.n_vocab, max_draft=self.spec_max)
-        slot.spec.index.clear_references()
-        for ref in references:      # a prediction: the expected reply, aligned with its start
-            slot.spec.add_reference(ref, anchored=True)
-        return slot.spec
+        self.metrics = Metrics()
 
     # -- worker ------------------------------------------------------------------
-    def run(self, take: Callable[[int, bool], list[Job] | None]) -> None:
-        """The worker loop: `take(n, block)` yields up to n queued jobs (None: stop)."""
+    def run(self, take: Callable[[int, bool, Callable[[Job], bool]], list[Job] | None]) -> None:
+        """The worker loop: `take(n, block, fits)` yields up to n queued jobs, in order,
+        while `fits(job)` admits them (None: stop)."""
         live: list[_Stream] = []
         while True:
-            jobs = take(self.batch - len(live), not live)
+            jobs = take(self.batch - len(live), not live, self._admission(live))
             if jobs is None:
                 for s in live:
                     s.job.cancel()
                     self._finish(s)
+                self.metrics.idle()
                 return
             for job in jobs:
-                s = self._start(job)
+                s = self._start(job, live)
                 if s is not None:
                     live.append(s)
             if live:
                 live = self._step(live)
+            if not live:
+                self.metrics.idle()
 
-    def _start(self, job: Job) -> _Stream | None:
+    def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]]):
+        """The slot's speculative state (its index mirrors the slot's tokens), armed
+        with this request's references (predictions: aligned with the reply's start)."""
+        from fucina.text.speculative import Speculation
+        if getattr(slot, "spec", None) is None:
+            slot.spec = Speculation(self.model.config.n_vocab, max_draft=self.spec_max)
+        slot.spec.index.clear_references()
+        for ref in references:
+            slot.spec.add_reference(ref, anchored=True)
+        return slot.spec
+
+    def _admission(self, live: list[_Stream]) -> Callable[[Job], bool]:
+        reserved = sum(s.reserve for s in live)
+
+        def fits(job: Job) -> bool:
+            nonlocal reserved
+            need = min(len(job.req.ids) + job.req.max_tokens, self.n_ctx)
+            if reserved + need > self.kv_budget and reserved:
+                return False
+            reserved += need
+            return True
+        return fits
+
+    def _start(self, job: Job, live: list[_Stream]) -> _Stream | None:
         if job.cancelled:
             job.sink(Finished(None))
             return None
         slot = None
         try:
             slot = self.pool.acquire(job.req.ids)
-            return _Stream(self, job, slot)
+            s = _Stream(self, job, slot)
         except Exception as e:             # isolated: this request fails alone
             if slot is not None:
                 self.pool.release(slot)
             self.stats["failed"] += 1
+            self.metrics.finished("failed")
             if not isinstance(e, FucinaError):
-                log.exception("prefill failed")
+                log.exception("admission failed")
             job.sink(Finished(None, e))
             return None
+        self._find_donor(s, live)
+        return s
+
+    def _find_donor(self, s: _Stream, live: list[_Stream]) -> None:
+        """A stream still prefilling a longer shared prefix: wait for its rows and copy."""
+        ids, have = s.job.req.ids, s.cache.len
+        for d in live:
+            if not d.pending or not hasattr(s.cache, "copy_rows"):
+                continue
+            k = min(common_prefix(d.job.req.ids, ids), len(ids) - 1)
+            if k - have >= COPY_MIN and k > s.share:
+                s.donor, s.share = d, k
 
     def _finish(self, s: _Stream, error: BaseException | None = None) -> None:
+        s.live = False
+        if s.gen is not None:
+            s.gen.close()                          # the decoder rewinds its rows
+        if s.cache.len > len(s.slot.tokens):        # a segment failed after writing rows
+            s.cache.truncate(len(s.slot.tokens))
         reply = s.rd.close()
         self.pool.release(s.slot)
-        self.stats["failed" if error else "cancelled" if s.job.cancelled else "completed"] += 1
+        outcome = "failed" if error else "cancelled" if s.job.cancelled else "completed"
+        self.stats[outcome] += 1
         self.stats["tokens"] += len(reply.tokens)
+        self.metrics.finished(outcome)
         left = s.sampler.entries[s.sent:len(reply.tokens)] if s.sampler.top is not None else []
         try:
             s.job.sink(Finished(reply, error, left))
@@ -323,44 +452,76 @@ class Engine:
             log.exception("a request's sink failed")
 
     def _step(self, live: list[_Stream]) -> list[_Stream]:
-        forward: list[tuple[_Stream, int]] = []
-        going: list[_Stream] = []   # speculative streams: each runs its own verify passes
+        """One pass: sample every decoding stream, then one ragged forward of their
+        new tokens plus the prefill chunks that fit in `chunk` rows."""
+        keep: list[_Stream] = []
+        segments: list[tuple[_Stream, list[int]]] = []
+        sampled = 0
         for s in live:
-            try:
-                if s.gen is not None:
-                    if s.spec_step():
-                        going.append(s)
-                    else:
-                        self._finish(s)
-                    continue
-                tok = s.step()
-            except Exception as e:
-                if not isinstance(e, FucinaError):
-                    log.exception("decode step failed")
-                self._finish(s, e)
-                continue
-            if tok is None:
+            if s.job.cancelled:
                 self._finish(s)
-            else:
-                forward.append((s, tok))
-        if not forward:
-            return going
-        streams = [s for s, _ in forward]
+                continue
+            if s.logits is not None or s.gen is not None:
+                try:   # a speculative stream runs its own verify passes, outside this one
+                    tok = s.spec_step() if s.spec is not None else s.sample()
+                except Exception as e:
+                    if not isinstance(e, FucinaError):
+                        log.exception("decode step failed")
+                    self._finish(s, e)
+                    continue
+                if tok is None:
+                    self._finish(s)
+                    continue
+                if s.spec is None:
+                    sampled += 1
+                    segments.append((s, [tok]))
+            keep.append(s)
+        if sampled:
+            self.metrics.generated(sampled)
+        room = self.chunk
+        for s in keep:
+            if s.pending and room > 0 and not s.wait_for_donor() and s.pending:
+                segments.append((s, s.pending[:room]))
+                room -= len(segments[-1][1])
+        if not segments:
+            return keep
+        want = [not s.pending or len(t) == len(s.pending) for s, t in segments]
         try:
-            if len(forward) == 1:
-                s, tok = forward[0]
-                s.logits = self.model.forward_step(s.cache, [tok], s.cache.len)
-            else:
-                out = forward_step_batch(self.model, [s.cache for s in streams], [t for _, t in forward])
-                for row, s in enumerate(streams):
-                    s.logits = out[row]
-        except Exception as e:             # a shared forward failed: its streams end
+            out = ragged_step(self.model, [s.cache for s, _ in segments], [t for _, t in segments], want)
+        except Exception as e:             # the shared pass failed: its streams end
             log.exception("forward failed")
-            for s in streams:
+            failed = {id(s) for s, _ in segments}
+            for s, _ in segments:
                 self._finish(s, e)
-            return going
-        return going + streams
+            return [s for s in keep if id(s) not in failed]
+        for (s, toks), o in zip(segments, out):
+            if isinstance(o, SegmentError):
+                if not isinstance(o.cause, FucinaError):
+                    log.error("a stream's forward failed: %r", o.cause)
+                self._finish(s, o.cause)
+            elif s.pending:
+                s.slot.tokens.extend(toks)
+                del s.pending[:len(toks)]
+                if not s.pending:
+                    s.prefilled(o)
+            else:
+                s.logits = o
+        keep = [s for s in keep if s.live]
+        self.metrics.step(sum(len(t) for _, t in segments), len(keep), sum(bool(s.pending) for s in keep))
+        return keep
 
+
+def default_kv_budget(bytes_per_token: float) -> int:
+    """Positions of KV the running streams may reserve: a quarter of the memory
+    available now, at most 4 GiB (1 GiB where /proc/meminfo is unreadable)."""
+    avail = 1 << 30
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+        avail = min(info["MemAvailable"] // 4, 4 << 30)
+    except (OSError, ValueError, IndexError, KeyError):
+        pass
+    return int(avail / bytes_per_token) if bytes_per_token > 0 else 1 << 20
 
 def check_fits(ids: Sequence[int], n_ctx: int) -> None:
     if len(ids) >= n_ctx:
@@ -413,7 +574,7 @@ class Scheduler:
     def depth(self) -> int:
         return len(self._q)
 
-    def _take(self, n: int, block: bool) -> list[Job] | None:
+    def _take(self, n: int, block: bool, fits: Callable[[Job], bool] | None = None) -> list[Job] | None:
         with self._cv:
             while block and not self._q and not self._stop:
                 self._cv.wait()
@@ -425,9 +586,12 @@ class Scheduler:
                 return None
             out = []
             while self._q and len(out) < n:
-                job = self._q.popleft()
+                job = self._q[0]
                 if job.cancelled:
+                    self._q.popleft()
                     job.sink(Finished(None))
                     continue
-                out.append(job)
+                if fits is not None and not fits(job):
+                    break                      # FIFO: the head waits for room, so do the rest
+                out.append(self._q.popleft())
             return out

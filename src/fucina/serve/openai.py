@@ -10,6 +10,8 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
+from fucina.serve import structured
+from fucina.serve.choices import MAX_CHOICES, indexed_events, make_turns, turns_of
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import render_chat, render_completion
@@ -123,7 +125,7 @@ def usage(turn: Turn) -> dict:
     p, c = turn.prompt_tokens, turn.completion_tokens
     out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
            "prompt_tokens_details": {"cached_tokens": turn.reused}}
-    pred = getattr(turn.reply, "prediction", None)
+    pred = getattr(getattr(turn, "reply", None), "prediction", None)
     if pred is not None:      # Predicted Outputs: the prediction's drafts, verified / rejected
         out["completion_tokens_details"] = {"accepted_prediction_tokens": pred[0],
                                             "rejected_prediction_tokens": pred[1]}
@@ -173,14 +175,15 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     f = Fields(body)
     f.str("model")
     messages = chat_messages(f)
-    if f.int("n", 1, 1) != 1:
-        raise bad("'n' must be 1 (one choice per request)", "n")
-    fmt = f.dict("response_format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad("'response_format' other than text is not supported", "response_format")
+    n = f.int("n", 1, 1, MAX_CHOICES)
+    grammar = structured.response_format(f.dict("response_format"), "response_format") \
+        or structured.llamacpp_fields(f)
     tools = _chat_tools(f)
     choice = _tool_choice(f, tools)
     parallel = f.bool("parallel_tool_calls", True)
+    forced = structured.forced_tool(tools, choice)
+    if forced:
+        grammar = structured.tool_grammar(server, tools, choice, parallel)
     top = None
     if f.bool("logprobs", False):
         top = f.int("top_logprobs", 0, 0, 20)
@@ -194,16 +197,26 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     cfg = sampling(f)
     stops = f.stops("stop")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f)))
+                                               think=_think(f), prime=not forced))
+    def constraint():
+        return structured.constraint(server, prompt, grammar, think=_think(f))
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, stops,
-                     server.engine.stop_ids, top, *speculation(f, server.engine.tokenizer))
+                     server.engine.stop_ids, top, constraint(),
+                     *speculation(f, server.engine.tokenizer))
     single = isinstance(choice, dict) or not parallel
-    return Turn(server, prompt, req, single_call=bool(tools) and single), {
+    return make_turns(server, prompt, req, n, constraint, single_call=bool(tools) and single), {
         "stream": stream, "include_usage": bool(so.bool("include_usage", False)),
         "id": _rid("chatcmpl-"), "created": int(time.time()), "logprobs": top is not None}
 
 
 def respond_chat(server, turn: Turn, opt: dict) -> dict:
+    return {"id": opt["id"], "object": "chat.completion", "created": opt["created"],
+            "model": server.model_id, "system_fingerprint": server.fingerprint,
+            "choices": [_chat_choice(server, t, opt, i) for i, t in enumerate(turns_of(turn))],
+            "usage": usage(turn)}
+
+
+def _chat_choice(server, turn: Turn, opt: dict, index: int) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": turn.content or (None if turn.calls else "")}
     if turn.reasoning_text:
         msg["reasoning_content"] = turn.reasoning_text
@@ -211,24 +224,24 @@ def respond_chat(server, turn: Turn, opt: dict) -> dict:
         msg["tool_calls"] = [{"id": c["id"], "type": "function",
                               "function": {"name": c["name"], "arguments": c["arguments"]}}
                              for c in turn.calls]
-    choice = {"index": 0, "message": msg, "finish_reason": FINISH[turn.finish],
-              "logprobs": chat_logprobs(server, turn.logprobs) if opt["logprobs"] else None}
-    return {"id": opt["id"], "object": "chat.completion", "created": opt["created"],
-            "model": server.model_id, "system_fingerprint": server.fingerprint,
-            "choices": [choice], "usage": usage(turn)}
+    return {"index": index, "message": msg, "finish_reason": FINISH[turn.finish],
+            "logprobs": chat_logprobs(server, turn.logprobs) if opt["logprobs"] else None}
 
 
 async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
     def chunk(delta: dict, finish=None, logprobs=None) -> str:
         c = {"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
              "model": server.model_id, "system_fingerprint": server.fingerprint,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if opt["include_usage"]:
             c["usage"] = None
         return sse(c)
 
-    async for ev in turn.events():
-        if isinstance(ev, Started):
+    async for i, ev in indexed_events(turn):
+        if ev is None:                       # choice i is over
+            if turns_of(turn)[i].error is None:
+                yield chunk({}, FINISH[turns_of(turn)[i].finish])
+        elif isinstance(ev, Started):
             yield chunk({"role": "assistant", "content": ""})
         elif isinstance(ev, Text):
             yield chunk({"content": ev.text})
@@ -244,7 +257,6 @@ async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
-        yield chunk({}, FINISH[turn.finish])
         if opt["include_usage"]:
             yield sse({"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
                        "model": server.model_id, "choices": [], "usage": usage(turn)})
@@ -268,17 +280,21 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
             raise bad(f"'prompt' holds a token id outside [0, {n_vocab})", "prompt")
     elif not isinstance(p, str):
         raise bad("'prompt' must be a string or an array of token ids", "prompt")
-    if f.int("n", 1, 1) != 1 or f.int("best_of", 1, 1) != 1:
-        raise bad("'n' and 'best_of' must be 1", "n")
+    n = f.int("n", 1, 1, MAX_CHOICES)
+    if f.int("best_of", n, 1) != n:
+        raise bad("'best_of' must equal 'n' (every choice is returned)", "best_of")
     if f.has("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     top = f.int("logprobs", None, 0, 20)
+    grammar = structured.llamacpp_fields(f)
     prompt = server.render(lambda: render_completion(server.engine, p))
+    def constraint():
+        return structured.constraint(server, prompt, grammar, think=False)
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
-                     sampling(f), f.stops("stop"), server.engine.stop_ids, top,
+                     sampling(f), f.stops("stop"), server.engine.stop_ids, top, constraint(),
                      *speculation(f, server.engine.tokenizer))
     so = Fields(f.dict("stream_options", {}), "stream_options.")
-    return Turn(server, prompt, req), {
+    return make_turns(server, prompt, req, n, constraint), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),
         "echo": f.bool("echo", False), "id": _rid("cmpl-"), "created": int(time.time()),
         "logprobs": top is not None}
@@ -297,11 +313,12 @@ def _completion_logprobs(server, entries: list[tuple]) -> dict:
 
 
 def respond_completion(server, turn: Turn, opt: dict) -> dict:
-    text = (turn.prompt.text if opt["echo"] else "") + turn.content
+    head = turn.prompt.text if opt["echo"] else ""
     return {"id": opt["id"], "object": "text_completion", "created": opt["created"],
             "model": server.model_id, "system_fingerprint": server.fingerprint,
-            "choices": [{"index": 0, "text": text, "finish_reason": FINISH[turn.finish],
-                         "logprobs": _completion_logprobs(server, turn.logprobs) if opt["logprobs"] else None}],
+            "choices": [{"index": i, "text": head + t.content, "finish_reason": FINISH[t.finish],
+                         "logprobs": _completion_logprobs(server, t.logprobs) if opt["logprobs"] else None}
+                        for i, t in enumerate(turns_of(turn))],
             "usage": usage(turn)}
 
 
@@ -309,10 +326,13 @@ async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]
     def chunk(text: str, finish=None, logprobs=None) -> str:
         return sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                     "model": server.model_id,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+                    "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
-    async for ev in turn.events():
-        if isinstance(ev, Started) and opt["echo"]:
+    async for i, ev in indexed_events(turn):
+        if ev is None:                       # choice i is over
+            if turns_of(turn)[i].error is None:
+                yield chunk("", FINISH[turns_of(turn)[i].finish])
+        elif isinstance(ev, Started) and opt["echo"]:
             yield chunk(turn.prompt.text)
         elif isinstance(ev, Text):
             yield chunk(ev.text)
@@ -321,7 +341,6 @@ async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
-        yield chunk("", FINISH[turn.finish])
         if opt["include_usage"]:
             yield sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                        "model": server.model_id, "choices": [], "usage": usage(turn)})
@@ -393,18 +412,21 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
     choice = _tool_choice(f, tools, flat=True)
     parallel = f.bool("parallel_tool_calls", True)
     fmt = Fields(f.dict("text", {}), "text.").dict("format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad("'text.format' other than text is not supported", "text.format")
+    grammar = structured.response_format(fmt, "text.format", flat=True)
+    forced = structured.forced_tool(tools, choice)
+    if forced:
+        grammar = structured.tool_grammar(server, tools, choice, parallel)
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f)))
+                                               think=_think(f), prime=not forced))
     cfg = sampling(f)
     mt = f.int("max_output_tokens", None, 1)
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids)
+    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,
+                     processor=structured.constraint(server, prompt, grammar, think=_think(f)))
     turn = Turn(server, prompt, req, single_call=bool(tools) and (isinstance(choice, dict) or not parallel))
     return turn, {"stream": f.bool("stream", False), "id": _rid("resp_"), "created": int(time.time()),
                   "msg_id": _rid("msg_"), "rs_id": _rid("rs_"), "body": body, "tools": f.list("tools", []),
                   "tool_choice": f.get("tool_choice", "auto"), "parallel": parallel, "max": mt,
-                  "temperature": cfg.temperature, "top_p": cfg.top_p}
+                  "temperature": cfg.temperature, "top_p": cfg.top_p, "format": fmt or {"type": "text"}}
 
 
 def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: list) -> dict:
@@ -421,7 +443,7 @@ def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: lis
             "max_output_tokens": opt["max"], "model": server.model_id, "output": output,
             "parallel_tool_calls": opt["parallel"], "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": opt["temperature"], "text": {"format": {"type": "text"}},
+            "temperature": opt["temperature"], "text": {"format": opt["format"]},
             "tool_choice": opt["tool_choice"], "tools": opt["tools"], "top_p": opt["top_p"],
             "truncation": "disabled", "usage": u, "metadata": opt["body"].get("metadata") or {}}
 

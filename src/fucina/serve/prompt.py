@@ -90,9 +90,10 @@ def hermes_fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
 
 def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
-                think: bool | None = None) -> Prompt:
+                think: bool | None = None, prime: bool = True) -> Prompt:
     """Render a canonical history for the engine's model. tool_choice: "auto", "none",
-    "required", or a function name (str wrapped as {"name": ...})."""
+    "required", or a function name (str wrapped as {"name": ...}). prime=False leaves a
+    forced call unprimed (a grammar writes the whole call)."""
     template = engine.template
     if tool_choice == "none":
         tools = None
@@ -107,7 +108,7 @@ def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
         tools_arg = list(tools) if tools else None
     text = template.render(msgs, add_generation_prompt=True, tools=tools_arg, enable_thinking=think)
     primed = ""
-    if tools and tool_choice not in ("auto", None):
+    if prime and tools and tool_choice not in ("auto", None):
         primed = "<tool_call>\n"
         if isinstance(tool_choice, dict) and tool_choice.get("name"):
             name = tool_choice["name"]

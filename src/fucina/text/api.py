@@ -11,6 +11,13 @@
 Sampling keywords follow llama.cpp/OpenAI: temperature, top_k, top_p, min_p,
 repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus stop
 (a string or a list of strings). The default is greedy (temperature 0).
+
+Structured output (one of): json_schema= (a dict, JSON text or a pydantic model),
+regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings):
+
+    llm.generate("Name a colour:", regex=" (red|green|blue)")
+    chat = llm.chat(json_schema=MyModel)      # every reply is valid MyModel JSON
+
 `speculative=True` (with optional `references=[text, ...]`, `spec_max=N`) decodes
 speculatively: drafts from what the model has seen, verified in one pass; same tokens.
 """
@@ -20,6 +27,8 @@ import os
 from typing import Any, Iterator, Sequence
 
 from fucina.models.cache_q8 import make_cache
+from fucina.text import grammar as grammars
+from fucina.text.constraint import for_reply, pop_options
 from fucina.text.chat_template import ChatTemplate
 from fucina.text.conversation import Conversation
 from fucina.text.generate import Reply, decode, prefill, run
@@ -69,11 +78,16 @@ class LLM:
         options = dict(options)
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
                                  options.pop("spec_max", 16))
+        grammar = grammars.from_options(**pop_options(options))
         cfg, stops = _split_options(options)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
-        return self._complete(ids, max_tokens, Sampler(cfg), stops, spec)
+        processor = for_reply(self.tokenizer, grammar, stop_ids=self._stop_ids(), n_vocab=self.config.n_vocab)
+        return self._complete(ids, max_tokens, Sampler(cfg, processor), stops, spec)
+
+    def _stop_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "eog_ids", ()) or ())
 
     def _speculation(self, on: bool, references, spec_max: int) -> Speculation | None:
         if not on:
@@ -89,7 +103,7 @@ class LLM:
                   spec: Speculation | None = None):
         logits, reused = prefill(self.model, self._cache, self._history, ids)
         reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
-        stop_ids = set(getattr(self.tokenizer, "eog_ids", ()) or ())
+        stop_ids = self._stop_ids()
         try:
             yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
                               max_tokens=max_tokens, stop_ids=stop_ids, stop=stops, reply=reply,
@@ -107,14 +121,20 @@ class LLM:
              tools: Sequence[dict] | None = None, persist: str | os.PathLike | None = None,
              speculative: bool = False, references: Sequence[str] = (), spec_max: int = 16,
              **options: Any) -> Conversation:
-        """A new multi-turn Conversation with its own KV cache (speculative: every
-        reply decoded speculatively, drafting from the chat and `references`)."""
-        cfg, stops = _split_options(dict(options))
+        """A new multi-turn Conversation with its own KV cache (a constraint keyword
+        governs every reply; on a thinking model, what follows the think block;
+        speculative: every reply decoded speculatively, drafting from the chat and
+        `references`)."""
+        options = dict(options)
+        grammar = grammars.from_options(**pop_options(options))
+        cfg, stops = _split_options(options)
+        processor = for_reply(self.tokenizer, grammar, stop_ids=self.template.stop_ids(self.tokenizer),
+                              n_vocab=self.config.n_vocab, template=self.template, think=think)
         return Conversation(self.model, self.tokenizer, self.template, system=system,
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
-                            persist=persist, speculative=speculative, references=references,
-                            spec_max=spec_max)
+                            persist=persist, processor=processor, speculative=speculative,
+                            references=references, spec_max=spec_max)
 
     def __repr__(self) -> str:
         path = getattr(getattr(self.model, "gguf", None), "path", "?")

@@ -10,6 +10,16 @@ N sequential `forward_step` calls (correct, no weight-pass saving).
 
 `generate_batch` drives it: per-stream prefill, then lockstep sampling with one
 Sampler per stream, each stream stopping on its own.
+
+`ragged_step(model, caches, tokens, want)` is the server's pass: segment s appends
+tokens[s] (one token for a decoding stream, a chunk of prompt for a prefilling one)
+to caches[s]. With the native layer step it is ONE weight pass over all rows: the
+step's batch mode takes a cache and a position per row, stores every row's K/V
+before any row attends, so the rows of a chunk repeat their cache at consecutive
+positions and each attends causally over what precedes it. Without it (torch blocks,
+q8_0 caches, models without the batch entry point) the decode rows go as one
+`forward_step_batch` and each prefill chunk as its own `forward_step`, failures
+isolated per segment.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from fucina.errors import FucinaError, KVCacheError
+from fucina.models.base import as_ids
 from fucina.text.generate import Reply, ReplyDecoder, prefill
 from fucina.text.sampler import Sampler
 
@@ -44,6 +55,85 @@ def forward_step_batch(model, caches: Sequence, tokens: Sequence[int]) -> torch.
     if getattr(model, "supports_batch", False):
         return model.forward_step_batch(caches, tokens)
     return torch.stack([model.forward_step(cache, [t], cache.len) for cache, t in zip(caches, tokens)])
+
+
+class SegmentError(FucinaError):
+    """A ragged step's segment failed on its own (the others went on)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def native_rows(model, caches: Sequence):
+    """The native pointer tables of `caches` when one native pass can serve them all, else None."""
+    if getattr(model, "native_plan", None) is None or not hasattr(model, "_native_cache"):
+        return None
+    ptrs = [model._native_cache(c) for c in caches]
+    return ptrs if all(p is not None for p in ptrs) else None
+
+
+def ragged_step(model, caches: Sequence, tokens: Sequence[Sequence[int]],
+                want: Sequence[bool]) -> list[torch.Tensor | None | SegmentError]:
+    """Append tokens[s] to caches[s] (at caches[s].len) for every segment s in one pass
+    where the model allows; return segment s's last-position logits [n_vocab] where
+    want[s], else None. A segment that failed alone comes back as a SegmentError (the
+    caller rewinds its cache); a failure of the shared pass raises."""
+    if not caches or not (len(caches) == len(tokens) == len(want)):
+        raise FucinaError(f"ragged step: {len(caches)} caches, {len(tokens)} segments, {len(want)} flags")
+    if len({id(c) for c in caches}) != len(caches):
+        raise KVCacheError("ragged step: the same cache appears twice")
+    if any(len(t) == 0 for t in tokens):
+        raise FucinaError("ragged step: an empty segment")
+    ptrs = native_rows(model, caches)
+    if ptrs is not None:
+        return _ragged_native(model, caches, tokens, want, ptrs)
+    return _ragged_split(model, caches, tokens, want)
+
+
+@torch.inference_mode()
+def _ragged_native(model, caches, tokens, want, ptrs) -> list[torch.Tensor | None]:
+    for c, t in zip(caches, tokens):
+        c.check_room(len(t))
+    flat = [int(i) for t in tokens for i in t]
+    x = model.embed(as_ids(flat, model.config.n_vocab)).float().contiguous()
+    rows, positions, last = [], [], []
+    for c, p, t in zip(caches, ptrs, tokens):
+        rows += [p] * len(t)
+        positions += range(c.len, c.len + len(t))
+        last.append(len(positions) - 1)
+    end = max(positions) + 1
+    model.native_plan.run_batch(x, rows, positions, [t.table(end) for t in model.rope_tables()])
+    for c, t in zip(caches, tokens):
+        c.advance(len(t))
+    picked = [r for r, w in zip(last, want) if w]
+    out: list[torch.Tensor | None] = [None] * len(caches)
+    if picked:
+        logits = iter(model.head(x[picked]))
+        out = [next(logits) if w else None for w in want]
+    return out
+
+
+def _ragged_split(model, caches, tokens, want) -> list[torch.Tensor | None | SegmentError]:
+    out: list[torch.Tensor | None | SegmentError] = [None] * len(caches)
+    decode = [s for s, t in enumerate(tokens) if len(t) == 1]
+    if len(decode) > 1:
+        logits = forward_step_batch(model, [caches[s] for s in decode], [tokens[s][0] for s in decode])
+        for row, s in enumerate(decode):
+            out[s] = logits[row] if want[s] else None
+        done = set(decode)
+    else:
+        done = set()
+    for s, (c, t) in enumerate(zip(caches, tokens)):
+        if s in done:
+            continue
+        try:
+            logits = model.forward_step(c, list(t), c.len)
+        except Exception as e:          # this segment alone
+            out[s] = SegmentError(e)
+            continue
+        out[s] = logits if want[s] else None
+    return out
 
 
 def generate_batch(model, tokenizer, prompts: Sequence[Sequence[int]], samplers: Sequence[Sampler], *,

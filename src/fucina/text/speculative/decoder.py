@@ -30,7 +30,7 @@ from typing import Generator, Sequence
 import torch
 
 from fucina.errors import FucinaError
-from fucina.text.generate import Reply, ReplyDecoder
+from fucina.text.generate import Reply, ReplyDecoder, drive
 from fucina.text.speculative.gate import CostGate
 from fucina.text.speculative.source import DraftSource
 
@@ -86,7 +86,11 @@ class SpeculativeDecoder:
 
     def drive(self, model, rd: ReplyDecoder, logits: torch.Tensor) -> Generator[str, None, Reply]:
         """The speculative counterpart of `generate.drive`: same ReplyDecoder, same
-        pieces, same Reply, same final cache/history state."""
+        pieces, same Reply, same final cache/history state. A grammar that fast-forwards
+        forced spans (`rd.forced()`) keeps the plain loop: grammar-aware drafting is not
+        built yet, and the plain loop commits forced tokens without a draw."""
+        if getattr(rd.sampler.processor, "fast_forward", None) is not None:
+            return (yield from drive(model, rd, logits))
         self.source.sync(rd.history)
         try:
             tok, piece = rd.step(logits)
