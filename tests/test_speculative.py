@@ -434,3 +434,28 @@ def test_structured_processor_cuts_drafts_and_batch_send_stays_plain(tiny, exact
     a, b = (Conversation(tiny, FakeTokenizer(), chatml, max_tokens=12, speculative=s) for s in (True, False))
     assert send_batch([a], ["abc abc"]) == send_batch([b], ["abc abc"])
     assert a.send("abc abc abc") == b.send("abc abc abc") and a.tokens == b.tokens
+
+
+def test_fast_forwarding_grammar_keeps_the_plain_loop(tiny):
+    from fucina.text.logit_processor import LogitProcessor
+
+    class Forcing(LogitProcessor):           # forces token 97 after every 4th sampled token
+        def __init__(self):
+            self.n = 0
+
+        def commit(self, token):
+            self.n += 1
+
+        def fast_forward(self, room):
+            return [97] if self.n % 4 == 0 and room > 0 else []
+
+    cfg = SamplingConfig(temperature=0.8, seed=2)
+    runs = []
+    for spec in (None, Speculation(300, gate=CostGate(timed=False))):
+        cache = tiny.init_cache(128)
+        history: list[int] = []
+        logits, _ = prefill(tiny, cache, history, PROMPT)
+        sampler = Sampler(cfg, Forcing())
+        run(decode(tiny, cache, history, logits, sampler, FakeTokenizer(), max_tokens=20, spec=spec))
+        runs.append((history, sampler.draws))
+    assert runs[0] == runs[1] and runs[0][0].count(97) >= 3
