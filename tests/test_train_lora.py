@@ -13,6 +13,15 @@ from synth import ARCHS, write_model
 Q = gguf.GGMLQuantizationType
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread (an OpenMP team on a busy machine costs 10-40x here)."""
+    n = torch.get_num_threads()
+    K.set_threads(1)
+    yield
+    K.set_threads(n)
+
+
 def _model(tmp_path, arch, qtype=Q.Q8_0, native=True):
     path = write_model(tmp_path / f"{arch}-{qtype.name}.gguf", arch, qtype=qtype, ffn=64, seed=3)
     was = K.available()
