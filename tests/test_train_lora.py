@@ -168,3 +168,24 @@ def test_config_errors():
     with pytest.raises(LoRAError, match="dropout"):
         LoRAConfig(dropout=1.0)
     assert parse_targets("v,q") == ["q", "v"]
+
+
+def test_q8_transposed_equals_quantized_transpose():
+    """W^T encoded in row chunks == W^T encoded whole (2080 rows: two full chunks + a tail)."""
+    from fucina.gguf import GGMLType
+    from fucina.kernels import attach
+    from fucina.quant import quantize
+    from fucina.train.lora import Frozen
+    from fucina.weights import LinearWeight
+    if not K.available():
+        pytest.skip("native kernels not built")
+    dense = torch.randn(2080, 64, generator=torch.Generator().manual_seed(0))
+    w = LinearWeight(quantize(dense, int(GGMLType.Q4_1)).reshape(-1), GGMLType.Q4_1, 2080, 64, "w")
+    attach(w)
+    f = Frozen(w)
+    assert f.mode == "q8"
+    ref = quantize(w.dequantize().T.contiguous(), int(GGMLType.Q8_0))
+    assert torch.equal(f.transposed().raw.reshape(-1), ref.reshape(-1))
+    dy = torch.randn(3, 2080)
+    cos = torch.nn.functional.cosine_similarity(f.input_grad(dy).flatten(), (dy @ w.dequantize()).flatten(), 0)
+    assert cos > 0.999

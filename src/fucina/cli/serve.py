@@ -41,7 +41,8 @@ def cmd_serve(args) -> int:
     for name, v in (("--slots", args.slots), ("--batch", args.batch), ("--queue", args.queue)):
         if v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
-    llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
+                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, api_key=args.api_key,
                              allow_hosts=args.allow_host, max_queue=args.queue)
     print(f"fucina: serving {server.model_id} on http://{args.host}:{args.port} "
