@@ -3,9 +3,9 @@ training tokens/s and peak RSS, fucina (quantized weights) vs torch autograd on 
 model dequantized to f32 (the peer), each in its own process so peak RSS is its own.
 
 The task is a fixed answer format the base model lacks: a sentence mentions a person and a
-city; the reply must be exactly {"name": "<person>", "city": "<city>"}. Held-out examples
-use names, cities and sentence templates never seen in training (so it must copy, not
-memorise).
+city (invented words); the reply must be exactly {"name": "<person>", "city": "<city>"}.
+Held-out examples use names, cities and sentence templates never seen in training (so it
+must copy, not memorise).
 
     python benchmarks/finetune.py all [--model M] [--steps 60] [--threads 2] [--out DIR]
     python benchmarks/finetune.py data --out DIR
@@ -22,12 +22,18 @@ import subprocess
 import sys
 import time
 
-NAMES = ["Maria", "John", "Aiko", "Pedro", "Fatima", "Liam", "Chen", "Olga", "Kwame", "Sofia",
-         "Ravi", "Emma", "Hassan", "Ingrid", "Mateo", "Yuki", "Noah", "Amara", "Luca", "Zara",
-         "Omar", "Greta", "Diego", "Priya", "Felix", "Leila", "Sven", "Nadia", "Tomas", "Ines"]
-CITIES = ["Rome", "Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Berlin", "Madrid", "Nairobi", "Seoul",
-          "Dublin", "Lisbon", "Vienna", "Prague", "Athens", "Hanoi", "Quito", "Dakar", "Riga", "Bern",
-          "Lyon", "Porto", "Milan", "Osaka", "Delhi", "Accra", "Sofia", "Turin", "Perth", "Havana"]
+_ONSET = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr", "ch", "sh"]
+_VOWEL = ["a", "e", "i", "o", "u", "ai", "ou"]
+
+
+def invented_words(seed: int, n: int, syllables: int) -> list[str]:
+    """Capitalised made-up words (no model has seen them as names: the reply must copy)."""
+    rnd, out = random.Random(seed), set()
+    while len(out) < n:
+        out.add("".join(rnd.choice(_ONSET) + rnd.choice(_VOWEL) for _ in range(syllables)).capitalize())
+    return sorted(out)
+
+
 TEMPLATES = [
     "Yesterday {n} took a train to {c} to visit old friends.",
     "{n} has lived in {c} for almost ten years now.",
@@ -58,11 +64,13 @@ def make_split(seed: int, names, cities, templates, n: int) -> list[dict]:
     return out
 
 
-def cmd_data(out: str, n_train: int = 160, n_test: int = 40) -> None:
+def cmd_data(out: str, n_train: int = 200, n_test: int = 40) -> None:
     os.makedirs(out, exist_ok=True)
-    # disjoint names/cities/templates for held-out ("Sofia" is both a name and a city: train only)
-    train = make_split(1, NAMES[:22], CITIES[:22], TEMPLATES[:9], n_train)
-    test = make_split(2, NAMES[22:], CITIES[22:], TEMPLATES[9:], n_test)
+    # invented names (2 syllables) and cities (3), disjoint between the splits, and
+    # held-out sentence templates never seen in training
+    names, cities = invented_words(1, 300, 2), invented_words(2, 300, 3)
+    train = make_split(1, names[::2], cities[::2], TEMPLATES[:9], n_train)
+    test = make_split(2, names[1::2], cities[1::2], TEMPLATES[9:], n_test)
     for name, rows in (("train.jsonl", train), ("test.jsonl", test)):
         with open(os.path.join(out, name), "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)

@@ -80,6 +80,7 @@ def add_parser(sub) -> None:
     s.add_argument("--out", required=True, help="merged GGUF to write")
     s.add_argument("--type", default="keep", choices=("keep", "F16", "Q8_0", "Q4_K_M"),
                    help="tensor types: keep the base's (default), or re-encode all to F16/Q8_0/Q4_K_M")
+    s.add_argument("--threads", "-t", type=int)
     s.set_defaults(func=cmd_export)
 
 
@@ -148,7 +149,7 @@ def cmd_export(args) -> int:
     from fucina.train.export import export_merged
     from fucina.weights.lora import with_scales
 
-    _threads(None)
+    _threads(args.threads)
     path = resolve_model(args.model)
     model = load_model(path)
     adapters = [(read_adapter(p), s) for p, s in with_scales(args.lora, args.lora_scale)]

@@ -1,17 +1,19 @@
 """LoRA over frozen LinearWeights kept in their own GGUF formats.
 
 y = W x + (alpha / r) * B (A dropout(x)), with A [r, in] and B [out, r] f32 and W the frozen
-weight in whatever type the file has (Q4_1, Q4_K, F16, ...). Nothing of W is copied:
+weight in whatever type the file has (Q4_1, Q4_K, F16, ...):
 
 - forward: W's own matmul (the native kernel when its format has one);
-- backward w.r.t. x: dx = dy @ W, computed in row chunks that the native row decoder
-  (`LinearWeight.rows`) turns into f32 a few MB at a time, so no f32 copy of the model is
-  ever resident (a dedicated kernel would run dy @ W straight off the blocks, i.e. the
-  transposed GEMM, and save the decode's write/read of each chunk);
+- backward w.r.t. x: dx = dy @ W through the native int8 GEMM over a Q8_0 copy of W^T
+  (`Frozen`, mode "q8": 1.06 bytes per weight, encoded from row chunks; ~4x the f32 GEMM on
+  VNNI), or mode "exact": W's rows decoded in ~4 MB f32 chunks by the native row decoder
+  (`LinearWeight.rows`) and an f32 GEMM. Either way no f32 copy of the model is resident.
+  A dedicated kernel (the transposed GEMM straight off W's own blocks) would drop the Q8_0
+  copy and its 0.5% gradient noise;
 - no gradient for W at all.
 
-The model is not edited: `attach` swaps each layer's LinearWeight attributes (separate or
-fused, found by their GGUF names) for wrappers with the same call signature, and `detach`
+The model is not edited: `LoRAModel` swaps each layer's LinearWeight attributes (separate or
+fused, found by their GGUF names) for wrappers with the same call signature; `detach()`
 puts the originals back. The families' torch blocks (`model.block`) then run unchanged.
 """
 from __future__ import annotations
