@@ -120,6 +120,32 @@ def cmd_train(model: str, out: str, mode: str, steps: int, threads: int, lr: flo
                 losses=[round(h["loss"], 4) for h in tr.history], adapter=s["adapter"])
 
 
+def cmd_llamacpp(model: str, out: str, adapter: str, n: int = 10) -> dict:
+    """Greedy replies of llama.cpp (`llama-completion --lora`, and on our merged export) to the
+    first n held-out prompts, beside fucina's with the adapter merged."""
+    import fucina
+    from fucina.train.adapters import read_adapter
+    from fucina.train.export import export_merged
+
+    bin_dir = os.environ["FUCINA_LLAMA_CPP_RUN"]   # a runnable copy (tests/oracle.py oracle_dir())
+    llm = fucina.load(model, n_ctx=256, lora=adapter)
+    merged = os.path.join(out, "merged.gguf")
+    export_merged(model, fucina.load(model).model, [(read_adapter(adapter), 1.0)], merged, "keep")
+    rows = [json.loads(line) for line in open(os.path.join(out, "test.jsonl"))][:n]
+    agree = dict(lora=0, merged=0)
+    for r in rows:
+        prompt = llm.template.render(r["messages"][:1], add_generation_prompt=True)
+        ours = llm.chat(max_tokens=32).send(r["messages"][0]["content"]).strip()
+        for key, extra in (("lora", ["-m", model, "--lora", adapter]), ("merged", ["-m", merged])):
+            cp = subprocess.run([os.path.join(bin_dir, "llama-completion"), *extra, "-p", prompt, "-n", "24",
+                                 "--temp", "0", "-no-cnv", "-t", "1", "--no-warmup"], capture_output=True,
+                                text=True, env=dict(os.environ, LD_LIBRARY_PATH=bin_dir), timeout=300)
+            text = cp.stdout.split("assistant\n")[-1].split("<|im_end|>")[0]
+            text = text.replace("[end of text]", "").strip()
+            agree[key] += text == ours == r["messages"][1]["content"]
+    return dict(n=len(rows), **agree)
+
+
 def _sub(args: list[str]) -> dict:
     env = dict(os.environ)
     r = subprocess.run([sys.executable, __file__] + args, capture_output=True, text=True, env=env)
@@ -131,7 +157,7 @@ def _sub(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=("all", "data", "train", "eval"))
+    ap.add_argument("cmd", choices=("all", "data", "train", "eval", "speed", "llamacpp"))
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default="/tmp/fucina-ft-bench")
     ap.add_argument("--mode", default="quant", choices=("quant", "quant-nockpt", "dense"))
@@ -140,24 +166,32 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--adapter")
+    ap.add_argument("--reps", type=int, default=2, help="rounds of paired speed runs")
     a = ap.parse_args()
     if a.cmd == "data":
         cmd_data(a.out)
     elif a.cmd == "train":
         print(json.dumps(cmd_train(a.model, a.out, a.mode, a.steps, a.threads, a.lr)))
+    elif a.cmd == "llamacpp":
+        print(json.dumps(cmd_llamacpp(a.model, a.out, a.adapter)))
     elif a.cmd == "eval":
         print(json.dumps(cmd_eval(a.model, a.out, a.adapter, a.threads)))
     else:
         cmd_data(a.out)
         common = ["--model", a.model, "--out", a.out, "--threads", str(a.threads)]
-        res = dict(base=_sub(["eval"] + common))
-        print("base", res["base"], file=sys.stderr)
-        # paired speed runs (A B C A B C, same first steps), then ours for the full run
-        for rep in range(2):
+        res = {}
+        # paired speed runs (A B C A B C ..., the same first steps each)
+        for rep in range(a.reps):
             for mode in ("dense", "quant", "quant-nockpt"):
                 r = _sub(["train", "--mode", mode, "--steps", str(a.peer_steps), "--lr", str(a.lr)] + common)
                 res.setdefault("speed", []).append({k: v for k, v in r.items() if k != "adapter"})
                 print(mode, {k: v for k, v in r.items() if k != "losses"}, file=sys.stderr)
+        if a.cmd == "speed":
+            with open(os.path.join(a.out, "speed.json"), "w") as fh:
+                json.dump(res, fh, indent=1)
+            return
+        res["base"] = _sub(["eval"] + common)
+        print("base", res["base"], file=sys.stderr)
         res["quant"] = _sub(["train", "--mode", "quant", "--steps", str(a.steps), "--lr", str(a.lr)] + common)
         print("quant", {k: v for k, v in res["quant"].items() if k != "losses"}, file=sys.stderr)
         res["tuned"] = _sub(["eval", "--adapter", res["quant"]["adapter"]] + common)

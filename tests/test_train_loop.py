@@ -74,6 +74,25 @@ def test_resume_is_bit_exact(model_path, tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
 
 
+def test_ctrl_c_writes_a_checkpoint_that_resumes_exactly(model_path, tmp_path, monkeypatch):
+    import fucina.train.trainer as T
+    _, straight, _ = _run(model_path, None, 5)
+    real, calls = T.loss_sum, []
+
+    def interrupting(*a, **k):   # Ctrl-C between two chunks of one step
+        calls.append(1)
+        if len(calls) == 2 * 2 * 2 + 1:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(T, "loss_sum", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        _run(model_path, tmp_path / "c", 5)
+    monkeypatch.setattr(T, "loss_sum", real)
+    _, resumed, _ = _run(model_path, tmp_path / "c", 5, resume=str(tmp_path / "c"))
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
 def test_resume_refuses_a_different_setup(model_path, tmp_path):
     _run(model_path, tmp_path / "r", 4, stop_at=1)
     with pytest.raises(CheckpointError, match="lr"):

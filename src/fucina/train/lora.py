@@ -152,14 +152,17 @@ def input_grad(w: LinearWeight, dy: torch.Tensor) -> torch.Tensor:
 
 
 class DenseBase:
-    """The peer: W dequantized once to an f32 tensor, torch autograd through x @ W.T
-    (what training on a dequantized model costs; also the gradient reference)."""
+    """The peer: W dequantized to an f32 tensor (on first use, so only the weights the blocks
+    call are expanded), torch autograd through x @ W.T — what training on a dequantized model
+    costs; also the gradient reference."""
 
     def __init__(self, w: LinearWeight):
-        self.weight = w.dequantize().contiguous()
-        self.out_features, self.in_features = self.weight.shape
+        self.w, self.weight = w, None
+        self.out_features, self.in_features = w.out_features, w.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            self.weight = self.w.dequantize().contiguous()
         return x @ self.weight.T
 
 

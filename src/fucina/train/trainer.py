@@ -104,20 +104,20 @@ class Trainer:
             cfg.warmup = max(1, cfg.steps // 20)
         self.per_step = per_step
         self.lm = LoRAModel(model, lora, seed=cfg.seed, dense=dense)
-        if not dense:
-            self._warm_up()
+        self._warm_up()
         self.opt = make_optimizer(cfg.optimizer, self.lm.params(), cfg.lr, cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
         self.loader = Loader(len(train), cfg.seed)
         self.step = 0
+        self._step_start = 0
         self.history: list[dict] = []
         self.tokens = 0
         self.train_s = 0.0
 
     def _warm_up(self) -> None:
-        """One 2-token backward: builds the Q8_0 W^T copies the blocks' backward uses, so the
-        first timed step does not pay for them."""
+        """One 2-token backward: builds the Q8_0 W^T copies (or the peer's f32 weights) the
+        blocks use, so the first timed step does not pay for them."""
         loss, _ = loss_sum(self.model, torch.zeros(2, dtype=torch.long), torch.tensor([0, IGNORE]))
         loss.backward()
         for p in self.lm.params():
@@ -183,6 +183,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg, lm = self.cfg, self.lm
+        self._step_start = self.loader.position   # an interrupted step is redone on resume
         idx = self.loader.take(self.per_step)
         n_chunks = cfg.grad_accum * cfg.world_size
         mine = [(c, self._rows(idx[c * cfg.batch:(c + 1) * cfg.batch]))
@@ -259,6 +260,8 @@ class Trainer:
         except KeyboardInterrupt:
             if bar is not None:
                 bar.close()
+            self.loader.position = self._step_start   # drop the half-done step
+            self.opt.zero_grad(set_to_none=True)
             path = self.save_checkpoint()
             if path:
                 self.log(f"interrupted at step {self.step}: checkpoint written to {self.out_dir} "
