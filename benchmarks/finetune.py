@@ -7,7 +7,7 @@ city (invented words); the reply must be exactly {"name": "<person>", "city": "<
 Held-out examples use names, cities and sentence templates never seen in training (so it
 must copy, not memorise).
 
-    python benchmarks/finetune.py all [--model M] [--steps 60] [--threads 2] [--out DIR]
+    python benchmarks/finetune.py all [--model M] [--steps 60] [--threads 1] [--out DIR]
     python benchmarks/finetune.py data --out DIR
     python benchmarks/finetune.py train --mode quant|dense --out DIR   # one trainer, JSON out
     python benchmarks/finetune.py eval --out DIR [--adapter A.gguf]
@@ -93,7 +93,8 @@ def cmd_eval(model: str, out: str, adapter: str | None, threads: int) -> dict:
     return dict(accuracy=hits / len(rows), n=len(rows), samples=samples)
 
 
-def cmd_train(model: str, out: str, mode: str, steps: int, threads: int, lr: float) -> dict:
+def cmd_train(model: str, out: str, mode: str, steps: int, threads: int, lr: float,
+              targets: str, rank: int) -> dict:
     import fucina.kernels as K
     from fucina.models import load_model
     from fucina.text.chat_template import ChatTemplate
@@ -110,7 +111,7 @@ def cmd_train(model: str, out: str, mode: str, steps: int, threads: int, lr: flo
     rss_loaded = peak_rss_mb()
     cfg = TrainConfig(steps=steps, lr=lr, batch=8, grad_accum=1, ctx=256, seed=0, warmup=5,
                       grad_checkpoint=(mode == "quant"))   # the peer keeps activations
-    tr = Trainer(m, LoRAConfig(rank=8, alpha=16, targets="q,k,v,o"), cfg, train, None,
+    tr = Trainer(m, LoRAConfig(rank=rank, alpha=2 * rank, targets=targets), cfg, train, None,
                  os.path.join(out, f"run-{mode}"), dense=(mode == "dense"), progress=False)
     t0 = time.perf_counter()
     s = tr.fit()
@@ -161,17 +162,19 @@ def main() -> None:
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default="/tmp/fucina-ft-bench")
     ap.add_argument("--mode", default="quant", choices=("quant", "quant-nockpt", "dense"))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--peer-steps", type=int, default=8, help="steps timed for the dense peer")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adapter")
+    ap.add_argument("--targets", default="all")
+    ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2, help="rounds of paired speed runs")
     a = ap.parse_args()
     if a.cmd == "data":
         cmd_data(a.out)
     elif a.cmd == "train":
-        print(json.dumps(cmd_train(a.model, a.out, a.mode, a.steps, a.threads, a.lr)))
+        print(json.dumps(cmd_train(a.model, a.out, a.mode, a.steps, a.threads, a.lr, a.targets, a.rank)))
     elif a.cmd == "llamacpp":
         print(json.dumps(cmd_llamacpp(a.model, a.out, a.adapter)))
     elif a.cmd == "eval":
@@ -179,11 +182,12 @@ def main() -> None:
     else:
         cmd_data(a.out)
         common = ["--model", a.model, "--out", a.out, "--threads", str(a.threads)]
-        res = {}
+        tcfg = ["--targets", a.targets, "--rank", str(a.rank), "--lr", str(a.lr)]
+        res = dict(config=dict(targets=a.targets, rank=a.rank, lr=a.lr, steps=a.steps, threads=a.threads))
         # paired speed runs (A B C A B C ..., the same first steps each)
         for rep in range(a.reps):
             for mode in ("dense", "quant", "quant-nockpt"):
-                r = _sub(["train", "--mode", mode, "--steps", str(a.peer_steps), "--lr", str(a.lr)] + common)
+                r = _sub(["train", "--mode", mode, "--steps", str(a.peer_steps)] + tcfg + common)
                 res.setdefault("speed", []).append({k: v for k, v in r.items() if k != "adapter"})
                 print(mode, {k: v for k, v in r.items() if k != "losses"}, file=sys.stderr)
         if a.cmd == "speed":
@@ -192,7 +196,7 @@ def main() -> None:
             return
         res["base"] = _sub(["eval"] + common)
         print("base", res["base"], file=sys.stderr)
-        res["quant"] = _sub(["train", "--mode", "quant", "--steps", str(a.steps), "--lr", str(a.lr)] + common)
+        res["quant"] = _sub(["train", "--mode", "quant", "--steps", str(a.steps)] + tcfg + common)
         print("quant", {k: v for k, v in res["quant"].items() if k != "losses"}, file=sys.stderr)
         res["tuned"] = _sub(["eval", "--adapter", res["quant"]["adapter"]] + common)
         print("tuned", res["tuned"], file=sys.stderr)

@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
     s.add_argument("--out", required=True, help="merged GGUF to write")
     s.add_argument("--type", default="keep", choices=("keep", "F16", "Q8_0", "Q4_K_M"),
                    help="tensor types: keep the base's (default), or re-encode all to F16/Q8_0/Q4_K_M")
+    s.add_argument("--merged-type", default="F16", choices=("F16", "Q8_0", "base"),
+                   help="with --type keep: the type of the merged tensors (default F16; 'base' "
+                        "re-encodes to the base's own type, which on 4-bit bases rounds most of "
+                        "the adapter away)")
     s.add_argument("--threads", "-t", type=int)
     s.set_defaults(func=cmd_export)
 
@@ -153,7 +157,7 @@ def cmd_export(args) -> int:
     path = resolve_model(args.model)
     model = load_model(path)
     adapters = [(read_adapter(p), s) for p, s in with_scales(args.lora, args.lora_scale)]
-    stats = export_merged(path, model, adapters, args.out, args.type)
+    stats = export_merged(path, model, adapters, args.out, args.type, args.merged_type)
     print(f"fucina: wrote {args.out} ({stats['merged']} merged, {stats['requantized']} re-encoded, "
           f"{stats['copied']} copied tensors)", file=sys.stderr)
     return 0

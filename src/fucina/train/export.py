@@ -1,10 +1,11 @@
 """Merge LoRA adapters into a base GGUF and write a standalone model.
 
 Every adapted weight becomes W + scale * (alpha / r) * B A (dequantized, merged in f32) and
-is re-encoded with `fucina.quant.quantize` — to the base tensor's own type (`keep`), or to
-the type asked (F16, Q8_0, or llama.cpp's Q4_K_M mix). Weights the adapters do not touch
-keep their bytes under `keep`, and are re-encoded from their dequantized values otherwise.
-Metadata (tokenizer, chat template, hyperparameters) is copied key for key.
+is re-encoded with `fucina.quant.quantize`. `keep`: every tensor the adapters do not touch
+keeps its bytes, the merged ones are written F16 (or `merged_type` Q8_0, or "base" = the
+base tensor's own type); F16, Q8_0, Q4_K_M: every matrix re-encoded to that type
+(llama.cpp's Q4_K_M mix). Metadata (tokenizer, chat template, hyperparameters) is copied key
+for key.
 
 The encoders follow ggml's reference quantizers (gguf-py's for Q4_0/1, Q5_0/1, Q8_0;
 quantize_row_*_ref for the K-quants), i.e. what llama-quantize writes without an
@@ -24,6 +25,10 @@ from fucina.weights import LinearWeight
 
 T = GGMLType
 EXPORT_TYPES = ("keep", "F16", "Q8_0", "Q4_K_M")
+# Under `keep`, merged tensors default to F16: re-encoding W + dW to a 4-bit base's own grid
+# rounds a LoRA's small dW back onto W's old values (SmolLM2 Q4_1, the BENCHMARK.md SFT task:
+# held-out accuracy 65% merged as F16 or Q8_0, 0% re-encoded to Q4_1); "base" does it anyway.
+MERGED_TYPES = ("F16", "Q8_0", "base")
 _FILE_TYPE = {"F16": 1, "Q8_0": 7, "Q4_K_M": 15}     # llama_ftype, general.file_type
 # llama.cpp's fallback when a row does not split into 256-value super-blocks
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
@@ -72,12 +77,15 @@ def _copy_metadata(src: str, w, file_type: int | None) -> None:
 
 
 def export_merged(base_path: str | os.PathLike, model, adapters: list[tuple[Adapter, float]],
-                  out: str | os.PathLike, kind: str = "keep", log=None) -> dict:
-    """Write `out`: the base with `adapters` merged, tensors typed per `kind`."""
+                  out: str | os.PathLike, kind: str = "keep", merged_type: str = "F16") -> dict:
+    """Write `out`: the base with `adapters` merged, tensors typed per `kind`; under `keep`
+    the merged tensors take `merged_type` ("F16", "Q8_0", or "base" = the base's own type)."""
     import gguf
 
     if kind not in EXPORT_TYPES:
         raise ExportError(f"unknown --type {kind!r} (choose from {', '.join(EXPORT_TYPES)})")
+    if merged_type not in MERGED_TYPES:
+        raise ExportError(f"unknown --merged-type {merged_type!r} (choose from {', '.join(MERGED_TYPES)})")
     if os.path.abspath(out) == os.path.abspath(base_path):
         raise ExportError("--out would overwrite the base model")
     deltas: dict[str, torch.Tensor] = {}
@@ -93,6 +101,8 @@ def export_merged(base_path: str | os.PathLike, model, adapters: list[tuple[Adap
     stats = dict(merged=0, requantized=0, copied=0)
     for name, t in f.tensors.items():
         qt = target_type(t, kind, n_layer)
+        if name in deltas and kind == "keep" and merged_type != "base":
+            qt = target_type(t, merged_type, n_layer)
         if name not in deltas and qt is t.ggml_type:
             rows = t.n_elements // t.ne[0]
             if t.ggml_type in (T.F32, T.F16):
