@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fucina.gguf import GGUFFile
+from fucina.gguf import GGMLType, GGUFFile
 from fucina.models import load_model
 from fucina.text.evaluate import perplexity
 from fucina.text.tokenizer import Tokenizer
@@ -53,7 +53,7 @@ def test_export_keep_equals_merged_inference_and_keeps_metadata(base, tmp_path):
     stats = export_merged(base, model, [(ad, 0.5)], out, "keep")
     assert stats["merged"] == 4 * model.config.n_layer
     merged = _logits(out)
-    apply_adapters(model, [(ad, 0.5)])
+    apply_adapters(model, [(ad, 0.5)], GGMLType.F16)   # the close merge (default Q8_0)
     inference = _logits(model)
     base_logits = _logits(base)
     err = (merged - inference).abs().max()
@@ -97,7 +97,7 @@ def test_llama_cpp_logits_on_our_merged_export(oracle, base, tmp_path):
     run("llama-logits", str(merged), "@" + str(ids_file), str(out), "--threads", "1")
     ref = torch.from_numpy(np.fromfile(out, dtype="<f4").reshape(len(IDS), -1))
     assert float((_logits(merged) - ref).norm() / ref.norm()) < 5e-3   # F16 activations in ggml
-    apply_adapters(model, [(ad, 0.5)])
+    apply_adapters(model, [(ad, 0.5)], GGMLType.F16)
     assert float((_logits(model) - ref).norm() / ref.norm()) < 1e-2
 
 

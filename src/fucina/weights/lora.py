@@ -7,15 +7,19 @@ with ne [r, out] (numpy [r, in] and [out, r]: PEFT's A and B). llama.cpp scales 
 alpha / r, r read from lora_b — and silently by 1.0 when alpha is absent, which is why
 reading one without alpha is an error here.
 
-At inference (this module: below `text`, so `fucina.load(lora=...)` can use it) an adapter is merged: each adapted weight becomes a dense F16 copy of
-W + scale * (alpha / r) * B A, while every other weight stays in its GGUF type, and the
+At inference (this module sits below `text`, so `fucina.load(lora=...)` can use it) an
+adapter is merged: each adapted weight becomes a Q8_0 copy of W + scale * (alpha / r) * B A
+(F16 with FUCINA_LORA_MERGE=F16), every other weight stays in its GGUF type, and the
 model's native layer plan is rebuilt over the result, so the native step keeps running.
-(Unmerged application would need a LoRA hook in the native step, csrc/ — not ours to
-edit; merged costs 2 bytes per adapted weight element and nothing per token beyond F16's
-bandwidth; BENCHMARK.md has the decode numbers.)
+Unmerged application would need a LoRA hook in the native step (csrc/, not ours to edit).
+Q8_0, not F16, because the F16 route decodes ~6x slower than Q4_1 on SmolLM2 with every
+projection adapted (12.5 vs 80 tok/s, 1 thread) while Q8_0 stays close and keeps the
+adapter's effect (the same held-out accuracy as F16 in BENCHMARK.md); llama.cpp applies
+adapters unmerged in f32, so Q8_0 merging is a small, measured approximation of that.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -131,9 +135,13 @@ def merged_weight(w: LinearWeight, delta: torch.Tensor, qtype: GGMLType = GGMLTy
     return out
 
 
-def apply_adapters(model, adapters: list[tuple[Adapter, float]]) -> int:
-    """Merge adapters (each with its --lora-scale) into dense F16 copies of the weights they
-    change; rebuild fused weights and the native plan. Returns the number of weights changed."""
+#: the type merged weights are kept in at inference; FUCINA_LORA_MERGE=F16 for the closer one
+MERGE_TYPE = GGMLType[os.environ.get("FUCINA_LORA_MERGE", "Q8_0")]
+
+
+def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType | None = None) -> int:
+    """Merge adapters (each with its --lora-scale) into Q8_0 (or `qtype`) copies of the weights
+    they change; rebuild fused weights and the native plan. Returns the number of weights changed."""
     deltas: dict[str, torch.Tensor] = {}
     for adapter, scale in adapters:
         for name in check(adapter, model):
@@ -146,7 +154,9 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]]) -> int:
         changed = {}
         for attr, w in ws.items():
             if w.name in deltas:
-                changed[w.name] = merged_weight(w, deltas[w.name])
+                qt = qtype or MERGE_TYPE
+                changed[w.name] = merged_weight(w, deltas[w.name], qt if w.in_features % 32 == 0
+                                                else GGMLType.F16)
                 setattr(L, attr, changed[w.name])
         if not changed:
             continue
