@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
     s.add_argument("--lora-scale", action="append", type=float, default=None, metavar="S")
     s.add_argument("--out", required=True, help="merged GGUF to write")
     s.add_argument("--type", default="keep", choices=("keep", "F16", "Q8_0", "Q4_K_M"),
-                   help="tensor types: keep the base's (default), or re-encode all to F16/Q8_0/Q4_K_M")
+                   help="keep (default): untouched tensors keep their bytes, merged ones take "
+                        "--merged-type; or re-encode every matrix to F16/Q8_0/Q4_K_M")
     s.add_argument("--merged-type", default="F16", choices=("F16", "Q8_0", "base"),
                    help="with --type keep: the type of the merged tensors (default F16; 'base' "
                         "re-encodes to the base's own type, which on 4-bit bases rounds most of "
