@@ -101,7 +101,7 @@ def _split_positionals(args) -> tuple[str | None, str | None]:
     return None, None
 
 
-def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16"):
+def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None):
     import fucina.kernels as kernels
     from fucina.text.api import load
 
@@ -111,12 +111,13 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16"):
     else:
         import torch
         torch.set_num_threads(n)
-    return load(model_arg, n_ctx=n_ctx, cache_type=cache_type)
+    return load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale)
 
 
 def cmd_chat(args) -> int:
     model_arg, message = _split_positionals(args)
-    llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
+                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
     from fucina.cli.grammar_args import reply_constraint
     from fucina.text.conversation import Conversation
 

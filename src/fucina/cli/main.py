@@ -11,7 +11,7 @@ import time
 from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
-EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve")
+EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune")
 
 
 def _load(args, *, threads: int | None = None):
@@ -81,6 +81,8 @@ def cmd_run(args) -> int:
     from fucina.text.api import LLM
 
     model = _load(args)
+    from fucina.cli.finetune import apply_lora_args
+    apply_lora_args(model, args)
     tok = _tokenizer(model)
     ids = parse_ids(args.tokens) if args.tokens else tok.encode(args.prompt or "")
     if not ids:
@@ -279,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if e.name != mod:
                 raise
+    from fucina.cli.finetune import add_lora_args
+    for name in ("run", "chat", "serve"):
+        if name in sub.choices:
+            add_lora_args(sub.choices[name])
     return p
 
 

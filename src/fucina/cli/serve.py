@@ -55,7 +55,8 @@ def cmd_serve(args) -> int:
                     ("--chunk", args.chunk), ("--kv-budget", args.kv_budget)):
         if v is not None and v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
-    llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type)
+    llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
+                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

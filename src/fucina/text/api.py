@@ -142,10 +142,16 @@ class LLM:
 
 
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
-         cache_type: str = "f16") -> LLM:
-    """Open a GGUF (None: the default model, fetched on first use) as an LLM."""
+         cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
+         lora_scale: float | Sequence[float] | None = None) -> LLM:
+    """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
+    more llama.cpp-format LoRA adapters merged in (scaled by `lora_scale`, default 1.0)."""
     from fucina.models import load_model, resolve_model
     from fucina.text.tokenizer import Tokenizer
 
     model = load_model(resolve_model(path))
+    if lora:
+        from fucina.weights.lora import load_adapters
+        scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
+        load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
     return LLM(model, Tokenizer.from_metadata(model.gguf.metadata), n_ctx=n_ctx, cache_type=cache_type)

@@ -1,0 +1,53 @@
+"""`fucina finetune` -> adapter.gguf -> `fucina run --lora` / `fucina export`, end to end."""
+import json
+
+import gguf
+import pytest
+
+from fucina.cli.main import main
+from fucina.gguf import GGUFFile
+from synth import write_model
+from test_train_lora import one_thread  # noqa: F401 (autouse fixture)
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    model = write_model(tmp_path / "m.gguf", "gemma3", qtype=gguf.GGMLQuantizationType.Q8_0, ffn=64)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i % 2}"}) + "\n"
+                            for i in range(6)))
+    return model, data, tmp_path
+
+
+def test_finetune_run_export(setup, capsys):
+    model, data, tmp = setup
+    out = tmp / "run"
+    assert main(["finetune", model, "--data", str(data), "--valid-split", "0.34", "--out", str(out),
+                 "--steps", "2", "--targets", "q,v,gate", "--rank", "2", "--ctx", "32", "--threads", "1",
+                 "--no-progress", "--save-every", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["history"]) == 2 and summary["valid_loss"] is not None
+    f = GGUFFile(out / "adapter.gguf")
+    assert f.metadata["general.type"] == "adapter" and f.architecture == "gemma3"
+    assert "blk.0.ffn_gate.weight.lora_a" in f.tensors
+    # resuming a finished run does no more steps and keeps the adapter
+    assert main(["finetune", model, "--data", str(data), "--valid-split", "0.34", "--out", str(out),
+                 "--steps", "2", "--targets", "q,v,gate", "--rank", "2", "--ctx", "32", "--threads", "1",
+                 "--no-progress", "--resume", str(out)]) == 0
+    assert main(["run", model, "--tokens", "1,2,3", "-n", "2", "--lora", str(out / "adapter.gguf"),
+                 "--lora-scale", "0.5", "-t", "1"]) == 0
+    assert main(["export", model, "--lora", str(out / "adapter.gguf"), "--out", str(tmp / "x.gguf"), "-t", "1"]) == 0
+    assert GGUFFile(tmp / "x.gguf").architecture == "gemma3"
+
+
+def test_finetune_errors(setup, capsys):
+    model, data, tmp = setup
+    bad = tmp / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"prompt": 1}\n')
+    assert main(["finetune", model, "--data", str(bad), "--out", str(tmp / "o"), "--no-progress"]) == 1
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["finetune", model, "--data", str(data), "--out", str(tmp / "o"), "--targets", "q,zz",
+                 "--no-progress"]) == 1
+    assert "unknown LoRA target" in capsys.readouterr().err
+    assert main(["run", model, "--tokens", "1", "--lora", str(model)]) == 1
+    assert "not 'adapter'" in capsys.readouterr().err

@@ -1,0 +1,191 @@
+"""LoRA gradients over frozen quantized weights: against torch autograd on the same model
+dequantized to f32, and against finite differences, for every target on every family."""
+import gguf
+import pytest
+import torch
+
+import fucina.kernels as K
+from fucina.models import load_model
+from fucina.train.forward import loss_sum
+from fucina.train.lora import TARGETS, LoRAConfig, LoRAError, LoRAModel, input_grad, parse_targets
+from synth import ARCHS, write_model
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread (an OpenMP team on a busy machine costs 10-40x here)."""
+    n = torch.get_num_threads()
+    K.set_threads(1)
+    yield
+    K.set_threads(n)
+
+
+def _model(tmp_path, arch, qtype=Q.Q8_0, native=True):
+    path = write_model(tmp_path / f"{arch}-{qtype.name}.gguf", arch, qtype=qtype, ffn=64, seed=3)
+    was = K.available()
+    K.set_enabled(native)
+    try:
+        return load_model(path)
+    finally:
+        K.set_enabled(was)
+
+
+def _randomize(lm: LoRAModel, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.params():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _grads(model, cfg, ids, labels, dense, use_checkpoint=True):
+    lm = LoRAModel(model, cfg, seed=1, dense=dense)
+    try:
+        _randomize(lm)
+        loss, n = loss_sum(model, ids, labels, use_checkpoint)
+        (loss / n).backward()
+        return float(loss.detach() / n), {k: v.grad.clone() for k, v in lm.named_params().items()}
+    finally:
+        lm.detach()
+
+
+def _batch(n=12, vocab=260, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    labels[:3] = -100   # an unsupervised prompt
+    return ids, labels
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grads_match_dense_autograd_every_target(tmp_path, arch):
+    """Reference path (no native kernels): the quantized route and the dequantized-f32 peer
+    compute the same function, so their gradients agree to f32 rounding."""
+    model = _model(tmp_path, arch, Q.Q8_0, native=False)
+    cfg = LoRAConfig(rank=4, alpha=8, targets=list(TARGETS))
+    ids, labels = _batch()
+    l1, g1 = _grads(model, cfg, ids, labels, dense=False)
+    l2, g2 = _grads(model, cfg, ids, labels, dense=True, use_checkpoint=False)
+    assert abs(l1 - l2) < 1e-4
+    assert set(g1) == set(g2) and len(g1) == 2 * 7 * model.config.n_layer
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], rtol=1e-3, atol=1e-5), k
+        assert g1[k].abs().max() > 0, k
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grads_native_kernels_close_to_dense(tmp_path, arch):
+    """Native kernels quantize activations to int8 in the forward: gradients stay close."""
+    if not K.available():
+        pytest.skip("native kernels not built")
+    model = _model(tmp_path, arch, Q.Q4_1, native=True)
+    cfg = LoRAConfig(rank=4, alpha=8, targets=list(TARGETS))
+    ids, labels = _batch()
+    _, g1 = _grads(model, cfg, ids, labels, dense=False)
+    _, g2 = _grads(model, cfg, ids, labels, dense=True)
+    for k in g1:
+        cos = torch.nn.functional.cosine_similarity(g1[k].flatten(), g2[k].flatten(), dim=0)
+        assert cos > 0.99, (k, float(cos))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grads_match_finite_differences(tmp_path, arch):
+    model = _model(tmp_path, arch, Q.Q8_0, native=False)
+    cfg = LoRAConfig(rank=2, alpha=4, targets=list(TARGETS))
+    ids, labels = _batch(8)
+    lm = LoRAModel(model, cfg, seed=1)
+    try:
+        _randomize(lm)
+        loss, n = loss_sum(model, ids, labels)
+        (loss / n).backward()
+        params = lm.named_params()
+        for target in TARGETS:   # the largest-gradient entry of each target's A and B
+            for suffix in (".lora_a", ".lora_b"):
+                name = f"blk.1.{TARGETS[target]}.weight{suffix}"
+                p = params[name]
+                j = int(p.grad.abs().argmax())
+                eps = 1e-2
+                vals = []
+                with torch.no_grad():
+                    for sgn in (1, -1):
+                        p.view(-1)[j] += sgn * eps
+                        lo, c = loss_sum(model, ids, labels, False)
+                        vals.append(float(lo / c))
+                        p.view(-1)[j] -= sgn * eps
+                fd = (vals[0] - vals[1]) / (2 * eps)
+                an = float(p.grad.view(-1)[j])
+                assert abs(fd - an) <= 2e-2 * abs(an) + 1e-4, (name, fd, an)
+    finally:
+        lm.detach()
+
+
+def test_input_grad_chunks_equal_dense(tmp_path, monkeypatch):
+    import fucina.train.lora as lora
+    model = _model(tmp_path, "llama", Q.Q4_1, native=True)
+    w = model.output
+    dy = torch.randn(5, w.out_features)
+    ref = dy @ w.dequantize()
+    monkeypatch.setattr(lora, "_ROW_CHUNK_BYTES", 4 * w.in_features * 7)   # 7-row chunks
+    assert torch.allclose(input_grad(w, dy), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_detach_restores_model_and_native_step(tmp_path):
+    model = _model(tmp_path, "qwen3")
+    ids = torch.arange(6)
+    before = model.forward_last_logits(ids.tolist())
+    native = model.use_native_step
+    lm = LoRAModel(model, LoRAConfig(rank=2, targets="all"))
+    assert model.use_native_step is False
+    lm.detach()
+    assert model.use_native_step is native
+    assert torch.equal(model.forward_last_logits(ids.tolist()), before)
+
+
+def test_dropout_deterministic_per_step(tmp_path):
+    model = _model(tmp_path, "llama", native=False)
+    lm = LoRAModel(model, LoRAConfig(rank=2, dropout=0.5, targets="q,v"), seed=5)
+    try:
+        _randomize(lm)
+        ids, labels = _batch()
+        lm.state.training = True
+
+        def loss_at(step):
+            lm.state.step = step
+            with torch.no_grad():
+                return float(loss_sum(model, ids, labels)[0])
+        a, b, c = loss_at(0), loss_at(0), loss_at(1)
+        assert a == b and a != c
+    finally:
+        lm.detach()
+
+
+def test_config_errors():
+    with pytest.raises(LoRAError, match="unknown LoRA target"):
+        parse_targets("q,x")
+    with pytest.raises(LoRAError, match="rank"):
+        LoRAConfig(rank=0)
+    with pytest.raises(LoRAError, match="dropout"):
+        LoRAConfig(dropout=1.0)
+    assert parse_targets("v,q") == ["q", "v"]
+
+
+def test_q8_transposed_equals_quantized_transpose():
+    """W^T encoded in row chunks == W^T encoded whole (2080 rows: two full chunks + a tail)."""
+    from fucina.gguf import GGMLType
+    from fucina.kernels import attach
+    from fucina.quant import quantize
+    from fucina.train.lora import Frozen
+    from fucina.weights import LinearWeight
+    if not K.available():
+        pytest.skip("native kernels not built")
+    dense = torch.randn(2080, 64, generator=torch.Generator().manual_seed(0))
+    w = LinearWeight(quantize(dense, int(GGMLType.Q4_1)).reshape(-1), GGMLType.Q4_1, 2080, 64, "w")
+    attach(w)
+    f = Frozen(w)
+    assert f.mode == "q8"
+    ref = quantize(w.dequantize().T.contiguous(), int(GGMLType.Q8_0))
+    assert torch.equal(f.transposed().raw.reshape(-1), ref.reshape(-1))
+    dy = torch.randn(3, 2080)
+    cos = torch.nn.functional.cosine_similarity(f.input_grad(dy).flatten(), (dy @ w.dequantize()).flatten(), 0)
+    assert cos > 0.999
