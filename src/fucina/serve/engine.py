@@ -170,14 +170,14 @@ class SlotPool:
     def _borrow_prefix(self, slot: Slot, ids: Sequence[int]) -> None:
         """Copy a longer common prefix held by another slot (busy ones too: rows
         below a live stream's prompt never change) instead of prefilling it."""
-        own = common_prefix(slot.tokens, ids)
+        own = slot.cache.truncate_point(common_prefix(slot.tokens, ids))
         best, n = None, own
         for s in self.slots:
             if s is not slot and s.cache is not None:
                 k = min(common_prefix(s.tokens, ids), s.cache.len, len(ids) - 1)
                 if k > n:
                     best, n = s, k
-        if best is None or n - own < COPY_MIN or not hasattr(slot.cache, "copy_rows"):
+        if best is None or n - own < COPY_MIN:
             return
         try:
             slot.cache.truncate(own)
