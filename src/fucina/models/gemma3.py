@@ -47,7 +47,7 @@ class Config(llama.Config):
         return s
 
 
-TENSORS = llama.TENSORS + llama.QK_NORMS + (llama.norm("post_attention_norm"), llama.norm("post_ffw_norm"))
+TENSORS = llama.with_qk_norms(llama.TENSORS) + (llama.norm("post_attention_norm"), llama.norm("post_ffw_norm"))
 
 
 class Model(llama.Model):

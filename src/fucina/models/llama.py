@@ -48,6 +48,12 @@ TENSORS: tuple[TensorSpec, ...] = (
 QK_NORMS = (norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
 
 
+def with_qk_norms(schema: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """The schema with per-head q/k norms after the attention output (the synth order)."""
+    at = [t.name for t in schema].index("attn_output") + 1
+    return schema[:at] + QK_NORMS + schema[at:]
+
+
 class Layer:
     """One layer's tensors, named as the schema says, in the shape the block uses:
     wqkv (fused) or wq/wk/wv, bqkv (fused bias) or None, w_gate_up (fused) or gate/up."""

@@ -12,7 +12,7 @@ class Config(llama.Config):
     rope_neox: bool = True
 
 
-TENSORS = llama.TENSORS + llama.QK_NORMS
+TENSORS = llama.with_qk_norms(llama.TENSORS)
 
 
 class Model(llama.Model):
