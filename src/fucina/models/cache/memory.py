@@ -206,6 +206,7 @@ class WindowKV(KVMemory):
         super().__init__(capacity, heads, k_dim, v_dim, storage, dtype)
 
     def _rows(self, capacity: int) -> int:
+        self.capacity = capacity
         return min(capacity, self.window + self.slack)
 
     def descriptor(self) -> tuple[int, ...]:
@@ -229,7 +230,9 @@ class WindowKV(KVMemory):
         self._publish()
 
     def step_limit(self) -> int:
-        return max(1, self.rows - self.window + 1) if self.rows < NO_LIMIT else NO_LIMIT
+        if self.rows >= self.capacity:     # every position fits: it never moves
+            return NO_LIMIT
+        return max(1, self.rows - self.window + 1)
 
     def can_truncate(self, keep: int, length: int) -> bool:
         return keep >= length or keep == 0 or self.base <= self._need_from(keep)
