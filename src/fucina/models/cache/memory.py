@@ -192,14 +192,14 @@ class WindowKV(KVMemory):
     so only `window + slack` rows exist. Rows stay in position order (reads are one
     contiguous span, as the native kernels want): when a step would run past the end,
     the last window - 1 rows move to the front (every `slack` tokens, ~window rows
-    copied: a few rows per token). A step may append up to slack + 1 rows; a rewind
+    copied: about one row per token). A step may append up to slack + 1 rows; a rewind
     reaches back as far as the rows still held allow."""
 
     kind = "window"
 
     def __init__(self, capacity: int, heads: int, k_dim: int, v_dim: int | None = None,
                  storage: str = "f16", dtype: torch.dtype = torch.float16, *, window: int,
-                 slack: int = 256):
+                 slack: int = 512):
         if window < 1 or slack < 0:
             raise KVCacheError(f"window memory needs window >= 1 and slack >= 0 (got {window}, {slack})")
         self.window, self.slack = window, slack
