@@ -69,56 +69,7 @@ typedef struct {
 #define FK_ATTN_MAX_GROUP 64
 #define FK_ATTN_MAX_D 1024
 
-/* A weight as the layer step sees it: GGML blocks [n, row_bytes], y = x @ W^T. */
-typedef struct {
-    int qtype;
-    const uint8_t *w;
-    int64_t rb, n, k;
-} fk_lin;
-
-/* One decoder layer of the llama shape (fk_step_impl.inc):
- *   h = norm(x); q,k,v = h W_qkv; q/k head norms; RoPE; K/V -> f16 cache; attention;
- *   x += post_norm(att W_o); h = norm(x); x += post_norm(act(h W_gate) * (h W_up) W_down)
- * Optional pieces are NULL / 0. qkv is one fused weight [q|k|v] or three; gu one fused
- * [gate|up] or two. */
-typedef struct {
-    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
-    fk_lin qkv[3];
-    fk_lin wo;
-    fk_lin gu[2];
-    fk_lin down;
-    int n_qkv, n_gu;
-    int rope;    /* which RoPE table of the call (0 or 1) */
-    int window;  /* > 0: keys with q_pos - k_pos >= window are masked */
-} fk_layer;
-
-enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
-
-typedef struct {
-    int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_rot, neox, act;
-    float eps, scale;
-    fk_layer *layers;
-} fk_plan;
-
-/* One call: run every layer of `plan` over x[m, n_embd] (updated in place) at positions
- * pos0.., writing K/V rows into the per-layer f16 caches [capacity, n_kv, head_dim].
- * cis[t]: RoPE table t as (cos, sin) pairs [cis_len[t], n_rot / 2, 2]. */
-typedef struct {
-    const fk_plan *plan;
-    float *x;
-    int64_t m, pos0, capacity;
-    uint16_t *const *kc;
-    uint16_t *const *vc;
-    const float *cis[2];
-    int64_t cis_len[2];
-    int nthreads, prefill;
-    void (*matmul)(const fk_matmul_args *a);
-    /* batch mode (row_pos != NULL): row i is one token of its own stream, at position
-     * row_pos[i] of its own cache row_kv[i * 2 * n_layer ..] = [k0, v0, k1, v1, ...] */
-    const int64_t *row_pos;
-    uint16_t *const *row_kv;
-    int status;  /* out: 0 ok, -1 out of memory */
-} fk_step_args;
+#include "fk_plan.h"   /* the decoder plan: its schema, structs and step arguments */
 
 #ifdef __cplusplus
 extern "C" {

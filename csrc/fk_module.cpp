@@ -162,15 +162,93 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
 
 
 /* ---- the decoder layer step -----------------------------------------------------------
- * plan_new(ints, floats) -> capsule. ints (int64): a header
- *   n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_rot, neox, act
- * then per layer: 6 norm pointers (attn, q, k, post_attn, ffn, post_ffn; 0 = absent),
- * n_qkv, 3 weights, wo, n_gu, 2 weights, down (a weight = qtype, ptr, row_bytes, n, k),
- * rope table, window. floats (float64): eps, scale. Every shape is checked here, once. */
-#define FK_PLAN_HEADER 9
-#define FK_PLAN_LAYER 45
-
+ * plan_schema() -> (plan fields, layer fields), each a tuple of (name, kind) in descriptor
+ * order (fk_plan.h). plan_new(desc) -> capsule: desc is int64 slots, the plan's fields then
+ * each layer's, filled by name from that schema (I/F 1 slot, V 1, W 5). Every setting and
+ * weight shape is checked here, once; the vectors' lengths are checked by the caller. */
 static const char *kPlanCapsule = "fucina.kernels.plan";
+
+enum { FK_SLOTS_I = 1, FK_SLOTS_F = 1, FK_SLOTS_V = 1, FK_SLOTS_W = 5 };
+#define FK_COUNT(kind, name) + FK_SLOTS_##kind
+static const long long kPlanSlots = 0 FK_PLAN_FIELDS(FK_COUNT);
+static const long long kLayerSlots = 0 FK_LAYER_FIELDS(FK_COUNT);
+
+static PyObject *schema_tuple(const char *const *names, const char *kinds, int n) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *e = Py_BuildValue("(sC)", names[i], kinds[i]);
+        if (!e) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, e);
+    }
+    return t;
+}
+
+static PyObject *py_plan_schema(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+#define FK_NAME(kind, name) #name,
+#define FK_KIND(kind, name) #kind[0],
+    static const char *const pn[] = {FK_PLAN_FIELDS(FK_NAME)}, *const ln[] = {FK_LAYER_FIELDS(FK_NAME)};
+    static const char pk[] = {FK_PLAN_FIELDS(FK_KIND)}, lk[] = {FK_LAYER_FIELDS(FK_KIND)};
+    PyObject *a = schema_tuple(pn, pk, (int)sizeof pk), *b = schema_tuple(ln, lk, (int)sizeof lk);
+    if (!a || !b) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", a, b);
+}
+
+static const long long *read_I(const long long *u, int64_t *out) { *out = u[0]; return u + 1; }
+static const long long *read_F(const long long *u, double *out) { memcpy(out, u, 8); return u + 1; }
+static const long long *read_V(const long long *u, const float **out) {
+    *out = (const float *)(uintptr_t)u[0];
+    return u + 1;
+}
+static const long long *read_W(const long long *u, fk_lin *w) {
+    w->qtype = (int)u[0];
+    w->w = (const uint8_t *)(uintptr_t)u[1];
+    w->rb = u[2];
+    w->n = u[3];
+    w->k = u[4];
+    return u + 5;
+}
+#define FK_READ(kind, name) u = read_##kind(u, &y->name);
+
+/* a present weight of shape [n, k] in a format with a native route */
+static int lin_ok(const fk_lin *w, int64_t n, int64_t k) {
+    long bs, ts;
+    return w->w && type_block(w->qtype, &bs, &ts) && w->n == n && w->k == k && k % bs == 0 && w->rb == k / bs * ts;
+}
+
+/* one fused weight [sum of parts, k] or every part, never a mix */
+static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const int64_t *ns, int n_parts, int64_t k) {
+    int64_t total = 0;
+    for (int j = 0; j < n_parts; j++) total += ns[j];
+    if (fused->w) {
+        for (int j = 0; j < n_parts; j++)
+            if (parts[j]->w) return 0;
+        return lin_ok(fused, total, k);
+    }
+    for (int j = 0; j < n_parts; j++)
+        if (!lin_ok(parts[j], ns[j], k)) return 0;
+    return 1;
+}
+
+static int layer_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = p->n_ff;
+    if (y->mixer != FK_MIXER_ATTENTION || y->ffn != FK_FFN_DENSE || H < 1 || KV < 1 || H % KV ||
+        H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || p->n_rot > D ||
+        (y->rope != 0 && y->rope != 1) || y->window < 0 || y->window > (1LL << 30) || !y->attn_norm || !y->ffn_norm)
+        return 0;
+    const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv}, *gu[2] = {&y->gate, &y->up};
+    const int64_t nqkv[3] = {H * D, KV * D, KV * D}, ngu[2] = {F, F};
+    return fused_or_parts(&y->wqkv, qkv, nqkv, 3, E) && lin_ok(&y->wo, E, H * D) &&
+           fused_or_parts(&y->gate_up, gu, ngu, 2, E) && lin_ok(&y->down, E, F);
+}
 
 static void plan_free(PyObject *cap) {
     fk_plan *p = (fk_plan *)PyCapsule_GetPointer(cap, kPlanCapsule);
@@ -180,33 +258,25 @@ static void plan_free(PyObject *cap) {
     }
 }
 
-static int read_lin(const long long *v, fk_lin *w, int64_t n, int64_t k) {
-    long bs, ts;
-    w->qtype = (int)v[0];
-    w->w = (const uint8_t *)(uintptr_t)v[1];
-    w->rb = v[2];
-    w->n = v[3];
-    w->k = v[4];
-    return type_block(w->qtype, &bs, &ts) && w->w && w->n == n && w->k == k &&
-           k % bs == 0 && w->rb == k / bs * ts;
-}
-
 static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     (void)self;
-    const char *ib, *fb;
-    Py_ssize_t il, fl;
-    if (!PyArg_ParseTuple(args, "y#y#", &ib, &il, &fb, &fl)) return NULL;
-    if (il % 8 || fl != 16 || il / 8 < FK_PLAN_HEADER) {
+    const char *ib;
+    Py_ssize_t il;
+    if (!PyArg_ParseTuple(args, "y#", &ib, &il)) return NULL;
+    if (il % 8 || il / 8 < kPlanSlots) {
         PyErr_SetString(PyExc_ValueError, "plan: malformed descriptor");
         return NULL;
     }
-    const long long *v = (const long long *)ib;
-    const double *f = (const double *)fb;
-    const long long L = v[0], E = v[1], H = v[2], KV = v[3], D = v[4], F = v[5], R = v[6];
-    if (L < 1 || L > 4096 || il / 8 != FK_PLAN_HEADER + L * FK_PLAN_LAYER || E < 1 || H < 1 || KV < 1 ||
-        H % KV || H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || F < 1 || R < 2 ||
-        R % 2 || R > D || (v[7] != 0 && v[7] != 1) || (v[8] != FK_ACT_SILU && v[8] != FK_ACT_GELU_TANH) ||
-        E > (1 << 20) || F > (1 << 22) || !(f[0] > 0.0) || !(f[1] > 0.0)) {
+    fk_plan head;
+    const long long *u = (const long long *)ib;
+    {
+        fk_plan *y = &head;
+        FK_PLAN_FIELDS(FK_READ)
+    }
+    const long long L = head.n_layer;
+    if (L < 1 || L > 4096 || il / 8 != kPlanSlots + L * kLayerSlots || head.n_embd < 1 || head.n_embd > (1 << 20) ||
+        head.n_ff < 1 || head.n_ff > (1 << 22) || head.n_rot < 2 || head.n_rot % 2 || (head.neox != 0 && head.neox != 1) ||
+        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH) || !(head.eps > 0.0) || !(head.scale > 0.0)) {
         PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
         return NULL;
     }
@@ -217,40 +287,20 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
         free(layers);
         return PyErr_NoMemory();
     }
-    p->n_layer = (int)L; p->n_embd = (int)E; p->n_head = (int)H; p->n_kv = (int)KV; p->head_dim = (int)D;
-    p->n_ff = (int)F; p->n_rot = (int)R; p->neox = (int)v[7]; p->act = (int)v[8];
-    p->eps = (float)f[0]; p->scale = (float)f[1]; p->layers = layers;
-    const long long nq = H * D, nkv = KV * D;
+    *p = head;
+    p->layers = layers;
     for (long long i = 0; i < L; i++) {
-        const long long *u = v + FK_PLAN_HEADER + i * FK_PLAN_LAYER;
         fk_layer *y = layers + i;
-        const float **norms[6] = {&y->attn_norm, &y->q_norm, &y->k_norm, &y->post_attn_norm, &y->ffn_norm,
-                                  &y->post_ffn_norm};
-        for (int j = 0; j < 6; j++) *norms[j] = (const float *)(uintptr_t)u[j];
-        int ok = y->attn_norm && y->ffn_norm;
-        y->n_qkv = (int)u[6];
-        if (y->n_qkv == 1) {
-            ok = ok && read_lin(u + 7, &y->qkv[0], nq + 2 * nkv, E);
-        } else {
-            ok = ok && y->n_qkv == 3 && read_lin(u + 7, &y->qkv[0], nq, E) && read_lin(u + 12, &y->qkv[1], nkv, E) &&
-                 read_lin(u + 17, &y->qkv[2], nkv, E);
-        }
-        ok = ok && read_lin(u + 22, &y->wo, E, nq);
-        y->n_gu = (int)u[27];
-        if (y->n_gu == 1) {
-            ok = ok && read_lin(u + 28, &y->gu[0], 2 * F, E);
-        } else {
-            ok = ok && y->n_gu == 2 && read_lin(u + 28, &y->gu[0], F, E) && read_lin(u + 33, &y->gu[1], F, E);
-        }
-        ok = ok && read_lin(u + 38, &y->down, E, F);
-        y->rope = (int)u[43];
-        y->window = (int)u[44];
-        if (!ok || (u[43] != 0 && u[43] != 1) || u[44] < 0 || u[44] > (1LL << 30)) {
+        FK_LAYER_FIELDS(FK_READ)
+        if (!layer_ok(p, y)) {
             free(layers);
             free(p);
             PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);
             return NULL;
         }
+        const int64_t nq = y->n_head * y->head_dim, nqkv = nq + 2 * y->n_kv * y->head_dim;
+        if (nq > p->max_q) p->max_q = nq;
+        if (nqkv > p->max_qkv) p->max_qkv = nqkv;
     }
     PyObject *cap = PyCapsule_New(p, kPlanCapsule, plan_free);
     if (!cap) {
@@ -274,87 +324,73 @@ static int run_step(fk_step_args *a) {
     return a->status;
 }
 
-/* the common head of step / step_batch: the plan, x and m, the RoPE tables (args 6..9) */
+/* the common head of step / step_batch: the plan, x and m, the RoPE tables (args 5..8) */
 static int step_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, long long *v, fk_step_args *a) {
-    if (!int_args(fn, args, nargs, 10, 1, 9, v)) return 0;
+    if (!int_args(fn, args, nargs, 9, 1, 8, v)) return 0;
     const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
     if (!p) return 0;
     a->plan = p;
     a->x = (float *)(uintptr_t)v[0];
     a->m = v[1];
-    a->cis[0] = (const float *)(uintptr_t)v[5];
-    a->cis_len[0] = v[6];
-    a->cis[1] = (const float *)(uintptr_t)v[7];
-    a->cis_len[1] = v[8];
+    a->cis[0] = (const float *)(uintptr_t)v[4];
+    a->cis_len[0] = v[5];
+    a->cis[1] = (const float *)(uintptr_t)v[6];
+    a->cis_len[1] = v[7];
     return 1;
 }
 
-/* step(plan, x_ptr, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len) */
+/* m rows at positions pos.. fit every layer of the cache table kv: each write lands in
+ * [base, base + rows), each read starts at or after base, the RoPE tables reach */
+static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64_t m) {
+    const fk_plan *p = a->plan;
+    for (int l = 0; l < p->n_layer; l++) {
+        const int64_t *e = kv + l * FK_KV_ENTRY;
+        const int64_t w = p->layers[l].window, base = e[2], first_read = w > 0 && pos - w + 1 > 0 ? pos - w + 1 : 0;
+        const int t = (int)p->layers[l].rope;
+        if (!e[0] || !e[1] || base < 0 || e[3] < 1 || pos < base || pos + m - base > e[3] || first_read < base ||
+            !a->cis[t] || a->cis_len[t] < pos + m)
+            return 0;
+    }
+    return 1;
+}
+
+/* step(plan, x_ptr, m, pos0, kv_table, cis0, cis0_len, cis1, cis1_len) */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[9];
+    long long v[8];
     fk_step_args a;
     if (!step_args("step", args, nargs, v, &a)) return NULL;
-    const fk_plan *p = a.plan;
     a.pos0 = v[2];
-    a.capacity = v[3];
-    uint16_t *const *kv = (uint16_t *const *)(uintptr_t)v[4];
-    int bad = !a.x || !kv || a.m < 1 || a.pos0 < 0 || a.capacity < 1 || a.pos0 + a.m > a.capacity ||
-              a.m > (1LL << 24);
-    for (int i = 0; !bad && i < p->n_layer; i++) {
-        const int t = p->layers[i].rope;
-        bad = !kv[2 * i] || !kv[2 * i + 1] || !a.cis[t] || a.cis_len[t] < a.pos0 + a.m;
-    }
-    if (bad) {
+    a.kv = (const int64_t *)(uintptr_t)v[3];
+    a.row_pos = NULL;
+    a.row_kv = NULL;
+    if (!a.x || !a.kv || a.m < 1 || a.pos0 < 0 || a.m > (1LL << 24) || !rows_fit(&a, a.kv, a.pos0, a.m)) {
         PyErr_SetString(PyExc_ValueError, "step: inconsistent positions, cache or RoPE table");
         return NULL;
     }
-    /* the cache pointers arrive as [k0, v0, k1, v1, ...]: split them */
-    uint16_t **kvs = (uint16_t **)malloc(sizeof(uint16_t *) * 2 * (size_t)p->n_layer);
-    if (!kvs) return PyErr_NoMemory();
-    for (int i = 0; i < p->n_layer; i++) {
-        kvs[i] = kv[2 * i];
-        kvs[p->n_layer + i] = kv[2 * i + 1];
-    }
-    a.kc = kvs;
-    a.vc = kvs + p->n_layer;
-    a.row_pos = NULL;
-    a.row_kv = NULL;
-    const int st = run_step(&a);
-    free(kvs);
-    if (st) return PyErr_NoMemory();
+    if (run_step(&a)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* step_batch(plan, x_ptr, m, row_kv, row_pos, row_cap, cis0, cis0_len, cis1, cis1_len): row i is
- * one token of its own stream: position row_pos[i] < row_cap[i] of the cache whose layer
- * pointers are row_kv[i * 2 * n_layer ..] ([k0, v0, k1, v1, ...]) */
+/* step_batch(plan, x_ptr, m, row_kv, row_pos, cis0, cis0_len, cis1, cis1_len): row i is
+ * one token of its own stream, at position row_pos[i] of the cache whose table is
+ * row_kv[i * n_layer * FK_KV_ENTRY ..] */
 static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[9];
+    long long v[8];
     fk_step_args a;
     if (!step_args("step_batch", args, nargs, v, &a)) return NULL;
-    const fk_plan *p = a.plan;
-    a.row_kv = (uint16_t *const *)(uintptr_t)v[2];
+    a.row_kv = (const int64_t *)(uintptr_t)v[2];
     a.row_pos = (const int64_t *)(uintptr_t)v[3];
-    const int64_t *cap = (const int64_t *)(uintptr_t)v[4];
-    int bad = !a.x || !a.row_kv || !a.row_pos || !cap || a.m < 1 || a.m > (1 << 16);
-    for (int64_t i = 0; !bad && i < a.m; i++) {
-        const int64_t pos = a.row_pos[i];
-        bad = pos < 0 || pos >= cap[i];
-        for (int l = 0; !bad && l < p->n_layer; l++) {
-            const int t = p->layers[l].rope;
-            bad = !a.row_kv[i * 2 * p->n_layer + 2 * l] || !a.row_kv[i * 2 * p->n_layer + 2 * l + 1] || !a.cis[t] ||
-                  a.cis_len[t] <= pos;
-        }
-    }
+    a.pos0 = 0;
+    a.kv = NULL;
+    int bad = !a.x || !a.row_kv || !a.row_pos || a.m < 1 || a.m > (1 << 16);
+    for (int64_t i = 0; !bad && i < a.m; i++)
+        bad = a.row_pos[i] < 0 || !rows_fit(&a, a.row_kv + i * a.plan->n_layer * FK_KV_ENTRY, a.row_pos[i], 1);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "step_batch: inconsistent positions, caches or RoPE table");
         return NULL;
     }
-    a.pos0 = 0;
-    a.capacity = 0;
-    a.kc = a.vc = NULL;
     if (run_step(&a)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -480,11 +516,12 @@ static PyMethodDef methods[] = {
      "matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy): y[m,n] = x[m,k] @ W[n,k]^T"},
     {"attn_decode", (PyCFunction)(void (*)(void))py_attn_decode, METH_FASTCALL,
      "attn_decode(q, k, v, out, n, row_stride, n_head, kv_heads, d, scale): one-row attention over f16 K/V"},
-    {"plan_new", py_plan_new, METH_VARARGS, "plan_new(ints, floats): a validated decoder-layer plan"},
+    {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},
+    {"plan_new", py_plan_new, METH_VARARGS, "plan_new(desc): a validated decoder plan from int64 slots"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
-     "step(plan, x, m, pos0, capacity, kv_ptrs, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
+     "step(plan, x, m, pos0, kv_table, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
     {"step_batch", (PyCFunction)(void (*)(void))py_step_batch, METH_FASTCALL,
-     "step_batch(plan, x, m, row_kv, row_pos, row_cap, cis0, cis0_len, cis1, cis1_len): one token per stream"},
+     "step_batch(plan, x, m, row_kv, row_pos, cis0, cis0_len, cis1, cis1_len): one token per stream"},
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},

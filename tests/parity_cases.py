@@ -24,9 +24,32 @@ def qwen3_synth(path, vocab):
                        ffn=256, vocab=str(vocab), qtype=gguf.GGMLQuantizationType.Q8_0, seed=7)
 
 
+def qwen2_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Qwen2 (QKV biases), GQA 2:1 (llama.cpp wants n_embd = heads * head_dim)."""
+    return write_model(path, "qwen2", layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                       ffn=256, vocab=str(vocab), qtype=qtype, seed=11)
+
+
+def phi3_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Phi-3 (fused QKV and gate/up) with LongRoPE short/long factors
+    (original context 1024 of 2048) and a RoPE attention factor."""
+    return write_model(path, "phi3", layers=3, hidden=128, heads=4, kv_heads=4, head_dim=32,
+                       ffn=256, vocab=str(vocab), qtype=qtype, seed=13, rope_factors=True,
+                       attn_factor=1.19)
+
+
+# F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
+# random weights (their near-ties flip under int8 activation rounding); the quantized
+# files are checked against the exact model instead (test_parity: closer than llama.cpp)
+SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth}
+
+
 # name -> (model source, prompt text, positions scored: "all" or last N)
 CASES = {
     "smollm2": ("smollm2", TEXT + LONG_TEXT[:2500], "all"),  # ~590 positions: top-1 needs a sample
     "gemma3": ("gemma3", LONG_TEXT, 96),     # > 512 tokens: crosses the sliding window
     "qwen3-synth": ("qwen3-synth", TEXT, "all"),
+    "qwen2-synth": ("qwen2-synth", TEXT, "all"),
+    "phi3-synth": ("phi3-synth", TEXT, "all"),
+    "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
 }

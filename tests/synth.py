@@ -1,7 +1,8 @@
 """Tiny random-weight GGUF models written in-process, for unit and parity tests.
 
-`write_model(path, arch, ...)` writes a llama / qwen3 / gemma3 decoder with seeded
-random weights. The vocabulary is either a small synthetic byte-level one or copied
+`write_model(path, arch, ...)` writes a decoder of any registered family with seeded
+random weights; its per-layer tensors are the family's own schema (`Model.tensors`, the
+one loading reads), so a new family needs no change here beyond its metadata quirks. The vocabulary is either a small synthetic byte-level one or copied
 from a vocab-only GGUF (e.g. ../shared/data/vocab/vocab-qwen3.gguf) so llama.cpp can
 tokenize with it too.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-ARCHS = ("llama", "qwen3", "gemma3")
+from fucina.models.registry import FAMILIES, family
+
+ARCHS = tuple(FAMILIES)   # the one family list tests parametrize from
 
 
 def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
@@ -55,7 +58,10 @@ def _byte_vocab(w: gguf.GGUFWriter) -> int:
 def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, head_dim: int = 16, ffn: int = 128, vocab: str | None = None,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                sliding_window: int = 8, seed: int = 0, tied: bool = True, ctx: int = 2048) -> str:
+                sliding_window: int = 8, seed: int = 0, tied: bool = True, ctx: int = 2048,
+                rope_factors: bool = False, attn_factor: float = 0.0) -> str:
+    """`rope_factors` (phi3): LongRoPE short/long factor tensors (original context ctx/2);
+    `attn_factor` (phi3): rope.scaling.attn_factor."""
     assert arch in ARCHS
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
@@ -67,7 +73,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
         assert head_dim == hidden // heads
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(10000.0)
@@ -77,6 +83,10 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_rope_freq_base(1_000_000.0)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
+    if rope_factors:
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", ctx // 2)
+    if attn_factor:
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", attn_factor)
 
     rng = np.random.default_rng(seed)
 
@@ -102,27 +112,25 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
 
     H, D = hidden, head_dim
+    q, kv = heads * D, kv_heads * D
+    dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D)
     add("token_embd.weight", mat(n_vocab, H, 0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:
         add("output.weight", mat(n_vocab, H))
+    if rope_factors:
+        add("rope_factors_short.weight", 1.0 + rng.random(D // 2, dtype=np.float32))
+        add("rope_factors_long.weight", 1.0 + 4.0 * rng.random(D // 2, dtype=np.float32))
     for i in range(layers):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", norm(H))
-        add(p + "attn_q.weight", mat(heads * D, H))
-        add(p + "attn_k.weight", mat(kv_heads * D, H))
-        add(p + "attn_v.weight", mat(kv_heads * D, H))
-        add(p + "attn_output.weight", mat(H, heads * D))
-        if arch in ("qwen3", "gemma3"):
-            add(p + "attn_q_norm.weight", norm(D))
-            add(p + "attn_k_norm.weight", norm(D))
-        add(p + "ffn_norm.weight", norm(H))
-        add(p + "ffn_gate.weight", mat(ffn, H))
-        add(p + "ffn_up.weight", mat(ffn, H))
-        add(p + "ffn_down.weight", mat(H, ffn))
-        if arch == "gemma3":
-            add(p + "post_attention_norm.weight", norm(H))
-            add(p + "post_ffw_norm.weight", norm(H))
+        for t in family(arch).Model.tensors:
+            shape = [dims[d] for d in t.shape]
+            if t.role == "norm":
+                value = norm(shape[0])
+            elif t.role == "bias":
+                value = 0.5 * rng.standard_normal(shape[0], dtype=np.float32)
+            else:
+                value = mat(*shape)
+            add(t.gguf_name(i), value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -245,3 +245,213 @@ def test_q8_cache_tracks_f16_on_smollm2():
     pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     assert (pa.exp() * (pa - pb)).sum(-1).mean() < 0.02
     assert make_cache(m, 4096, "q8_0").nbytes() / make_cache(m, 4096, "f16").nbytes() == pytest.approx(34 / 64)
+
+
+# -- the cache protocol: every memory kind --------------------------------------------
+
+from fucina.models.cache import AliasKV, KVMemory, RecurrentState, WindowKV  # noqa: E402
+
+CAP = 24
+
+
+def _kinds():
+    def mixed():
+        full = KVMemory(CAP, 2, 32)
+        return KVCache.of([full, WindowKV(CAP, 2, 32, window=4, slack=3), AliasKV(full, 0)], CAP)
+    return {
+        "kv-f16": lambda: KVCache(2, 2, 32, CAP),
+        "kv-q8_0": lambda: Q8Cache(2, 2, 32, CAP),
+        "kv-wide-v": lambda: KVCache(2, 2, 32, CAP, v_dim=64),
+        "window-f16": lambda: KVCache.of([WindowKV(CAP, 2, 32, window=4, slack=3) for _ in range(2)], CAP),
+        "window-q8_0": lambda: KVCache.of([WindowKV(CAP, 2, 32, storage="q8_0", window=4, slack=3)], CAP),
+        "mixed-alias": mixed,
+    }
+
+
+KINDS = _kinds()
+
+
+def _step(cache, pos, m, seed):
+    """Write m rows at pos in every layer that has rows of its own; returns them."""
+    out = []
+    for i, mem in enumerate(cache.memories):
+        if mem.kind == "alias":
+            out.append(None)
+            continue
+        g = torch.Generator().manual_seed(seed * 100 + i)
+        k = torch.randn(m, mem.k.heads, mem.k.dim, generator=g)
+        v = torch.randn(m, mem.v.heads, mem.v.dim, generator=g)
+        cache.append(i, k, v)
+        out.append((k, v))
+    return out
+
+
+def _fill(cache, n, seed=0):
+    """n positions in steps the cache takes; per layer the rows written, by position."""
+    rows = {}
+    pos, end = cache.len, cache.len + n
+    while pos < end:
+        m = min(cache.step_limit(), end - pos)
+        cache.reserve(m)
+        for i, kv in enumerate(_step(cache, pos, m, seed + pos)):
+            if kv is not None:
+                for j in range(m):
+                    rows[(i, pos + j)] = (kv[0][j], kv[1][j])
+        cache.advance(m)
+        pos += m
+    return rows
+
+
+def _held_equal(a, b):
+    for i, mem in enumerate(a.memories):
+        lo = max(mem.base, b.memories[i].base) if isinstance(mem, KVMemory) else 0
+        if isinstance(mem, KVMemory):
+            for x, y in zip(a.span(i, lo, a.len), b.span(i, lo, b.len)):
+                assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_protocol_rows_and_reads(kind):
+    c = KINDS[kind]()
+    rows = _fill(c, 11)
+    assert c.len == 11
+    for i, mem in enumerate(c.memories):
+        if not isinstance(mem, KVMemory):
+            continue
+        lo = mem.base
+        assert lo <= max(0, 11 - getattr(mem, "window", 11))     # what position 11 reads is held
+        k, v = c.span(i, lo, 11)
+        want_k = torch.stack([rows[(i, p)][0] for p in range(lo, 11)])
+        tol = 0 if mem.storage == "f16" else want_k.abs().max() / 100
+        assert (k.float() - want_k).abs().max() <= tol + 2e-3 * want_k.abs().max()
+        assert v.shape[-1] == mem.v.dim
+    with pytest.raises(ContextFull):
+        c.reserve(CAP)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_protocol_rewinds(kind):
+    c = KINDS[kind]()
+    _fill(c, 14)
+    windowed = any(m.kind == "window" for m in c.memories)
+    assert c.can_truncate(14) and c.can_truncate(0) and c.can_truncate(13)
+    assert c.can_truncate(2) is not windowed                 # past the window's rows
+    assert c.truncate_point(2) == (0 if windowed else 2)
+    if windowed:
+        with pytest.raises(KVCacheError):
+            c.truncate(2)
+        assert c.len == 14
+    c.truncate(c.truncate_point(12))
+    assert c.len == 12
+    _fill(c, 2, seed=5)                                       # re-extend after the rewind
+    c.reset()
+    assert c.len == 0 and c.can_truncate(0)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_protocol_copy_rows(kind):
+    a, b = KINDS[kind](), KINDS[kind]()
+    _fill(a, 13)
+    b.copy_rows(a, 0, 13)
+    assert b.len == 13
+    _held_equal(b, a)
+    with pytest.raises(KVCacheError):
+        b.copy_rows(a, 0, 5)                                  # len != start
+    if kind != "kv-f16":
+        with pytest.raises(KVCacheError):
+            KVCache(2, 2, 32, CAP).copy_rows(a, 0, 3)          # another layout
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_protocol_persists(tmp_path, kind):
+    src = KINDS[kind]()
+    _fill(src, 13)
+    toks = list(range(100, 113))
+    KVPersist(tmp_path / "c.kv").sync(src, toks)
+    dst = KINDS[kind]()
+    assert KVPersist(tmp_path / "c.kv").load(dst) == toks and dst.len == 13
+    _held_equal(dst, src)
+    _fill(src, 2, seed=9)
+    _fill(dst, 2, seed=9)                                     # both continue the same way
+    _held_equal(dst, src)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_protocol_costs_and_native_table(kind):
+    c = KINDS[kind]()
+    assert c.nbytes() == sum(m.nbytes() for m in c.memories) > 0
+    assert c.bytes_per_position() >= 0
+    table = c.native_table()
+    native = all(m.kind in ("kv", "window") and m.storage == "f16" and m.k.dim == m.v.dim for m in c.memories)
+    assert (table is not None) == native
+    if table is not None:
+        t = table.ptrs.view(-1, 4)
+        assert t[:, 3].tolist() == [m.rows for m in c.memories]
+        _fill(c, 14)                                          # a window shift republishes its base
+        assert t[:, 2].tolist() == [m.base for m in c.memories]
+
+
+def test_window_memory_holds_only_its_window():
+    full, win = KVMemory(8192, 1, 256), WindowKV(8192, 1, 256, window=512, slack=256)
+    assert win.rows == 768 and win.nbytes() / full.nbytes() == pytest.approx(768 / 8192)
+
+
+def test_recurrent_state_snapshots_and_rewinds(tmp_path):
+    def make():
+        return KVCache.of([RecurrentState(3, 8, 2, 4, 4, horizon=4)], 64)
+
+    c = make()
+    states = {}
+    for p in range(10):                      # a mixer would compute these from the inputs
+        conv, state = torch.full((3, 8), float(p)), torch.full((2, 4, 4), -float(p))
+        c.memories[0].write(p, conv, state)
+        c.advance(1)
+        states[c.len] = (conv, state)
+    assert c.can_truncate(8) and c.can_truncate(7) and not c.can_truncate(5)   # horizon 4
+    c.truncate(8)
+    assert torch.equal(c.span(0, 0, 8)[0], states[8][0]) and c.len == 8
+    with pytest.raises(KVCacheError):
+        c.truncate(3)
+    other = make()
+    other.copy_rows(c, 0, 8)
+    assert torch.equal(other.memories[0].state, states[8][1])
+    KVPersist(tmp_path / "r.kv").sync(c, list(range(8)))
+    back = make()
+    assert KVPersist(tmp_path / "r.kv").load(back) == list(range(8))
+    assert torch.equal(back.memories[0].conv, states[8][0]) and torch.equal(back.memories[0].state, states[8][1])
+    with open(tmp_path / "r.kv", "r+b") as f:   # a state that does not describe the count
+        f.seek(8)
+        f.write(struct.pack("<Q", 7))
+    assert KVPersist(tmp_path / "r.kv").load(make()) is None
+    c.reset()
+    assert c.len == 0 and not c.memories[0].state.any()
+
+
+def test_window_cache_serves_a_model_prefix_reuse_and_persistence(tmp_path):
+    """Gemma-3 with window memories of window + 3 rows: the same logits as a cache that
+    keeps everything, prefix reuse falls back when the window moved on, and a persisted
+    cache resumes to the same next logits."""
+    from fucina.models import load_model
+    from fucina.text.generate import prefill
+    from synth import write_model
+    m = load_model(write_model(tmp_path / "g.gguf", "gemma3", layers=6, hidden=64, heads=4, kv_heads=2,
+                               head_dim=32, sliding_window=5))
+    m.window_slack = 3
+    ids = [(i * 37) % 250 + 3 for i in range(40)]
+    keep_all = m.init_cache(64, rewindable=True)
+    want = m.forward_step_all_logits(keep_all, ids, 0)
+    c = m.init_cache(64)
+    got = m.forward_step_all_logits(c, ids, 0)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert c.nbytes() < keep_all.nbytes()
+    for prompt in (ids[:39] + [9], ids[:20] + [9, 9]):   # a rewind within reach, one beyond it
+        hist = list(ids) if c.len == len(ids) else hist
+        logits, keep = prefill(m, c, hist, prompt)
+        assert keep == (39 if prompt[20] != 9 else 0)
+        fresh = m.forward_step(m.init_cache(64, rewindable=True), prompt, 0)
+        assert (logits - fresh).abs().max() < 1e-3 * fresh.abs().max()
+    KVPersist(tmp_path / "c.kv").sync(c, hist)
+    d = m.init_cache(64)
+    assert KVPersist(tmp_path / "c.kv").load(d) == hist
+    a, b = m.forward_step(c, [11], c.len), m.forward_step(d, [11], d.len)
+    assert torch.equal(a, b)

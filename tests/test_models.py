@@ -6,15 +6,15 @@ import torch
 from fucina.errors import ContextFull, FucinaError, KVCacheError, UnsupportedArchitecture
 from fucina.gguf import GGUFFile
 from fucina.models import Decoder, load_model
-from synth import write_model
+from synth import ARCHS, write_model
 
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=ARCHS)
 def model(request, tmp_path_factory):
     arch = request.param
-    kw = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch == "llama" else \
+    kw = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch in ("llama", "phi3") else \
         dict(hidden=64, heads=4, kv_heads=2, head_dim=32)
     layers = 6 if arch == "gemma3" else 3  # gemma3: layers 0-4 local, layer 5 global
     path = write_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, layers=layers, **kw,
@@ -65,7 +65,7 @@ def test_truncate_rewinds_exactly(model):
 def test_sliding_window_matters_only_for_gemma(model):
     if model.config.arch != "gemma3":
         pytest.skip("no sliding window")
-    assert model.config.swa_layers == [True] * 5 + [False]
+    assert [s.window for s in model.config.layers] == [5] * 5 + [0]
     # with a 5-token window, changing a token 6+ positions back leaves local layers blind to it,
     # but global layers still see it: logits must change
     ids2 = [1] + IDS[1:]

@@ -54,6 +54,17 @@ def _run(model, native: bool, chunks):
         model.use_native_step = True
 
 
+def _held(cache, i):
+    """Layer i's K and V rows still held (a window memory keeps only recent positions)."""
+    return cache.span(i, cache.memories[i].base, cache.len)
+
+
+def _same_rows(c1, c0):
+    for i in range(c0.n_layers):          # the same K/V rows, to f16 rounding
+        for a, b in zip(_held(c1, i), _held(c0, i)):
+            assert torch.allclose(a.float(), b.float(), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_f32_native_equals_torch(tmp_path_factory, name, isa):
     model = _model(tmp_path_factory, name, Q.F32)
@@ -62,10 +73,7 @@ def test_f32_native_equals_torch(tmp_path_factory, name, isa):
     got, c1 = _run(model, True, chunks)
     want, c0 = _run(model, False, chunks)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    for i in range(c0.n_layers):          # the same K/V rows, to f16 rounding
-        n = c0.len
-        assert torch.allclose(c1.k[i][:n].float(), c0.k[i][:n].float(), atol=2e-3, rtol=2e-3)
-        assert torch.allclose(c1.v[i][:n].float(), c0.v[i][:n].float(), atol=2e-3, rtol=2e-3)
+    _same_rows(c1, c0)
 
 
 @pytest.mark.parametrize("name", ["llama-d16", "qwen3-d128-gqa", "gemma3-d32-window"])
@@ -121,9 +129,13 @@ def test_step_errors_are_typed(tmp_path_factory):
         plan.run(x, ptrs, 0, [t[:1] for t in tables])
     with pytest.raises(KernelError):          # not a pointer table of this plan
         plan.run(x, ptrs.ptrs, 0, tables)
+    other = K.KVPointers(ptrs.ptrs, ptrs.capacity, [(3, 16)] * model.config.n_layer)
     with pytest.raises(KernelError):          # cache of another geometry
-        K.DecoderPlan.cache_pointers([torch.zeros(8, 3, 16, dtype=torch.float16)] * 2,
-                                     [torch.zeros(8, 3, 16, dtype=torch.float16)] * 2, 2, 16)
+        plan.run(x, other, 0, tables)
+    bad = K.KVPointers(ptrs.ptrs.clone(), ptrs.capacity, ptrs.geometry)
+    bad.ptrs[2] = 1                           # a base past the rows' positions: C refuses
+    with pytest.raises(KernelError):
+        plan.run(x, bad, 0, tables)
 
 
 def test_plan_rejects_inconsistent_weights(tmp_path_factory):
@@ -132,11 +144,13 @@ def test_plan_rejects_inconsistent_weights(tmp_path_factory):
     layer = model.plan_layer(0, model.layers[0])
     for bad in (dict(layer, wo=model.layers[0].down),          # [64, 128] where [64, 64] belongs
                 dict(layer, attn_norm=torch.ones(c.n_embd - 1)),  # a norm of the wrong length
-                dict(layer, q_norm=torch.ones(c.n_embd))):
+                dict(layer, q_norm=torch.ones(c.n_embd)),
+                dict(layer, qkv_bias=torch.ones(3)),             # a bias of the wrong length
+                dict(layer, wq=model.layers[0].wo),              # fused and separate QKV at once
+                dict(layer, window=-1)):
         with pytest.raises(KernelError):
-            K.DecoderPlan.build(n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
-                                n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu", eps=1e-6, scale=0.25,
-                                layers=[bad])
+            K.DecoderPlan.build(n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=False, act="silu",
+                                eps=1e-6, scale=0.25, layers=[bad])
 
 
 @pytest.mark.parametrize("name", ["llama-d16", "gemma3-d32-window"])
@@ -160,7 +174,7 @@ def test_batch_native_equals_torch(tmp_path_factory, name):
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
     assert [c.len for c in c1] == [5, 11, 3]
     for a, b in zip(c1, c0):
-        assert torch.allclose(a.k[0][:a.len].float(), b.k[0][:b.len].float(), atol=2e-3, rtol=2e-3)
+        _same_rows(a, b)
 
 
 def test_batch_errors_are_typed(tmp_path_factory):
@@ -199,3 +213,28 @@ def test_family_with_its_own_block_gets_no_plan_by_accident(tmp_path_factory):
     path = write_model(tmp_path_factory.mktemp("odd") / "m.gguf", arch, **kw)
     assert Odd(GGUFFile(path)).native_plan is None
     assert llama.Model(GGUFFile(path)).native_plan is not None
+
+
+def test_window_memory_shifts_under_the_native_step(tmp_path_factory):
+    """Gemma-3 with a window memory of window + 2 rows: long prompts run in steps of 3 rows,
+    the rows move to the front every few tokens, and native equals torch throughout."""
+    model = _model(tmp_path_factory, "gemma3-d32-window", Q.F32)
+    model.window_slack = 2
+    try:
+        got, c1 = _run(model, True, [11, 1, 1, 4, 1, 2])
+        want, c0 = _run(model, False, [11, 1, 1, 4, 1, 2])
+    finally:
+        del model.window_slack
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    local = [i for i, s in enumerate(model.config.layers) if s.window]
+    assert local and all(c1.memories[i].rows == 5 + 2 and c1.memories[i].base > 0 for i in local)
+    _same_rows(c1, c0)
+    full, _ = _run(model, True, [11, 1, 1, 4, 1, 2])      # a full-size memory: the same logits
+    assert (full - got).abs().max() < 1e-4 * got.abs().max()
+
+
+def test_plan_schema_is_named():
+    plan_fields, layer_fields = K.plan_schema()
+    names = [n for n, _ in layer_fields]
+    assert {"qkv_bias", "wqkv", "gate_up", "window", "n_kv", "head_dim", "mixer", "ffn"} <= set(names)
+    assert len(set(names)) == len(names) and {k for _, k in layer_fields} <= {"I", "F", "V", "W"}

@@ -19,12 +19,12 @@ sys.path.insert(0, str(HERE.parent))
 
 import oracle  # noqa: E402
 from conftest import VOCAB_DIR, cached_model  # noqa: E402
-from parity_cases import CASES, GREEDY, TOPK, qwen3_synth  # noqa: E402
+from parity_cases import CASES, GREEDY, SYNTH, TOPK  # noqa: E402
 
 
 def model_path(src, tmp):
-    if src == "qwen3-synth":
-        return qwen3_synth(Path(tmp) / "qwen3-synth.gguf", VOCAB_DIR / "vocab-qwen3.gguf")
+    if src in SYNTH:
+        return SYNTH[src](Path(tmp) / f"{src}.gguf", VOCAB_DIR / "vocab-qwen3.gguf")
     return str(cached_model(src))
 
 

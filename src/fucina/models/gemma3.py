@@ -1,102 +1,70 @@
 """Gemma 3: sliding-window local layers interleaved with global ones (every 6th is
 global), q/k RMSNorm, post-attention and post-FFN norms, GeGLU, embeddings scaled by
 sqrt(n_embd), local layers on their own RoPE base, optional final logit soft-capping.
+All of it is data for the llama skeleton: the schema adds the norms, the config the
+window pattern, the layer specs the window and RoPE table per layer.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from fucina.gguf import GGUFFile, meta_float_opt, meta_int_opt
+from fucina.gguf import GGUFFile
 from fucina.models import llama
-from fucina.models.base import Rope, attend, load_vector, rms_norm
-from fucina.models.cache import KVCache
+from fucina.models.base import LayerSpec, Rope, meta_field
 
 
 @dataclass
 class Config(llama.Config):
-    sliding_window: int = 0
-    swa_layers: list[bool] = field(default_factory=list)
-    rope_base_swa: float = 10000.0
+    rope_neox: bool = True
+    sliding_window: int = meta_field("attention.sliding_window", 0)
+    rope_base_swa: float = meta_field("rope.freq_base_swa", 10000.0, kind=float)
+    final_softcap: float = meta_field("final_logit_softcapping", 0.0, kind=float)
     attn_scale: float = 1.0
-    final_softcap: float = 0.0
+    swa_pattern: object = None
 
-    @classmethod
-    def from_gguf(cls, f: GGUFFile, neox: bool = True) -> "Config":
-        base = llama.Config.from_gguf(f, neox=True)
-        m, a = f.metadata, f.architecture
-        c = cls(**vars(base))
-        c.sliding_window = meta_int_opt(m, a, "attention.sliding_window") or 0
-        pattern = m.get(f"{a}.attention.sliding_window_pattern")
-        if c.sliding_window == 0:
-            c.swa_layers = [False] * c.n_layer
-        elif isinstance(pattern, (list, np.ndarray)):
-            c.swa_layers = [bool(x) for x in pattern][: c.n_layer]
-        else:
-            n = int(pattern) if pattern else 6
-            c.swa_layers = [n == 0 or i % n < n - 1 for i in range(c.n_layer)]
-        c.rope_base_swa = meta_float_opt(m, a, "rope.freq_base_swa") or 10000.0
-        big = c.n_layer == 62  # Gemma 3 27B scales by the model width, the rest by head_dim
-        c.attn_scale = 1.0 / math.sqrt(c.n_embd / c.n_head if big else c.head_dim)
-        c.final_softcap = meta_float_opt(m, a, "final_logit_softcapping") or 0.0
-        return c
+    def finish(self, f: GGUFFile) -> None:
+        super().finish(f)
+        self.swa_pattern = f.metadata.get(f"{self.arch}.attention.sliding_window_pattern")
+        big = self.n_layer == 62  # Gemma 3 27B scales by the model width, the rest by head_dim
+        self.attn_scale = 1.0 / math.sqrt(self.n_embd / self.n_head if big else self.head_dim)
+
+    def is_local(self, i: int) -> bool:
+        p = self.swa_pattern
+        if self.sliding_window == 0:
+            return False
+        if isinstance(p, (list, np.ndarray)):
+            return i < len(p) and bool(p[i])
+        n = int(p) if p else 6
+        return n == 0 or i % n < n - 1
+
+    def layer_spec(self, i: int) -> LayerSpec:
+        s = super().layer_spec(i)
+        if self.is_local(i):
+            s.window, s.rope = self.sliding_window, 1
+        return s
 
 
-class Layer(llama.Layer):
-    def __init__(self, f: GGUFFile, i: int, c: Config):
-        super().__init__(f, i, c)
-        p = f"blk.{i}."
-        self.post_attn_norm = load_vector(f, p + "post_attention_norm.weight", c.n_embd)
-        self.post_ffn_norm = load_vector(f, p + "post_ffw_norm.weight", c.n_embd)
+TENSORS = llama.with_qk_norms(llama.TENSORS) + (llama.norm("post_attention_norm"), llama.norm("post_ffw_norm"))
 
 
 class Model(llama.Model):
-    layer_class = Layer
+    config_class = Config
+    tensors = TENSORS
+    act = "gelu_tanh"
 
     def __init__(self, f: GGUFFile):
-        super().__init__(f, Config.from_gguf(f))
+        super().__init__(f)
         c = self.config
-        self.rope_global = self.rope   # NEOX at the global base (Config sets rope_neox)
+        self.rope_global = self.rope   # NEOX at the global base
         self.rope_local = Rope(c.n_rot, c.rope_base_swa, True)
-        self.embd_scale = math.sqrt(c.n_embd)
-
-    plan_act = "gelu_tanh"
-
-    def plan_layer(self, i: int, L: Layer) -> dict:
-        c, local = self.config, self.config.swa_layers[i]
-        return dict(super().plan_layer(i, L), post_attn_norm=L.post_attn_norm,
-                    post_ffn_norm=L.post_ffn_norm, rope=1 if local else 0,
-                    window=c.sliding_window if local else 0)
+        self.embed_scale = math.sqrt(c.n_embd)
+        self.final_softcap = c.final_softcap
 
     def plan_scale(self) -> float:
         return self.config.attn_scale
 
-    def rope_tables(self) -> list[Rope]:
+    def rope_tables(self, capacity: int = 0) -> list[Rope]:
         return [self.rope_global, self.rope_local]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok_embd.rows(ids) * self.embd_scale
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().head(x)
-        cap = self.config.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
-
-    def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
-        L, c = self.layers[i], self.config
-        local = c.swa_layers[i]
-        m = x.shape[0]
-        q, k, v = L.qkv(rms_norm(x, L.attn_norm, c.rms_eps))
-        q = rms_norm(q.reshape(m, c.n_head, c.head_dim), L.q_norm, c.rms_eps)
-        k = rms_norm(k.reshape(m, c.n_head_kv, c.head_dim), L.k_norm, c.rms_eps)
-        v = v.reshape(m, c.n_head_kv, c.head_dim)
-        rope = self.rope_local if local else self.rope_global
-        a = attend(q * c.attn_scale, k, v, cache, i, pos0, rope, 1.0, c.sliding_window if local else 0)
-        x = x + rms_norm(L.wo(a), L.post_attn_norm, c.rms_eps)
-        g, u = L.gate_up(rms_norm(x, L.ffn_norm, c.rms_eps))
-        ff = L.down(F.gelu(g, approximate="tanh") * u)
-        return x + rms_norm(ff, L.post_ffn_norm, c.rms_eps)

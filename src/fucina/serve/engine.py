@@ -221,14 +221,14 @@ class SlotPool:
         """Copy a longer common prefix held by another slot (busy ones too: rows
         below a live stream's prompt never change) instead of prefilling it; returns
         the rows copied."""
-        own = common_prefix(slot.tokens, ids)
+        own = slot.cache.truncate_point(common_prefix(slot.tokens, ids))
         best, n = None, own
         for s in self.slots:
             if s is not slot and s.cache is not None:
                 k = min(common_prefix(s.tokens, ids), s.cache.len, len(ids) - 1)
                 if k > n:
                     best, n = s, k
-        if best is None or n - own < COPY_MIN or not hasattr(slot.cache, "copy_rows"):
+        if best is None or n - own < COPY_MIN:
             return 0
         return copy_prefix(slot, best, ids, own, n)
 
@@ -250,7 +250,7 @@ class _Stream:
         req = job.req
         if len(req.ids) > slot.cache.capacity:
             raise ContextFull(f"prompt of {len(req.ids)} tokens exceeds the context of {slot.cache.capacity}")
-        keep = min(common_prefix(slot.tokens, req.ids), len(req.ids) - 1, slot.cache.len)
+        keep = slot.cache.truncate_point(min(common_prefix(slot.tokens, req.ids), len(req.ids) - 1))
         slot.cache.truncate(keep)
         del slot.tokens[keep:]
         self.copied = min(slot.copied, keep)
@@ -427,7 +427,7 @@ class Engine:
         """A stream still prefilling a longer shared prefix: wait for its rows and copy."""
         ids, have = s.job.req.ids, s.cache.len
         for d in live:
-            if not d.pending or not hasattr(s.cache, "copy_rows"):
+            if not d.pending:
                 continue
             k = min(common_prefix(d.job.req.ids, ids), len(ids) - 1)
             if k - have >= COPY_MIN and k > s.share:
@@ -438,7 +438,9 @@ class Engine:
         if s.gen is not None:
             s.gen.close()                          # the decoder rewinds its rows
         if s.cache.len > len(s.slot.tokens):        # a segment failed after writing rows
-            s.cache.truncate(len(s.slot.tokens))
+            keep = s.cache.truncate_point(len(s.slot.tokens))
+            s.cache.truncate(keep)
+            del s.slot.tokens[keep:]
         reply = s.rd.close()
         self.pool.release(s.slot)
         outcome = "failed" if error else "cancelled" if s.job.cancelled else "completed"

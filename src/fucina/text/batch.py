@@ -67,7 +67,7 @@ class SegmentError(FucinaError):
 
 def native_rows(model, caches: Sequence):
     """The native pointer tables of `caches` when one native pass can serve them all, else None."""
-    if getattr(model, "native_plan", None) is None or not hasattr(model, "_native_cache"):
+    if getattr(model, "native_plan", None) is None:
         return None
     ptrs = [model._native_cache(c) for c in caches]
     return ptrs if all(p is not None for p in ptrs) else None
@@ -94,7 +94,10 @@ def ragged_step(model, caches: Sequence, tokens: Sequence[Sequence[int]],
 @torch.inference_mode()
 def _ragged_native(model, caches, tokens, want, ptrs) -> list[torch.Tensor | None]:
     for c, t in zip(caches, tokens):
-        c.check_room(len(t))
+        if len(t) > c.step_limit():
+            raise FucinaError(f"ragged step: a segment of {len(t)} rows exceeds the cache's step "
+                              f"limit of {c.step_limit()}")
+        c.reserve(len(t))     # a window memory makes room here (its table follows)
     flat = [int(i) for t in tokens for i in t]
     x = model.embed(as_ids(flat, model.config.n_vocab)).float().contiguous()
     rows, positions, last = [], [], []

@@ -60,7 +60,7 @@ class Conversation:
         if self._persist is not None:
             self._resume()
         elif tokens is not None:          # a warm cache: `tokens` describes its positions
-            self.cache.truncate(len(tokens))
+            self.cache.truncate(self.cache.truncate_point(len(tokens)))
             self.tokens = [int(t) for t in tokens[:self.cache.len]]
         elif self.cache.len:
             self.cache.reset()

@@ -80,7 +80,7 @@ def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0) -> 
     context = torch.randint(0, n_vocab, (depth,), generator=g).tolist()
     prompt = torch.randint(0, n_vocab, (pp,), generator=g).tolist()
     gen = torch.randint(0, n_vocab, (tg,), generator=g).tolist()
-    cache = model.init_cache(depth + max(pp, tg) + 1)
+    cache = model.init_cache(depth + max(pp, tg) + 1, rewindable=depth > 0)  # each run rewinds to depth
     if depth:
         for s in range(0, depth, 512):
             model.forward_step(cache, context[s:s + 512], s)

@@ -115,7 +115,7 @@ def prefill(model, cache, history: list[int], ids: Sequence[int]) -> tuple[torch
         raise FucinaError("the prompt is empty: nothing to prefill")
     if len(ids) > cache.capacity:
         raise ContextFull(f"prompt of {len(ids)} tokens exceeds the context of {cache.capacity}")
-    keep = min(common_prefix(history, ids), len(ids) - 1, cache.len)
+    keep = cache.truncate_point(min(common_prefix(history, ids), len(ids) - 1, cache.len))
     cache.truncate(keep)
     del history[keep:]
     logits = model.forward_step(cache, ids[keep:], keep)

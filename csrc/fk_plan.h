@@ -1,0 +1,78 @@
+/* The native decoder plan's schema: the one list of its fields, for C and for Python.
+ *
+ * C gets the structs (fk_plan, fk_layer) and the descriptor parser from these lists;
+ * Python asks the module for them (plan_schema()) and fills a descriptor by name
+ * (kernels.DecoderPlan.build), so neither side holds a positional offset. Kinds:
+ *   I  an int64 setting          F  a double, as its int64 bit pattern
+ *   V  an f32 vector address     W  a weight: qtype, address, row_bytes, n, k (5 slots)
+ * A V or W left 0 is absent. Adding a field = one line here (+ its use in the step). */
+#ifndef FK_PLAN_H
+#define FK_PLAN_H
+
+#include <stdint.h>
+
+/* A weight as the layer step sees it: GGML blocks [n, row_bytes], y = x @ W^T. */
+typedef struct {
+    int qtype;
+    const uint8_t *w;
+    int64_t rb, n, k;
+} fk_lin;
+
+#define FK_PLAN_FIELDS(X) \
+    X(I, n_layer) X(I, n_embd) X(I, n_ff) X(I, n_rot) X(I, neox) X(I, act) X(F, eps) X(F, scale)
+
+/* one layer: a mixer (attention today) and an ffn (dense today) with their norms */
+#define FK_LAYER_FIELDS(X)                                                                    \
+    X(I, mixer) X(I, ffn) X(I, n_head) X(I, n_kv) X(I, head_dim) X(I, window) X(I, rope)      \
+    X(V, attn_norm) X(V, q_norm) X(V, k_norm) X(V, post_attn_norm) X(V, ffn_norm)             \
+    X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
+    X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)
+
+enum { FK_MIXER_ATTENTION = 0 };
+enum { FK_FFN_DENSE = 0 };
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
+
+#define FK_FIELD_I(name) int64_t name;
+#define FK_FIELD_F(name) double name;
+#define FK_FIELD_V(name) const float *name;
+#define FK_FIELD_W(name) fk_lin name;
+#define FK_DECLARE(kind, name) FK_FIELD_##kind(name)
+
+/* One decoder layer (fk_step_impl.inc):
+ *   h = norm(x); q,k,v = h W_qkv (+ bias); q/k head norms; RoPE; K/V -> f16 cache;
+ *   attention; x += post_norm(att W_o); h = norm(x); x += post_norm(act(h W_gate) * (h W_up) W_down)
+ * qkv is one fused weight [q|k|v] or three; gate/up one fused [gate|up] or two. */
+typedef struct {
+    FK_LAYER_FIELDS(FK_DECLARE)
+} fk_layer;
+
+typedef struct {
+    FK_PLAN_FIELDS(FK_DECLARE)
+    int64_t max_q, max_qkv;   /* widest layer: the step's scratch */
+    fk_layer *layers;
+} fk_plan;
+
+/* a cache's pointer table: per layer k, v (f16 [rows, n_kv, head_dim]), base, rows;
+ * position p lives in row p - base (base > 0 only in a sliding-window memory) */
+#define FK_KV_ENTRY 4
+
+/* One call: run every layer of `plan` over x[m, n_embd] (updated in place) at positions
+ * pos0.., writing K/V rows into the cache whose table is kv. cis[t]: RoPE table t as
+ * (cos, sin) pairs [cis_len[t], n_rot / 2, 2]. */
+typedef struct {
+    const fk_plan *plan;
+    float *x;
+    int64_t m, pos0;
+    const int64_t *kv;
+    const float *cis[2];
+    int64_t cis_len[2];
+    int nthreads, prefill;
+    void (*matmul)(const fk_matmul_args *a);
+    /* batch mode (row_pos != NULL): row i is one token of its own stream, at position
+     * row_pos[i] of the cache whose table is row_kv + i * n_layer * FK_KV_ENTRY */
+    const int64_t *row_pos;
+    const int64_t *row_kv;
+    int status;  /* out: 0 ok, -1 out of memory */
+} fk_step_args;
+
+#endif

@@ -1,0 +1,410 @@
+"""Per-layer memories: what one layer keeps between steps, and what it can undo.
+
+Every kind answers the same questions (the `LayerMemory` protocol): write rows at a
+position, read the rows of a span, make room before a step, how far back it can rewind
+(`can_truncate`), copy another cache's rows, what it costs per position, its rows for
+persistence, and its entry in the native step's pointer table (None: no native route).
+
+Kinds:
+  KVMemory       every position's K and V (K and V widths may differ)
+  WindowKV       only the last `window` positions (plus `slack` rows so one step of up
+                 to slack + 1 rows fits): local sliding-window layers
+  AliasKV        another layer's K/V (layers that share KV): nothing of its own
+  RecurrentState a fixed-size state (conv window + state matrices) with per-position
+                 snapshots over a bounded horizon, so it rewinds within that horizon
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from fucina.errors import KVCacheError
+from fucina.models.cache.rows import STORES
+
+NO_LIMIT = 1 << 30
+
+
+class LayerMemory(Protocol):
+    kind: str
+
+    def descriptor(self) -> tuple[int, ...]:
+        """The geometry that must match for rows to be exchanged (persistence, copies)."""
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def reserve(self, pos: int, m: int) -> None:
+        """Make room for m rows at positions pos.. (before a step writes them)."""
+
+    def step_limit(self) -> int: ...
+
+    def can_truncate(self, keep: int, length: int) -> bool: ...
+
+    def truncate(self, keep: int) -> None: ...
+
+    def commit(self, length: int) -> None:
+        """The cache now holds `length` positions (recurrent kinds snapshot here)."""
+
+    def copy_from(self, src: "LayerMemory", start: int, end: int) -> None: ...
+
+    def nbytes(self) -> int: ...
+
+    def bytes_per_position(self) -> int: ...
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The storage tensors with one row per position (their rows go in records)."""
+
+    def export(self, start: int, end: int) -> list[torch.Tensor]:
+        """Per-position storage for persistence: rows of positions [start, end)."""
+
+    def state_parts(self) -> list[torch.Tensor]:
+        """Storage kept once, not per position (a recurrent state); [] for the others."""
+
+    def restore(self, n: int, parts: list[torch.Tensor]) -> None: ...
+
+    def native_entry(self) -> tuple[int, int, int, int] | None: ...
+
+
+class KVMemory:
+    """K and V rows for positions [base, base + rows): base stays 0 here (every position
+    is kept, so any rewind is just a shorter length)."""
+
+    kind = "kv"
+
+    def __init__(self, capacity: int, heads: int, k_dim: int, v_dim: int | None = None,
+                 storage: str = "f16", dtype: torch.dtype = torch.float16):
+        if storage not in STORES:
+            raise KVCacheError(f"unknown cache type {storage!r} (f16 or q8_0)")
+        rows = self._rows(capacity)
+        self.k = STORES[storage](rows, heads, k_dim, dtype)
+        self.v = STORES[storage](rows, heads, v_dim or k_dim, dtype)
+        self.storage, self.base = storage, 0
+        self.table_row: torch.Tensor | None = None   # this layer's native entry, kept current
+
+    def _rows(self, capacity: int) -> int:
+        return capacity
+
+    @property
+    def rows(self) -> int:
+        return self.k.rows
+
+    def descriptor(self) -> tuple[int, ...]:
+        return (self.k.heads, self.k.dim, self.v.dim, 0)
+
+    def _slot(self, pos: int, m: int) -> int:
+        s = pos - self.base
+        if s < 0 or s + m > self.rows:
+            raise KVCacheError(f"{self.kind} memory holds positions [{self.base}, "
+                               f"{self.base + self.rows}); rows {pos}..{pos + m - 1} are outside")
+        return s
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.shape[1:] != (self.k.heads, self.k.dim) or v.shape[1:] != (self.v.heads, self.v.dim):
+            raise KVCacheError(f"rows {tuple(k.shape)}/{tuple(v.shape)} do not fit the cache's "
+                               f"[{self.k.heads}, {self.k.dim}]/[{self.v.heads}, {self.v.dim}]")
+        self.reserve(pos, k.shape[0])
+        s = self._slot(pos, k.shape[0])
+        self.k.put(s, k)
+        self.v.put(s, v)
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._slot(start, end - start)
+        return self.k.get(s, s + end - start), self.v.get(s, s + end - start)
+
+    def reserve(self, pos: int, m: int) -> None:
+        pass
+
+    def step_limit(self) -> int:
+        return NO_LIMIT
+
+    def can_truncate(self, keep: int, length: int) -> bool:
+        return True
+
+    def truncate(self, keep: int) -> None:
+        pass
+
+    def commit(self, length: int) -> None:
+        pass
+
+    def _same(self, src) -> None:
+        if type(src) is not type(self) or src.descriptor() != self.descriptor() or src.storage != self.storage:
+            raise KVCacheError("copy_rows: cache geometry or type differs")
+
+    def copy_from(self, src: "KVMemory", start: int, end: int) -> None:
+        self._same(src)
+        self._take(src, start, end)
+
+    def _take(self, src: "KVMemory", start: int, end: int) -> None:
+        s, d = src._slot(start, end - start), self._slot(start, end - start)
+        self.k.take(src.k, s, d, end - start)
+        self.v.take(src.v, s, d, end - start)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def bytes_per_position(self) -> int:
+        return self.k.row_bytes() + self.v.row_bytes()
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The storage tensors whose per-position rows persistence records."""
+        return self.k.parts + self.v.parts
+
+    def export(self, start: int, end: int) -> list[torch.Tensor]:
+        """Positions [start, end) of every storage tensor; positions no longer held
+        (a window's past) read as zeros."""
+        lo = max(start, self.base)
+        out = []
+        for t in self.parts():
+            rows = torch.zeros((end - start,) + tuple(t.shape[1:]), dtype=t.dtype)
+            if end > lo:
+                rows[lo - start:] = t[lo - self.base:end - self.base]
+            out.append(rows)
+        return out
+
+    def state_parts(self) -> list[torch.Tensor]:
+        return []
+
+    def restore(self, n: int, parts: list[torch.Tensor]) -> None:
+        """Into an empty memory: positions [0, n) (this kind keeps those it needs)."""
+        lo = self._restore_from(n)
+        self.base = lo
+        for t, rows in zip(self.parts(), parts):
+            t[:n - lo] = rows[lo:n]
+        self._publish()
+
+    def _restore_from(self, n: int) -> int:
+        return 0
+
+    def native_entry(self) -> tuple[int, int, int, int] | None:
+        if self.storage != "f16" or self.k.dtype is not torch.float16 or self.k.dim != self.v.dim:
+            return None
+        return (self.k.parts[0].data_ptr(), self.v.parts[0].data_ptr(), self.base, self.rows)
+
+    def _publish(self) -> None:
+        if self.table_row is not None:
+            self.table_row[2] = self.base
+
+
+class WindowKV(KVMemory):
+    """A sliding-window layer: keys older than `window` positions are never read again,
+    so only `window + slack` rows exist. Rows stay in position order (reads are one
+    contiguous span, as the native kernels want): when a step would run past the end,
+    the last window - 1 rows move to the front (every `slack` tokens, ~window rows
+    copied: about one row per token). A step may append up to slack + 1 rows; a rewind
+    reaches back as far as the rows still held allow."""
+
+    kind = "window"
+
+    def __init__(self, capacity: int, heads: int, k_dim: int, v_dim: int | None = None,
+                 storage: str = "f16", dtype: torch.dtype = torch.float16, *, window: int,
+                 slack: int = 512):
+        if window < 1 or slack < 0:
+            raise KVCacheError(f"window memory needs window >= 1 and slack >= 0 (got {window}, {slack})")
+        self.window, self.slack = window, slack
+        super().__init__(capacity, heads, k_dim, v_dim, storage, dtype)
+
+    def _rows(self, capacity: int) -> int:
+        self.capacity = capacity
+        return min(capacity, self.window + self.slack)
+
+    def descriptor(self) -> tuple[int, ...]:
+        return (self.k.heads, self.k.dim, self.v.dim, self.window)
+
+    def _need_from(self, pos: int) -> int:
+        """The oldest position a query at `pos` reads."""
+        return max(0, pos - self.window + 1)
+
+    def reserve(self, pos: int, m: int) -> None:
+        if pos + m - self.base <= self.rows:
+            return
+        lo = self._need_from(pos)
+        if lo < self.base or pos + m - lo > self.rows:
+            raise KVCacheError(f"window memory: {m} rows at {pos} do not fit "
+                               f"(held from {self.base}, {self.rows} rows)")
+        held = pos - lo
+        for store in (self.k, self.v):
+            store.move(lo - self.base, 0, held)
+        self.base = lo
+        self._publish()
+
+    def step_limit(self) -> int:
+        if self.rows >= self.capacity:     # every position fits: it never moves
+            return NO_LIMIT
+        return max(1, self.rows - self.window + 1)
+
+    def can_truncate(self, keep: int, length: int) -> bool:
+        return keep >= length or keep == 0 or self.base <= self._need_from(keep)
+
+    def truncate(self, keep: int) -> None:
+        if keep == 0 and self.base:
+            self.base = 0
+            self._publish()
+
+    def copy_from(self, src: "WindowKV", start: int, end: int) -> None:
+        self._same(src)
+        lo = max(start, self._need_from(end))
+        if src.base > lo:
+            raise KVCacheError(f"copy_rows: the source window no longer holds position {lo}")
+        if lo > start or end - self.base > self.rows:   # our own rows are not needed: restart at lo
+            self.base = lo
+            self._publish()
+        self._take(src, lo, end)
+
+    def _restore_from(self, n: int) -> int:
+        return self._need_from(n)
+
+
+class AliasKV:
+    """A layer that reads another layer's K/V (cross-layer KV sharing): it writes and
+    stores nothing; reads go to the target."""
+
+    kind = "alias"
+
+    def __init__(self, target: KVMemory, target_layer: int):
+        self.target, self.target_layer = target, target_layer
+        self.storage = target.storage
+        self.table_row = None
+
+    def descriptor(self) -> tuple[int, ...]:
+        return (self.target_layer, 0, 0, 0)
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise KVCacheError(f"layer aliases layer {self.target_layer}'s KV: it has none of its own to write")
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.target.span(start, end)
+
+    def reserve(self, pos: int, m: int) -> None:
+        pass
+
+    def step_limit(self) -> int:
+        return NO_LIMIT
+
+    def can_truncate(self, keep: int, length: int) -> bool:
+        return True    # the target answers for the rows
+
+    def truncate(self, keep: int) -> None:
+        pass
+
+    def commit(self, length: int) -> None:
+        pass
+
+    def copy_from(self, src: "AliasKV", start: int, end: int) -> None:
+        if not isinstance(src, AliasKV) or src.target_layer != self.target_layer:
+            raise KVCacheError("copy_rows: cache geometry or type differs")
+
+    def nbytes(self) -> int:
+        return 0
+
+    bytes_per_position = nbytes
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def export(self, start: int, end: int) -> list[torch.Tensor]:
+        return []
+
+    def state_parts(self) -> list[torch.Tensor]:
+        return []
+
+    def restore(self, n: int, parts: list[torch.Tensor]) -> None:
+        pass
+
+    def native_entry(self):
+        return None
+
+
+class RecurrentState:
+    """A recurrent mixer's state (e.g. Gated DeltaNet): a conv window [conv_len, channels]
+    and state matrices [heads, d_k, d_v], f32, overwritten in place each step. It cannot
+    be cut back by a length; instead a snapshot is taken at every committed position over
+    the last `horizon` positions, so a rewind within the horizon (a rejected speculation,
+    the start of the last turn) restores the snapshot. The mixer reads `span()` (the
+    current state) and stores the next with `write(pos, conv, state)`."""
+
+    kind = "recur"
+    storage = "f32"
+
+    def __init__(self, conv_len: int, channels: int, heads: int, d_k: int, d_v: int, horizon: int = 16):
+        if min(conv_len, channels, heads, d_k, d_v) < 1 or horizon < 0:
+            raise KVCacheError("recurrent state needs positive sizes and horizon >= 0")
+        self.conv = torch.zeros(conv_len, channels)
+        self.state = torch.zeros(heads, d_k, d_v)
+        self.horizon = horizon
+        self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.table_row = None
+
+    def descriptor(self) -> tuple[int, ...]:
+        return (self.conv.shape[0], self.conv.shape[1], self.state.shape[0],
+                self.state.shape[1] * 65536 + self.state.shape[2])
+
+    def write(self, pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        if conv.shape != self.conv.shape or state.shape != self.state.shape:
+            raise KVCacheError(f"state {tuple(conv.shape)}/{tuple(state.shape)} does not fit "
+                               f"{tuple(self.conv.shape)}/{tuple(self.state.shape)}")
+        self.conv.copy_(conv)
+        self.state.copy_(state)
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.state
+
+    def reserve(self, pos: int, m: int) -> None:
+        pass
+
+    def step_limit(self) -> int:
+        return NO_LIMIT
+
+    def commit(self, length: int) -> None:
+        if self.horizon:
+            self.snaps[length] = (self.conv.clone(), self.state.clone())
+            for p in [p for p in self.snaps if p <= length - self.horizon or p > length]:
+                del self.snaps[p]
+
+    def can_truncate(self, keep: int, length: int) -> bool:
+        return keep >= length or keep == 0 or keep in self.snaps
+
+    def truncate(self, keep: int) -> None:
+        if keep == 0:
+            self.conv.zero_()
+            self.state.zero_()
+            self.snaps.clear()
+            return
+        conv, state = self.snaps[keep]
+        self.conv.copy_(conv)
+        self.state.copy_(state)
+        for p in [p for p in self.snaps if p > keep]:
+            del self.snaps[p]
+
+    def copy_from(self, src: "RecurrentState", start: int, end: int) -> None:
+        if not isinstance(src, RecurrentState) or src.descriptor() != self.descriptor():
+            raise KVCacheError("copy_rows: cache geometry or type differs")
+        if end not in src.snaps:
+            raise KVCacheError(f"copy_rows: the source state has no snapshot at {end}")
+        self.conv.copy_(src.snaps[end][0])
+        self.state.copy_(src.snaps[end][1])
+        self.commit(end)
+
+    def nbytes(self) -> int:
+        one = (self.conv.numel() + self.state.numel()) * 4
+        return one * (1 + len(self.snaps))
+
+    def bytes_per_position(self) -> int:
+        return 0
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def export(self, start: int, end: int) -> list[torch.Tensor]:
+        return []
+
+    def state_parts(self) -> list[torch.Tensor]:
+        """What persistence stores once (not per position): the current state."""
+        return [self.conv, self.state]
+
+    def restore(self, n: int, parts: list[torch.Tensor]) -> None:
+        pass    # kv_persist copies state_parts() in, then the cache commits n
+
+    def native_entry(self):
+        return None
