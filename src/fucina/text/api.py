@@ -10,27 +10,45 @@
 
 Sampling keywords follow llama.cpp/OpenAI: temperature, top_k, top_p, min_p,
 repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus stop
-(a string or a list of strings). The default is greedy (temperature 0).
+(a string or a list of strings). Unset keywords take the model's recommended sampling
+(`general.sampling.*` in the GGUF) or llama.cpp's defaults (temperature 0.8, top-k 40,
+top-p 0.95, min-p 0.05), with a fresh seed per call unless `seed` is given;
+`temperature=0` is greedy.
 """
 from __future__ import annotations
 
+import numbers
 import os
+import warnings
 from typing import Any, Iterator, Sequence
 
+from fucina.errors import InvalidArgument
 from fucina.models.cache_q8 import make_cache
 from fucina.text.chat_template import ChatTemplate
 from fucina.text.conversation import Conversation
+from fucina.text.defaults import default_sampling, fresh_seed
 from fucina.text.generate import Reply, decode, prefill, run
 from fucina.text.sampler import SAMPLING_KEYS, Sampler, SamplingConfig
 
 
-def _split_options(kw: dict[str, Any]) -> tuple[SamplingConfig, list[str]]:
+def _split_options(kw: dict[str, Any], base: SamplingConfig) -> tuple[SamplingConfig, list[str]]:
     stop = kw.pop("stop", None)
     unknown = sorted(set(kw) - SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown option(s): {', '.join(unknown)}")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        raise InvalidArgument(f"stop must be a string or a list of strings, got {stop!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return SamplingConfig.from_kwargs(**kw), stops
+    if kw.get("seed") is None:
+        kw["seed"] = fresh_seed()
+    return SamplingConfig.from_kwargs(base, **kw), stops
+
+
+def _count(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer, got {v!r}")
+    return v
 
 
 class LLM:
@@ -41,8 +59,11 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
         self.template = template or ChatTemplate.from_metadata(meta, tokenizer)
+        src = meta.get("tokenizer.chat_template")
+        self.has_chat_template = template is not None or (isinstance(src, str) and bool(src.strip()))
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
         self.cache_type = cache_type
+        self.sampling = default_sampling(meta)      # what unset sampling keywords mean
         self._cache = None
         self._history: list[int] = []
         self.last: Reply | None = None
@@ -62,8 +83,9 @@ class LLM:
         """Continue `prompt` (text, or token ids), yielding UTF-8-safe text pieces. The
         cache is kept between calls and its longest common prefix with the next prompt
         is reused."""
-        cfg, stops = _split_options(dict(options))
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        cfg, stops = _split_options(dict(options), self.sampling)
+        max_tokens = _count("max_tokens", max_tokens)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
         return self._complete(ids, max_tokens, Sampler(cfg), stops)
@@ -88,15 +110,37 @@ class LLM:
              tools: Sequence[dict] | None = None, persist: str | os.PathLike | None = None,
              **options: Any) -> Conversation:
         """A new multi-turn Conversation with its own KV cache."""
-        cfg, stops = _split_options(dict(options))
+        cfg, stops = _split_options(dict(options), self.sampling)
+        max_tokens = _count("max_tokens", max_tokens)
+        if system is not None and not isinstance(system, str):
+            raise InvalidArgument(f"system must be a string, got {type(system).__name__}")
+        if not self.has_chat_template:
+            warnings.warn(f"{self._name()} has no chat template (a base model?): chat uses the "
+                          f"built-in {self.template.name} format, which it was not trained on; "
+                          f"generate() continues text as a raw completion", stacklevel=2)
         return Conversation(self.model, self.tokenizer, self.template, system=system,
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
                             persist=persist)
 
+    def _name(self) -> str:
+        return os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", "the model")))
+
     def __repr__(self) -> str:
-        path = getattr(getattr(self.model, "gguf", None), "path", "?")
-        return f"LLM({os.path.basename(str(path))}, arch={self.config.arch}, template={self.template.name})"
+        return f"LLM({self._name()}, arch={self.config.arch}, template={self.template.name})"
+
+
+def _token_ids(prompt: Any, tokenizer) -> list[int]:
+    n = getattr(tokenizer, "n_vocab", None)
+    try:
+        ids = [i for i in prompt]
+    except TypeError:
+        raise InvalidArgument(f"prompt must be a string or a sequence of token ids, got "
+                              f"{type(prompt).__name__}") from None
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (n is not None and i >= n):
+            raise InvalidArgument(f"prompt holds {i!r}, not a token id in [0, {n})")
+    return [int(i) for i in ids]
 
 
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
