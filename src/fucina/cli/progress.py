@@ -5,16 +5,13 @@ mixes into output a script reads; FUCINA_PROGRESS=1 forces bars on, =0 off.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 
-def enabled(stream=None) -> bool:
-    forced = os.environ.get("FUCINA_PROGRESS")
-    if forced in ("0", "1"):
-        return forced == "1"
-    stream = stream or sys.stderr
-    return bool(getattr(stream, "isatty", lambda: False)())
+def enabled() -> bool:
+    from fucina.models.hub import progress_enabled
+
+    return progress_enabled()
 
 
 def bar(total: int | None, desc: str, unit: str = "it", **kw):

@@ -140,8 +140,8 @@ def parse(server, body: dict) -> tuple[Turn, dict]:
         if t not in ("enabled", "disabled", "adaptive"):
             raise bad("'thinking.type' must be 'enabled' or 'disabled'", "thinking.type")
         think = t != "disabled"
-    cfg = sampling(f)
-    if cfg.temperature > 1.0:
+    cfg = sampling(f, server.sampling)
+    if f.has("temperature") and cfg.temperature > 1.0:
         raise bad("'temperature' must be in [0, 1]", "temperature")
     stops = f.stops("stop_sequences")
     prompt = server.render(lambda: render_chat(server.engine, msgs, tools=tools, tool_choice=choice,

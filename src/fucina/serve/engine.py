@@ -33,6 +33,7 @@ from fucina.errors import ContextFull, FucinaError
 from fucina.models.cache_q8 import make_cache
 from fucina.text.batch import forward_step_batch
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix, prefill
+from fucina.text.logit_processor import LogitProcessor
 from fucina.text.sampler import Sampler, SamplingConfig
 
 log = logging.getLogger("fucina.serve")
@@ -48,6 +49,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
+    processor: LogitProcessor | None = None   # e.g. a forced tool call's name constraint
 
 
 @dataclass
@@ -87,8 +89,8 @@ class ServeSampler(Sampler):
     """The request's sampler, also recording log-probabilities (of the model's raw
     distribution, before penalties and truncation) when asked."""
 
-    def __init__(self, config: SamplingConfig, top: int | None):
-        super().__init__(config)
+    def __init__(self, config: SamplingConfig, top: int | None, processor: LogitProcessor | None = None):
+        super().__init__(config, processor)
         self.top = top
         self.entries: list[tuple] = []
 
@@ -203,7 +205,7 @@ class _Stream:
     def __init__(self, engine: "Engine", job: Job, slot: Slot):
         self.engine, self.job, self.slot = engine, job, slot
         req = job.req
-        self.sampler = ServeSampler(req.sampling, req.logprobs)
+        self.sampler = ServeSampler(req.sampling, req.logprobs, req.processor)
         logits, reused = prefill(engine.model, slot.cache, slot.tokens, req.ids)
         self.logits = logits
         self.rd = ReplyDecoder(slot.cache, slot.tokens, self.sampler, engine.tokenizer,

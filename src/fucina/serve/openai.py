@@ -39,14 +39,15 @@ def _text_content(content: Any, path: str, *, allowed=("text", "input_text", "ou
         return content
     if not isinstance(content, list):
         raise bad(f"'{path}' must be a string or an array of content parts", path)
-    out = []
+    out = ""
     for j, part in enumerate(content):
         f = Fields(part, f"{path}[{j}].")
         kind = f.str("type", required=True)
         if kind not in allowed:
             raise bad(f"'{path}[{j}].type' {kind!r} is not supported (text only)", f"{path}[{j}].type")
-        out.append(f.str("text", "", required=True))
-    return "".join(out)
+        text = f.str("text", "", required=True)
+        out += ("\n" if out else "") + text       # llama-server: a newline between non-empty runs
+    return out
 
 
 def _arguments_obj(text: str) -> Any:
@@ -186,7 +187,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
         mt = f.int("max_tokens", None, 1)
     stream = f.bool("stream", False)
     so = Fields(f.dict("stream_options", {}), "stream_options.")
-    cfg = sampling(f)
+    cfg = sampling(f, server.sampling)
     stops = f.stops("stop")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
                                                think=_think(f)))
@@ -214,7 +215,13 @@ def respond_chat(server, turn: Turn, opt: dict) -> dict:
 
 
 async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+    pending: list[tuple] = []      # logprobs of tokens whose text has not been sent yet
+
+    def chunk(delta: dict, finish=None) -> str:
+        logprobs = None
+        if pending and (delta or finish):       # ride on the chunk carrying the tokens' text
+            logprobs = chat_logprobs(server, pending)
+            pending.clear()
         c = {"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
              "model": server.model_id, "system_fingerprint": server.fingerprint,
              "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -235,7 +242,7 @@ async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
         elif isinstance(ev, ToolArgs):
             yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
         elif isinstance(ev, LogProbs) and opt["logprobs"]:
-            yield chunk({}, logprobs=chat_logprobs(server, ev.entries))
+            pending += ev.entries
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
@@ -268,9 +275,9 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
     if f.has("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     top = f.int("logprobs", None, 0, 20)
-    prompt = server.render(lambda: render_completion(server.engine, p))
+    prompt = server.render(lambda: render_completion(server.engine, p), param="prompt")
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
-                     sampling(f), f.stops("stop"), server.engine.stop_ids, top)
+                     sampling(f, server.sampling), f.stops("stop"), server.engine.stop_ids, top)
     so = Fields(f.dict("stream_options", {}), "stream_options.")
     return Turn(server, prompt, req), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),
@@ -300,18 +307,24 @@ def respond_completion(server, turn: Turn, opt: dict) -> dict:
 
 
 async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
-    def chunk(text: str, finish=None, logprobs=None) -> str:
+    pending: list[tuple] = []      # logprobs of tokens whose text has not been sent yet
+
+    def chunk(text: str, finish=None, echo=False) -> str:
+        logprobs = None
+        if pending and not echo and (text or finish):
+            logprobs = _completion_logprobs(server, pending)
+            pending.clear()
         return sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                     "model": server.model_id,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
     async for ev in turn.events():
         if isinstance(ev, Started) and opt["echo"]:
-            yield chunk(turn.prompt.text)
+            yield chunk(turn.prompt.text, echo=True)
         elif isinstance(ev, Text):
             yield chunk(ev.text)
         elif isinstance(ev, LogProbs) and opt["logprobs"]:
-            yield chunk("", logprobs=_completion_logprobs(server, ev.entries))
+            pending += ev.entries
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
@@ -391,7 +404,7 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
         raise bad("'text.format' other than text is not supported", "text.format")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
                                                think=_think(f)))
-    cfg = sampling(f)
+    cfg = sampling(f, server.sampling)
     mt = f.int("max_output_tokens", None, 1)
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids)
     turn = Turn(server, prompt, req, single_call=bool(tools) and (isinstance(choice, dict) or not parallel))
