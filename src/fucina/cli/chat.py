@@ -129,6 +129,12 @@ class ChatSession:
                     emit(piece)
             else:
                 self.conv.send(text, on_piece=emit)
+        except KeyboardInterrupt:
+            msgs = self.conv.messages
+            if not self.raw and not (len(msgs) >= 2 and msgs[-2] == {"role": "user", "content": text}):
+                msgs += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+                self.conv._committed_text = None          # stopped during the prefill
+            raise
         finally:
             last = self.llm.last if self.raw else self.conv.last
             if last is not None:

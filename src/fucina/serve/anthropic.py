@@ -14,7 +14,7 @@ import secrets
 from typing import Any, AsyncIterator
 
 from fucina.serve.engine import GenRequest, Started
-from fucina.serve.openai import _max_tokens, _text_content
+from fucina.serve.openai import _max_tokens, _text_content, join_parts
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart, tool_arguments
 from fucina.serve.prompt import render_chat
 from fucina.serve.protocol import ApiError, Fields, bad, sampling
@@ -84,12 +84,12 @@ def messages(f: Fields) -> list[dict]:
             else:
                 raise bad(f"'{path}.type' {kind!r} is not supported in a {role} message", path + ".type")
         if role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            msg: dict[str, Any] = {"role": "assistant", "content": join_parts(text)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
         elif text or not results:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": join_parts(text)})
     return out
 
 

@@ -39,14 +39,22 @@ def _text_content(content: Any, path: str, *, allowed=("text", "input_text", "ou
         return content
     if not isinstance(content, list):
         raise bad(f"'{path}' must be a string or an array of content parts", path)
-    out = ""
+    out = []
     for j, part in enumerate(content):
         f = Fields(part, f"{path}[{j}].")
         kind = f.str("type", required=True)
         if kind not in allowed:
             raise bad(f"'{path}[{j}].type' {kind!r} is not supported (text only)", f"{path}[{j}].type")
-        text = f.str("text", "", required=True)
-        out += ("\n" if out else "") + text       # llama-server: a newline between non-empty runs
+        out.append(f.str("text", "", required=True))
+    return join_parts(out)
+
+
+def join_parts(texts) -> str:
+    """Text parts as llama-server joins them: a newline before each part once some text
+    has accumulated ("What is" + "the best book" -> "What is\nthe best book")."""
+    out = ""
+    for t in texts:
+        out += ("\n" if out else "") + t
     return out
 
 

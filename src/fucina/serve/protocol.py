@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from fucina.text.defaults import LLAMA_CPP_DEFAULTS
+from fucina.text.defaults import default_sampling
 from fucina.text.sampler import SamplingConfig
 
 _MISSING = object()
@@ -126,7 +126,7 @@ def sampling(f: Fields, base: SamplingConfig | None = None, *, seed: int | None 
     llama.cpp's defaults, as llama-server); no seed means a fresh one."""
     from fucina.text.defaults import fresh_seed
 
-    b = base or LLAMA_CPP_DEFAULTS
+    b = base or default_sampling()
     s = f.int("seed", None)
     if s is None:
         s = seed if seed is not None else fresh_seed()
