@@ -51,6 +51,13 @@ def test_bad_generate_arguments_are_typed_errors_naming_them(llm, kw, name):
     assert issubclass(InvalidArgument, ValueError)
 
 
+def test_bad_load_arguments_are_typed(llm):
+    with pytest.raises(InvalidArgument, match="n_ctx"):
+        LLM(llm.model, llm.tokenizer, n_ctx=-5)
+    with pytest.raises(InvalidArgument, match="cache_type"):
+        LLM(llm.model, llm.tokenizer, cache_type="q4")
+
+
 def test_a_model_without_a_chat_template_warns_on_chat(llm, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from fucina.errors import InvalidArgument
-from fucina.models.cache_q8 import make_cache
+from fucina.models.cache_q8 import CACHE_TYPES, make_cache
 from fucina.text.chat_template import ChatTemplate
 from fucina.text.conversation import Conversation
 from fucina.text.defaults import default_sampling, fresh_seed
@@ -61,6 +61,10 @@ class LLM:
         self.template = template or ChatTemplate.from_metadata(meta, tokenizer)
         src = meta.get("tokenizer.chat_template")
         self.has_chat_template = template is not None or (isinstance(src, str) and bool(src.strip()))
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise InvalidArgument(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if cache_type not in CACHE_TYPES:
+            raise InvalidArgument(f"cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
         self.cache_type = cache_type
         self.sampling = default_sampling(meta)      # what unset sampling keywords mean
