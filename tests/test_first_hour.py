@@ -338,12 +338,12 @@ def test_forced_tool_choice_only_names_declared_tools(client, choice):
         if choice == "anthropic-any":
             tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
             r = client.post("/v1/messages", json={"messages": HI, "tools": tools, "tool_choice": {"type": "any"},
-                                                  "max_tokens": 24, "seed": seed}).json()
+                                                  "max_tokens": 64, "seed": seed}).json()
             names = [b["name"] for b in r["content"] if b["type"] == "tool_use"]
         else:
             tools = TOOLS[:1] if choice == "required-one" else TOOLS
             r = client.post("/v1/chat/completions", json={"messages": HI, "tools": tools, "seed": seed,
-                                                          "tool_choice": "required", "max_tokens": 24}).json()
+                                                          "tool_choice": "required", "max_tokens": 64}).json()
             names = [c["function"]["name"] for c in r["choices"][0]["message"].get("tool_calls") or []]
         assert names and set(names) <= {t["function"]["name"] for t in TOOLS}, r
 

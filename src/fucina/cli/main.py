@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fucina.cli.chat import add_sampling_args
 
-    s = sub.add_parser("run", help="continue a prompt (greedy unless sampling flags are given)")
+    s = sub.add_parser("run", help="continue a prompt (greedy unless --temp > 0)")
     s.add_argument("model", nargs="?", help=model_help)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--prompt", "-p", help="prompt text")

@@ -2,8 +2,9 @@
 
 With `tool_choice: "required"` (Anthropic `{"type": "any"}`) and several tools, the
 reply is primed with `<tool_call>\\n{"name": "` and `DeclaredName` masks the logits so
-that what follows spells one of the declared names and the hermes `", "arguments": `
-after it; then it steps aside (the arguments are the model's, or a grammar's). With
+that what follows spells one of the declared names and the hermes `", "arguments": {`
+after it (so the reply parses as a call to that tool however the arguments go on);
+then it steps aside (the arguments are the model's, or a grammar's). With
 one declared tool the prompt is primed with its name outright (prompt.render_chat).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from fucina.text.logit_processor import LogitProcessor
 
-ARGS_OPEN = '", "arguments": '
+ARGS_OPEN = '", "arguments": {'     # the arguments are a JSON object (hermes)
 
 _PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
