@@ -119,7 +119,8 @@ def cmd_run(args) -> int:
         raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen} exceeds the model's "
                           f"context of {model.config.n_ctx_train}")
     llm = LLM(model, tok, n_ctx=len(ids) + args.gen + 1, cache_type=args.cache_type)
-    opts = dict(temperature=0.0 if args.temp is None or args.greedy else args.temp,  # run: greedy top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+    greedy = args.temp is None or args.greedy            # run is the parity tool: greedy by default
+    opts = dict(temperature=0.0 if greedy else args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                 seed=args.seed)
