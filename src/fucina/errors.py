@@ -41,5 +41,9 @@ class SamplingError(FucinaError):
     """Sampling cannot proceed (e.g. every token masked by a logit processor)."""
 
 
+class GrammarError(FucinaError):
+    """A JSON schema, regex or grammar is malformed, or uses a feature that cannot be enforced."""
+
+
 class QuantError(FucinaError):
     """A GGML block buffer is malformed (wrong length) or its type is unknown or not encodable."""

@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
     s.add_argument("--threads", "-t", type=positive)
     add_sampling_args(s)
+    from fucina.cli.grammar_args import add_grammar_args
+    add_grammar_args(s)
     s.set_defaults(func=cmd_chat)
 
 
@@ -102,6 +104,7 @@ class ChatSession:
     or, for a model without one, raw completions of each message."""
 
     def __init__(self, llm, args):
+        from fucina.cli.grammar_args import reply_constraint
         from fucina.text.conversation import Conversation
 
         self.llm, self.args = llm, args
@@ -110,7 +113,8 @@ class ChatSession:
         self.ids: list[int] = []           # every reply's ids, for --ids-out
         self.conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system,
                                  max_tokens=args.gen, think=not args.no_think, sampling=self.sampling,
-                                 stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type)
+                                 stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
+                                 processor=None if self.raw else reply_constraint(llm, args, think=not args.no_think))
 
     @property
     def name(self) -> str:
@@ -125,7 +129,10 @@ class ChatSession:
                 opts = {k: getattr(self.sampling, k) for k in ("temperature", "top_k", "top_p", "min_p",
                                                               "repeat_penalty", "repeat_last_n",
                                                               "frequency_penalty", "presence_penalty", "seed")}
-                for piece in self.llm.stream(text, self.args.gen, stop=self.args.stop or [], **opts):
+                from fucina.cli.grammar_args import grammar_options
+
+                for piece in self.llm.stream(text, self.args.gen, stop=self.args.stop or [], **opts,
+                                             **grammar_options(self.args)):
                     emit(piece)
             else:
                 self.conv.send(text, on_piece=emit)

@@ -125,12 +125,14 @@ def cmd_run(args) -> int:
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                 seed=args.seed)
     opts = {k: v for k, v in opts.items() if v is not None}
+    from fucina.cli.grammar_args import grammar_options
     from fucina.cli.progress import prefill_with_progress
 
+    pieces = llm.stream(ids, args.gen, stop=args.stop or [], **opts, **grammar_options(args))
     prefill_with_progress(llm, ids)
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
-    for piece in llm.stream(ids, args.gen, stop=args.stop or [], **opts):
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -260,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_pull)
 
     from fucina.cli.chat import add_sampling_args
+    from fucina.cli.grammar_args import add_grammar_args
 
     s = sub.add_parser("run", help="continue a prompt (greedy unless --temp > 0)")
     s.add_argument("model", nargs="?", help=model_help)
@@ -271,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16", help="KV cache storage")
     s.add_argument("--threads", "-t", type=positive)
     add_sampling_args(s)
+    add_grammar_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")

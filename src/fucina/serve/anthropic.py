@@ -13,6 +13,7 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
+from fucina.serve import structured
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.openai import _max_tokens, _text_content, join_parts
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart, tool_arguments
@@ -144,10 +145,12 @@ def parse(server, body: dict) -> tuple[Turn, dict]:
     if f.has("temperature") and cfg.temperature > 1.0:
         raise bad("'temperature' must be in [0, 1]", "temperature")
     stops = f.stops("stop_sequences")
+    forced = structured.forced_tool(tools, choice)
+    grammar = structured.tool_grammar(server, tools, choice, not single) if forced else None
     prompt = server.render(lambda: render_chat(server.engine, msgs, tools=tools, tool_choice=choice,
-                                               think=think))
+                                               think=think, prime=not forced))
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, max_tokens), cfg, stops,
-                     server.engine.stop_ids)
+                     server.engine.stop_ids, processor=structured.constraint(server, prompt, grammar, think=think))
     turn = Turn(server, prompt, req, single_call=bool(tools) and single, id_prefix="toolu_")
     return turn, {"stream": f.bool("stream", False), "id": "msg_" + secrets.token_hex(12)}
 

@@ -33,7 +33,6 @@ from fucina.errors import ContextFull, FucinaError
 from fucina.models.cache_q8 import make_cache
 from fucina.text.batch import forward_step_batch
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix, prefill
-from fucina.text.logit_processor import LogitProcessor
 from fucina.text.sampler import Sampler, SamplingConfig
 
 log = logging.getLogger("fucina.serve")
@@ -49,7 +48,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None         # None: off; k: the chosen token's plus the top k
-    processor: LogitProcessor | None = None   # e.g. a forced tool call's name constraint
+    processor: Any = None               # this request's own LogitProcessor (a grammar Constraint)
 
 
 @dataclass
@@ -89,7 +88,7 @@ class ServeSampler(Sampler):
     """The request's sampler, also recording log-probabilities (of the model's raw
     distribution, before penalties and truncation) when asked."""
 
-    def __init__(self, config: SamplingConfig, top: int | None, processor: LogitProcessor | None = None):
+    def __init__(self, config: SamplingConfig, top: int | None, processor=None):
         super().__init__(config, processor)
         self.top = top
         self.entries: list[tuple] = []

@@ -10,6 +10,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
+from fucina.serve import structured
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import render_chat, render_completion
@@ -179,12 +180,14 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     messages = chat_messages(f)
     if f.int("n", 1, 1) != 1:
         raise bad("'n' must be 1 (one choice per request)", "n")
-    fmt = f.dict("response_format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad("'response_format' other than text is not supported", "response_format")
+    grammar = structured.response_format(f.dict("response_format"), "response_format") \
+        or structured.llamacpp_fields(f)
     tools = _chat_tools(f)
     choice = _tool_choice(f, tools)
     parallel = f.bool("parallel_tool_calls", True)
+    forced = structured.forced_tool(tools, choice)
+    if forced:
+        grammar = structured.tool_grammar(server, tools, choice, parallel)
     top = None
     if f.bool("logprobs", False):
         top = f.int("top_logprobs", 0, 0, 20)
@@ -198,9 +201,10 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     cfg = sampling(f, server.sampling)
     stops = f.stops("stop")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f)))
+                                               think=_think(f), prime=not forced))
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, stops,
-                     server.engine.stop_ids, top)
+                     server.engine.stop_ids, top,
+                     structured.constraint(server, prompt, grammar, think=_think(f)))
     single = isinstance(choice, dict) or not parallel
     return Turn(server, prompt, req, single_call=bool(tools) and single), {
         "stream": stream, "include_usage": bool(so.bool("include_usage", False)),
@@ -283,9 +287,11 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
     if f.has("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     top = f.int("logprobs", None, 0, 20)
+    grammar = structured.llamacpp_fields(f)
     prompt = server.render(lambda: render_completion(server.engine, p), param="prompt")
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
-                     sampling(f, server.sampling), f.stops("stop"), server.engine.stop_ids, top)
+                     sampling(f, server.sampling), f.stops("stop"), server.engine.stop_ids, top,
+                     structured.constraint(server, prompt, grammar, think=False))
     so = Fields(f.dict("stream_options", {}), "stream_options.")
     return Turn(server, prompt, req), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),
@@ -408,18 +414,21 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
     choice = _tool_choice(f, tools, flat=True)
     parallel = f.bool("parallel_tool_calls", True)
     fmt = Fields(f.dict("text", {}), "text.").dict("format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad("'text.format' other than text is not supported", "text.format")
+    grammar = structured.response_format(fmt, "text.format", flat=True)
+    forced = structured.forced_tool(tools, choice)
+    if forced:
+        grammar = structured.tool_grammar(server, tools, choice, parallel)
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f)))
+                                               think=_think(f), prime=not forced))
     cfg = sampling(f, server.sampling)
     mt = f.int("max_output_tokens", None, 1)
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids)
+    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,
+                     processor=structured.constraint(server, prompt, grammar, think=_think(f)))
     turn = Turn(server, prompt, req, single_call=bool(tools) and (isinstance(choice, dict) or not parallel))
     return turn, {"stream": f.bool("stream", False), "id": _rid("resp_"), "created": int(time.time()),
                   "msg_id": _rid("msg_"), "rs_id": _rid("rs_"), "body": body, "tools": f.list("tools", []),
                   "tool_choice": f.get("tool_choice", "auto"), "parallel": parallel, "max": mt,
-                  "temperature": cfg.temperature, "top_p": cfg.top_p}
+                  "temperature": cfg.temperature, "top_p": cfg.top_p, "format": fmt or {"type": "text"}}
 
 
 def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: list) -> dict:
@@ -436,7 +445,7 @@ def _response_obj(server, turn: Turn | None, opt: dict, status: str, output: lis
             "max_output_tokens": opt["max"], "model": server.model_id, "output": output,
             "parallel_tool_calls": opt["parallel"], "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": opt["temperature"], "text": {"format": {"type": "text"}},
+            "temperature": opt["temperature"], "text": {"format": opt["format"]},
             "tool_choice": opt["tool_choice"], "tools": opt["tools"], "top_p": opt["top_p"],
             "truncation": "disabled", "usage": u, "metadata": opt["body"].get("metadata") or {}}
 

@@ -10,12 +10,10 @@ Tools go through the template when it knows about them (it mentions `tools`, as 
 Qwen family's do: hermes `<tool_call>` blocks). A template without tool support gets
 the same hermes convention spelled out in a system message, assistant tool calls
 written back as `<tool_call>` blocks and tool results as `<tool_response>` user
-turns. A forced tool choice primes the reply with `<tool_call>` and the call's name:
-the named function's (or the only tool's), with the opening `{"` of its arguments
-object when its schema has properties; with `required` over several tools, the name
-is left open and `Prompt.choose_name` asks for it to be constrained to the declared
-ones (serve.tool_choice). So even a weak model answers with a call to a real tool;
-the arguments themselves are the model's.
+turns. A forced tool choice primes the reply with `<tool_call>` (and, when one
+function is named, its name and the opening `{"` of its arguments object when its
+schema has properties), so even a weak model answers with a call. This is priming,
+not constrained decoding: the arguments themselves are the model's.
 """
 from __future__ import annotations
 
@@ -42,7 +40,6 @@ class Prompt:
     tools: bool = False    # parse tool calls from the reply
     reasoning: bool = False
     tool_names: tuple[str, ...] = ()   # declared tools (a bare-JSON reply may call them)
-    choose_name: tuple[str, ...] = ()  # a forced call whose name must be one of these
 
     @property
     def opening(self) -> str:
@@ -93,9 +90,10 @@ def hermes_fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
 
 def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
-                think: bool | None = None) -> Prompt:
+                think: bool | None = None, prime: bool = True) -> Prompt:
     """Render a canonical history for the engine's model. tool_choice: "auto", "none",
-    "required", or a function name (str wrapped as {"name": ...})."""
+    "required", or a function name (str wrapped as {"name": ...}). prime=False leaves a
+    forced call unprimed (a grammar writes the whole call)."""
     template = engine.template
     if tool_choice == "none":
         tools = None
@@ -110,16 +108,9 @@ def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
         tools_arg = list(tools) if tools else None
     text = template.render(msgs, add_generation_prompt=True, tools=tools_arg, enable_thinking=think)
     primed = ""
-    names = tuple(t.get("function", t).get("name") for t in tools or ())
-    choose: tuple[str, ...] = ()
-    if tools and tool_choice not in ("auto", None):
+    if prime and tools and tool_choice not in ("auto", None):
         primed = "<tool_call>\n"
-        if tool_choice == "required" and len(set(names)) == 1:
-            tool_choice = {"name": names[0]}
-        if tool_choice == "required":
-            primed += '{"name": "'
-            choose = names
-        elif isinstance(tool_choice, dict) and tool_choice.get("name"):
+        if isinstance(tool_choice, dict) and tool_choice.get("name"):
             name = tool_choice["name"]
             primed += '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
             fn = next((t.get("function", t) for t in tools if t.get("function", t).get("name") == name), {})
@@ -127,7 +118,8 @@ def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
                 primed += '{"'       # an object with named fields: start its first key
     full = text + primed
     reasoning = "think>" in template.source or full.rstrip().endswith("<think>")
-    return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), reasoning, names, choose)
+    names = tuple(t.get("function", t).get("name") for t in tools or ())
+    return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), reasoning, names)
 
 
 def render_completion(engine, prompt: str | Sequence[int]) -> Prompt:

@@ -20,7 +20,6 @@ from typing import AsyncIterator
 from fucina.serve.engine import Finished, GenRequest, Job, Piece, Started
 from fucina.serve.parsing import OutputParser, Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import Prompt
-from fucina.serve.tool_choice import DeclaredName
 
 
 @dataclass
@@ -32,8 +31,6 @@ class Turn:
     def __init__(self, server, prompt: Prompt, req: GenRequest, *, single_call: bool = False,
                  id_prefix: str = "call_"):
         self.server, self.prompt, self.req = server, prompt, req
-        if prompt.choose_name and req.processor is None:       # forced call: a declared name
-            req.processor = DeclaredName(server.engine.tokenizer, prompt.choose_name)
         self.single_call = single_call
         self.parser = OutputParser(tools=prompt.tools, reasoning=prompt.reasoning, primed=prompt.opening,
                                    id_prefix=id_prefix, tool_names=prompt.tool_names)

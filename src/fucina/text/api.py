@@ -14,6 +14,12 @@ repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus s
 (`general.sampling.*` in the GGUF) or llama.cpp's defaults (temperature 0.8, top-k 40,
 top-p 0.95, min-p 0.05), with a fresh seed per call unless `seed` is given;
 `temperature=0` is greedy.
+
+Structured output (one of): json_schema= (a dict, JSON text or a pydantic model),
+regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings):
+
+    llm.generate("Name a colour:", regex=" (red|green|blue)")
+    chat = llm.chat(json_schema=MyModel)      # every reply is valid MyModel JSON
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ from typing import Any, Iterator, Sequence
 
 from fucina.errors import InvalidArgument
 from fucina.models.cache_q8 import CACHE_TYPES, make_cache
+from fucina.text import grammar as grammars
 from fucina.text.chat_template import ChatTemplate
+from fucina.text.constraint import for_reply, pop_options
 from fucina.text.conversation import Conversation
 from fucina.text.defaults import default_sampling, fresh_seed
 from fucina.text.generate import Reply, decode, prefill, run
@@ -87,17 +95,23 @@ class LLM:
         """Continue `prompt` (text, or token ids), yielding UTF-8-safe text pieces. The
         cache is kept between calls and its longest common prefix with the next prompt
         is reused."""
-        cfg, stops = _split_options(dict(options), self.sampling)
+        options = dict(options)
+        grammar = grammars.from_options(**pop_options(options))
+        cfg, stops = _split_options(options, self.sampling)
         max_tokens = _count("max_tokens", max_tokens)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
-        return self._complete(ids, max_tokens, Sampler(cfg), stops)
+        processor = for_reply(self.tokenizer, grammar, stop_ids=self._stop_ids(), n_vocab=self.config.n_vocab)
+        return self._complete(ids, max_tokens, Sampler(cfg, processor), stops)
+
+    def _stop_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "eog_ids", ()) or ())
 
     def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]):
         logits, reused = prefill(self.model, self._cache, self._history, ids)
         reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
-        stop_ids = set(getattr(self.tokenizer, "eog_ids", ()) or ())
+        stop_ids = self._stop_ids()
         try:
             yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
                               max_tokens=max_tokens, stop_ids=stop_ids, stop=stops, reply=reply)
@@ -113,8 +127,11 @@ class LLM:
     def chat(self, system: str | None = None, max_tokens: int = 1024, *, think: bool = True,
              tools: Sequence[dict] | None = None, persist: str | os.PathLike | None = None,
              **options: Any) -> Conversation:
-        """A new multi-turn Conversation with its own KV cache."""
-        cfg, stops = _split_options(dict(options), self.sampling)
+        """A new multi-turn Conversation with its own KV cache (a constraint keyword
+        governs every reply; on a thinking model, what follows the think block)."""
+        options = dict(options)
+        grammar = grammars.from_options(**pop_options(options))
+        cfg, stops = _split_options(options, self.sampling)
         max_tokens = _count("max_tokens", max_tokens)
         if system is not None and not isinstance(system, str):
             raise InvalidArgument(f"system must be a string, got {type(system).__name__}")
@@ -122,10 +139,12 @@ class LLM:
             warnings.warn(f"{self._name()} has no chat template (a base model?): chat uses the "
                           f"built-in {self.template.name} format, which it was not trained on; "
                           f"generate() continues text as a raw completion", stacklevel=2)
+        processor = for_reply(self.tokenizer, grammar, stop_ids=self.template.stop_ids(self.tokenizer),
+                              n_vocab=self.config.n_vocab, template=self.template, think=think)
         return Conversation(self.model, self.tokenizer, self.template, system=system,
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
-                            persist=persist)
+                            persist=persist, processor=processor)
 
     def _name(self) -> str:
         return os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", "the model")))

@@ -192,7 +192,10 @@ def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,
     """One user message on each of N sibling conversations (same model), decoded in
     lockstep: each step forwards one token per live stream through one batched
     weight pass, then samples each stream with its own sampler and history. Per-stream
-    results equal N plain `send` calls. `on_piece(i, text)` streams stream i's text."""
+    results equal N plain `send` calls (under a grammar Constraint, one per stream:
+    equally valid, not guaranteed token-identical, as a plain send fast-forwards the
+    grammar's forced spans in one step, without drawing). `on_piece(i, text)` streams
+    stream i's text."""
     from fucina.text.batch import lockstep
 
     if len(convos) != len(users):
@@ -201,6 +204,10 @@ def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,
         raise FucinaError("send_batch: the same conversation appears twice")
     if any(c.model is not convos[0].model for c in convos):
         raise FucinaError("send_batch: the conversations must share one model")
+    procs = [id(c.sampler.processor) for c in convos if c.sampler.processor is not None]
+    if len(set(procs)) != len(procs):
+        raise FucinaError("send_batch: a logit processor holds one stream's state; give each "
+                          "conversation its own (Constraint.clone())")
     turns, logits = [], []
     try:
         for c, text in zip(convos, users):      # prologues: render + per-stream prefill

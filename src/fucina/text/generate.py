@@ -141,7 +141,11 @@ class ReplyDecoder:
         if len(r.tokens) >= self.max_tokens:
             r.finish_reason = "length"
             return None, self._finish()
-        tok = self.sampler.next(logits, self.history)
+        return self.accept(self.sampler.next(logits, self.history))
+
+    def accept(self, tok: int) -> tuple[int | None, str]:
+        """The stop rules and the commit for one chosen token (sampled or forced)."""
+        r = self.reply
         if tok in self.stop_ids:
             r.finish_reason, r.stop_token = "stop", tok
             return None, self._finish()
@@ -156,6 +160,16 @@ class ReplyDecoder:
         self.history.append(tok)
         r.tokens.append(tok)
         return tok, piece
+
+    def forced(self) -> list[int]:
+        """The tokens the sampler's grammar forces next (llguidance fast-forward),
+        committed to it; the caller passes each to `accept` and forwards them together."""
+        proc = self.sampler.processor
+        ff = getattr(proc, "fast_forward", None)
+        if ff is None:
+            return []
+        room = min(self.max_tokens - len(self.reply.tokens), self.cache.capacity - self.cache.len - 1)
+        return ff(room) if room > 0 else []
 
     def _finish(self) -> str:
         self.done = True
@@ -196,7 +210,17 @@ def drive(model, rd: ReplyDecoder, logits: torch.Tensor) -> Generator[str, None,
                 yield piece
             if tok is None:
                 break
-            logits = model.forward_step(rd.cache, [tok], rd.cache.len)
+            toks = [tok]
+            for f in rd.forced():              # grammar-forced span: one multi-token step
+                ftok, piece = rd.accept(f)
+                if piece:
+                    yield piece
+                if ftok is None:
+                    break
+                toks.append(ftok)
+            logits = model.forward_step(rd.cache, toks, rd.cache.len)
+            if rd.done:
+                break
     finally:
         rd.close()
     return rd.reply

@@ -205,20 +205,49 @@ class Sampler:
         The caller's tensor is not modified."""
         cfg = self.config
         row = logits.detach().reshape(-1).to(torch.float32).clone()
-        if self.processor is not None:
-            self.processor.process(row, history)
+        proc = self.processor
+        masked = proc if hasattr(proc, "allowed_words") else None   # a grammar Constraint
+        if proc is not None and masked is None:
+            proc.process(row, history)
         apply_penalties(row, history, cfg)
         if bool(torch.isnan(row).any()):
             raise SamplingError("logits contain NaN")
         best = int(torch.argmax(row))
         if not bool(row[best] > float("-inf")):
             raise SamplingError("every token is masked: nothing can be sampled")
-        if cfg.greedy:
+        if masked is not None:
+            token = self._pick_constrained(row, best, masked)
+        elif cfg.greedy:
             token = best
         else:
             u = self.rng.uniform()
             self.draws += 1
             token = sample_candidates(row.numpy(), cfg, u)
-        if self.processor is not None:
-            self.processor.commit(token)
+        if proc is not None:
+            proc.commit(token)
         return token
+
+    def _pick_constrained(self, row: torch.Tensor, best: int, constraint) -> int:
+        """Choose under a grammar mask without paying for the mask when the first choice
+        is legal: greedy tests the argmax; sampling without truncation draws first and
+        keeps an allowed token, else draws again from the masked row. Both pick from
+        exactly the masked distribution (a token t with unmasked probability p_t, where
+        the allowed mass is A: p_t + (1 - A) * p_t / A = p_t / A). With top-k, top-p or
+        min-p the truncation must see the masked row, so the mask is applied first."""
+        cfg = self.config
+        if cfg.greedy and constraint.allows(best):
+            return best
+        fast = not cfg.greedy and cfg.top_k <= 0 and cfg.top_p >= 1.0 and cfg.min_p <= 0.0
+        if fast:
+            self.draws += 1
+            token = sample_candidates(row.numpy(), cfg, self.rng.uniform())
+            if constraint.allows(token):
+                return token
+        constraint.process(row, ())
+        best = int(torch.argmax(row))
+        if not bool(row[best] > float("-inf")):
+            raise SamplingError("every token is masked: nothing can be sampled")
+        if cfg.greedy:
+            return best
+        self.draws += 1
+        return sample_candidates(row.numpy(), cfg, self.rng.uniform())

@@ -1,0 +1,174 @@
+"""Grammar sources for constrained decoding, compiled to llguidance grammar JSON.
+
+Every builder returns the JSON text an `LLMatcher` takes; `check()` compiles it once
+and turns llguidance's complaint into a `GrammarError` naming the problem (an
+unsupported JSON Schema keyword, a bad regex, an unknown Lark rule). Nothing here
+falls back silently: a schema keyword llguidance cannot enforce fails the request.
+
+JSON comes out compact and model-friendly (`{"a": 1, "b": [2, 3]}`): no free
+whitespace (a sampled model would otherwise pad forever), `": "` and `", "` as the
+separators; a schema's own `x-guidance` options override these.
+
+Template-aware wrappers (`think_wrapped`, `tool_call_grammar`) compose the user's
+grammar with the model's own syntax: free text inside the think block, then the
+constraint; a forced tool call as `<tool_call>{"name", "arguments"}</tool_call>`
+(hermes, the convention serve/prompt.py renders), each tool's arguments constrained
+by its parameters schema. Markers that are single special tokens in the vocabulary
+are referenced by id (`<[151657]>`), so the model emits its native token.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+import llguidance as llg
+
+from fucina.errors import GrammarError
+
+JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+ANY_JSON_OBJECT = {"type": "object"}
+
+
+def schema_dict(schema: Any) -> dict:
+    """A JSON Schema from a dict, JSON text, or a pydantic model (class or instance)."""
+    if hasattr(schema, "model_json_schema"):
+        return schema.model_json_schema()
+    if isinstance(schema, (str, bytes)):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, Mapping):
+        raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    return dict(schema)
+
+
+def json_schema(schema: Any) -> str:
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema_dict(schema)), defaults=JSON_OPTIONS)
+
+
+def json_object() -> str:
+    return json_schema(ANY_JSON_OBJECT)
+
+
+def regex(pattern: str) -> str:
+    return llg.LLMatcher.grammar_from_regex(pattern)
+
+
+def lark(text: str) -> str:
+    return llg.LLMatcher.grammar_from_lark(text)
+
+
+def gbnf(text: str) -> str:
+    """A llama.cpp GBNF grammar (Lark text is recognised and passed through)."""
+    try:
+        return llg.grammar_from("gbnf", text)
+    except ValueError as e:
+        raise GrammarError(f"GBNF grammar: {e}") from None
+
+
+def choice(options: Sequence[str]) -> str:
+    if not options or not all(isinstance(o, str) for o in options):
+        raise GrammarError("a choice list must be a non-empty list of strings")
+    return lark("start: " + " | ".join(json.dumps(o) for o in options))
+
+
+def from_options(*, json_schema: Any = None, regex: str | None = None, lark: str | None = None,
+                 grammar: str | None = None, choices: Sequence[str] | None = None) -> str | None:
+    """The one grammar the keyword options name (None: unconstrained). More than one
+    is an error: they cannot be combined."""
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark),
+                                ("grammar", grammar), ("choices", choices)) if v is not None}
+    if len(given) > 1:
+        raise GrammarError(f"give one of json_schema, regex, lark, grammar, choices, not "
+                           f"{' and '.join(given)}")
+    if not given:
+        return None
+    (kind, value), = given.items()
+    return check(_BUILDERS[kind](value), kind)
+
+
+_BUILDERS = {"json_schema": json_schema, "regex": regex, "lark": lark, "grammar": gbnf, "choices": choice}
+
+_KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "Lark grammar",
+               "grammar": "grammar", "choices": "choice list", "tool": "tool schema"}
+
+
+def check(grammar: str, kind: str = "grammar", tokenizer: Any = None) -> str:
+    """Compile once; a problem raises GrammarError naming it. Returns the grammar."""
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        what = _KIND_NAMES.get(kind, kind)
+        detail = (messages[0] if messages else "invalid").strip()
+        raise GrammarError(f"{what}: {detail}")
+    return grammar
+
+
+# -- template-aware composition ---------------------------------------------------------
+
+def token_ref(tokenizer, text: str) -> str:
+    """A Lark item for `text`: `<[id]>` when it is one special token, else a literal."""
+    tid = tokenizer.token_id(text) if tokenizer is not None else None
+    if tid is not None and tokenizer.token_to_piece(tid) == text.encode() and _is_special(tokenizer, tid):
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def _is_special(tokenizer, tid: int) -> bool:
+    from fucina.text.constraint import special_ids
+    return tid in special_ids(tokenizer)
+
+
+def _named(grammar: str, name: str) -> list[dict]:
+    """The grammar's list form with its top grammar named (Lark text is its own form)."""
+    try:
+        gs = json.loads(grammar)["grammars"]
+    except ValueError:
+        gs = [{"lark_grammar": grammar}]
+    gs[0] = {**gs[0], "name": name}
+    return gs
+
+
+def think_wrapped(grammar: str, tokenizer, *, primed: bool) -> str:
+    """Free text in a think block, then `grammar`. `primed`: the prompt already ends
+    with the opening marker (the reply starts inside the block); otherwise the block
+    is optional (a model may answer straight away). A closing marker that is one
+    special token ends the free text by itself (no text can spell it); a textual one
+    is the free text's stop string (a lazy lexeme: greedy free text would swallow it)."""
+    open_, close = token_ref(tokenizer, "<think>"), token_ref(tokenizer, "</think>")
+    if close.startswith("<["):
+        think = f"think: THINK {close}\nTHINK: /(?s:.*)/\n"
+    else:
+        think = f"think[stop={close}]: /(?s:.*)/\n"
+    start = "start: think /\\n{0,2}/ @body\n" if primed else f"start: ({open_} think /\\n{{0,2}}/)? @body\n"
+    return json.dumps({"grammars": [{"lark_grammar": start + think}] + _named(grammar, "body")})
+
+
+def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    return tool.get("function", tool)
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tokenizer, *, name: str | None = None,
+                      parallel: bool = False) -> str:
+    """One (or, with `parallel`, one or more) hermes tool calls, each naming a declared
+    tool (`name`: only that one) with arguments valid under its parameters schema."""
+    fns = [_function(t) for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f.get("name") == name]
+    if not fns:
+        raise GrammarError(f"no declared tool named {name!r}" if name else "no tools to call")
+    rules = []
+    for i, fn in enumerate(fns):
+        params = schema_dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        call = {"x-guidance": JSON_OPTIONS, "type": "object",
+                "properties": {"name": {"const": fn.get("name")}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False}
+        rules.append(f"fn{i}: %json {json.dumps(call)}")
+    open_, close = token_ref(tokenizer, "<tool_call>"), token_ref(tokenizer, "</tool_call>")
+    many = ' ("\\n" call)*' if parallel else ""
+    text = (f"start: call{many}\n"
+            f'call: {open_} "\\n" body "\\n" {close}\n'
+            f"body: {' | '.join(f'fn{i}' for i in range(len(fns)))}\n" + "\n".join(rules) + "\n")
+    return check(lark(text), "tool")
