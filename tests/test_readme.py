@@ -1,6 +1,7 @@
 """The README's Python snippets run as printed.
 
-Each ```python block is executed in order in a fresh namespace. The server snippet
+The ```python blocks run in order in one namespace, as a reader runs them (a later
+snippet may use the `llm` an earlier one loaded). The server snippet
 talks to a live `fucina` server started here on a free port (the one change made to
 the text: its port), with the default model from the cache."""
 from __future__ import annotations
@@ -34,14 +35,15 @@ def test_readme_snippets_run_as_printed(smollm2_path, capsys):
 
     blocks = python_blocks()
     server_blocks = [b for b in blocks if "base_url=" in b]
+    ns: dict = {}
     for b in blocks:
         if b not in server_blocks:
-            exec(compile(b, "README.md", "exec"), {})
+            exec(compile(b, "README.md", "exec"), ns)
     out = capsys.readouterr().out
     assert "Paris" in out and out.count("\n") >= 4          # generate, stream + newline, two sends
     with live(Server.from_llm(load(smollm2_path, n_ctx=1024))) as url:
         port = url.rsplit(":", 1)[1]
         for b in server_blocks:
-            ns: dict = {}
+            ns = {}
             exec(compile(b.replace("127.0.0.1:8080", f"127.0.0.1:{port}"), "README.md", "exec"), ns)
             assert ns["r"].choices[0].message.content
