@@ -29,8 +29,12 @@ def _load(args, *, threads: int | None = None):
     else:
         import torch
         torch.set_num_threads(n)
+    from fucina.text.api import one_thread
+
+    path = resolve_model(args.model)
     t = time.perf_counter()
-    model = load_model(resolve_model(args.model))
+    with one_thread():
+        model = load_model(path)
     model.load_s = time.perf_counter() - t
     return model
 

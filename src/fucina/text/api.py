@@ -23,6 +23,7 @@ regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings):
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import warnings
@@ -166,11 +167,28 @@ def _token_ids(prompt: Any, tokenizer) -> list[int]:
     return [int(i) for i in ids]
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run a model load on one thread, then restore the count: fusing the weights is a
+    few memory-bound copies a second thread does not speed up, and on a busy machine an
+    OpenMP team waiting on its slowest member made `load` several times slower."""
+    from fucina import kernels
+
+    before = kernels.get_threads()
+    kernels.set_threads(1)
+    try:
+        yield
+    finally:
+        kernels.set_threads(before)
+
+
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16") -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM."""
     from fucina.models import load_model, resolve_model
     from fucina.text.tokenizer import Tokenizer
 
-    model = load_model(resolve_model(path))
+    path = resolve_model(path)
+    with one_thread():
+        model = load_model(path)
     return LLM(model, Tokenizer.from_metadata(model.gguf.metadata), n_ctx=n_ctx, cache_type=cache_type)
