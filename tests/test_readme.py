@@ -27,8 +27,16 @@ def test_readme_has_the_snippets_this_test_runs():
 
 
 @pytest.mark.slow
-def test_readme_snippets_run_as_printed(smollm2_path, capsys):
+def test_readme_snippets_run_as_printed(smollm2_path, capsys, monkeypatch):
+    import itertools
+
+    import fucina.text.api
+    import fucina.text.defaults
     from test_serve import live
+
+    seeds = itertools.count(1)              # the snippets' "fresh" seeds, made repeatable
+    for mod in (fucina.text.api, fucina.text.defaults):
+        monkeypatch.setattr(mod, "fresh_seed", lambda: next(seeds))
 
     from fucina.serve import Server
     from fucina.text.api import load
