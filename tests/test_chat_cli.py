@@ -1,6 +1,5 @@
 """`fucina template` and `fucina chat`."""
 import json
-import os
 from argparse import Namespace
 
 import pytest
@@ -10,9 +9,9 @@ from fucina.cli.main import main
 from fucina.errors import FucinaError
 from fucina.gguf import GGUFFile
 from test_chat_template import QWEN3, TOOLS, plain_jinja
+from conftest import present_model
 from test_chat_support import tiny_llama_gguf
 
-SMOL = "/root/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"
 MSGS = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
 
 
@@ -31,8 +30,7 @@ def test_template_prints_exact_rendering(tmp_path, capsys):
 
 
 def test_template_smollm2(tmp_path, capsys):
-    if not os.path.exists(SMOL):
-        pytest.skip("SmolLM2 GGUF not cached")
+    SMOL = str(present_model("smollm2"))
     f = tmp_path / "m.json"
     f.write_text(json.dumps(MSGS))
     assert main(["template", SMOL, "--messages", str(f)]) == 0
@@ -62,9 +60,8 @@ def test_chat_positionals():
 
 
 @pytest.mark.slow
-def test_chat_command_real_model(capsys, monkeypatch):
-    if not os.path.exists(SMOL):
-        pytest.skip("SmolLM2 GGUF not cached")
+def test_chat_command_real_model(capsys, monkeypatch, smollm2_path):
+    SMOL = str(smollm2_path)
     assert main(["chat", SMOL, "What is the capital of France?", "--gen", "6", "-t", "2"]) == 0
     assert capsys.readouterr().out.strip()
     import io

@@ -1,6 +1,5 @@
 """Chat templates: the GGUF's own template == a plain Jinja rendering; built-in formats."""
 import json
-import os
 from datetime import datetime
 
 import jinja2
@@ -9,10 +8,9 @@ import pytest
 from fucina.gguf import GGUFFile
 from fucina.text.chat_template import (ChatTemplate, ChatTemplateError, detect_format, prompt_ids,
                                        split_reasoning)
+from conftest import present_model
 from test_chat_support import FakeTokenizer, tiny_llama_gguf
 
-SMOL = "/root/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA = "/root/.cache/fucina/gemma-3-270m-q4_k_m.gguf"
 
 # A Qwen3-style template (tools, reasoning, enable_thinking), in the shape Qwen ships.
 QWEN3 = """{%- if tools %}
@@ -138,9 +136,7 @@ def plain_jinja(source, **variables):
 
 
 def test_smollm2_own_template_equals_plain_jinja():
-    if not os.path.exists(SMOL):
-        pytest.skip("SmolLM2 GGUF not cached")
-    meta = GGUFFile(SMOL).metadata
+    meta = GGUFFile(present_model("smollm2")).metadata
     t = ChatTemplate.from_metadata(meta)
     assert t.format == "chatml" and t.stop_marker == "<|im_end|>"
     msgs = MESSAGES[1:]
@@ -224,9 +220,7 @@ def test_builtin_llama3_and_gemma():
 
 
 def test_fallback_when_gguf_has_no_template():
-    if not os.path.exists(GEMMA):
-        pytest.skip("Gemma GGUF not cached")
-    t = ChatTemplate.from_metadata(GGUFFile(GEMMA).metadata)
+    t = ChatTemplate.from_metadata(GGUFFile(present_model("gemma3")).metadata)
     assert t.name == "gemma" and t.bos_token == "<bos>"
     assert t.render(MESSAGES[1:2]) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
 

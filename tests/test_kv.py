@@ -230,10 +230,8 @@ def test_persist_survives_kill_9_mid_append(tmp_path):
 
 
 @pytest.mark.slow
-def test_q8_cache_tracks_f16_on_smollm2():
-    path = "/root/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not os.path.exists(path):
-        pytest.skip("SmolLM2 GGUF not cached")
+def test_q8_cache_tracks_f16_on_smollm2(smollm2_path):
+    path = smollm2_path
     from fucina.models import load_model
     from fucina.text.genbench import greedy_run
     m = load_model(path)

@@ -2,8 +2,8 @@
 
     import fucina
     llm = fucina.load()                 # default model: SmolLM2-135M-Instruct Q4_1
-    print(llm.generate("The capital of France is", max_tokens=16))
-    chat = llm.chat(system="Be brief.")
+    print(llm.generate("The capital of France is", max_tokens=16, temperature=0))  # greedy
+    chat = llm.chat(system="Be brief.")  # sampled: the model's recommendation or llama.cpp's defaults
     print(chat.send("Hello!"))
 """
 __version__ = "0.1.0"

@@ -5,6 +5,10 @@ class FucinaError(Exception):
     """Base of every error fucina raises on purpose."""
 
 
+class InvalidArgument(FucinaError, ValueError):
+    """A caller's argument has the wrong type or is out of range; the message names it."""
+
+
 class GGUFError(FucinaError):
     """A GGUF file is unreadable, corrupt, or uses something we do not support."""
 

@@ -1,8 +1,13 @@
-"""`fucina chat [MODEL] MESSAGE [--system S] [--no-think] [--gen N] [--repl]`.
+"""`fucina chat [MODEL] MESSAGE [--system S] [--no-think] [--gen N] [--repl] [--ids-out F]`.
 
 With one positional argument it is the message and the default model answers. With
---repl the conversation continues turn by turn until end of input (Ctrl-D). Also
-home of the sampling flags other commands share (`add_sampling_args`).
+--repl the conversation continues turn by turn (see fucina.cli.repl). Also home of
+the sampling flags other commands share (`add_sampling_args`).
+
+Sampling: the model's own recommendation (`general.sampling.*`) or llama.cpp's
+defaults, a fresh seed per run; `--greedy` (or `--temp 0`) is argmax. A model without
+a chat template (a base model) is warned about and continues the text as a raw
+completion instead of being driven through a format it never saw.
 """
 from __future__ import annotations
 
@@ -11,20 +16,22 @@ import sys
 
 from fucina.errors import FucinaError
 
-MODEL_HELP = "GGUF file or packaged name (default: SmolLM2-135M-Instruct Q4_1)"
+MODEL_HELP = "GGUF file or packaged name (smollm2, gemma3; default: SmolLM2-135M-Instruct Q4_1)"
 
 
 def add_sampling_args(p) -> None:
-    g = p.add_argument_group("sampling (llama.cpp names; default greedy)")
-    g.add_argument("--temp", type=float, default=None, help="temperature; <= 0 is greedy (default 0)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repeat-penalty", type=float, default=None)
-    g.add_argument("--repeat-last-n", type=int, default=None)
+    g = p.add_argument_group("sampling (llama.cpp names; chat/serve default: the model's "
+                             "recommendation, else temp 0.8, top-k 40, top-p 0.95, min-p 0.05; run: greedy)")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temp 0)")
+    g.add_argument("--temp", type=float, default=None, help="temperature; 0 is greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="in [0, 1]; 1 = off")
+    g.add_argument("--min-p", type=float, default=None, help="in [0, 1]; 0 = off")
+    g.add_argument("--repeat-penalty", type=float, default=None, help="1 = off")
+    g.add_argument("--repeat-last-n", type=int, default=None, help="penalty window (-1: all)")
     g.add_argument("--frequency-penalty", type=float, default=None)
     g.add_argument("--presence-penalty", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="default: a fresh seed per run")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -58,27 +65,34 @@ def print_spec_stats(args, spec) -> None:
         print(spec.summary(), file=sys.stderr)
 
 
-def sampling_from_args(args):
+def sampling_from_args(args, base=None):
+    """The flags over `base` (the model's defaults); no --seed means a fresh one."""
+    from fucina.text.defaults import fresh_seed
     from fucina.text.sampler import SamplingConfig
 
+    temp = 0.0 if getattr(args, "greedy", False) else args.temp
     return SamplingConfig.from_kwargs(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        base, temperature=temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-        seed=args.seed)
+        seed=fresh_seed() if args.seed is None else args.seed)
 
 
 def add_parser(sub) -> None:
+    from fucina.cli.main import count, positive
+
     s = sub.add_parser("chat", help="chat with a model (one message, or --repl)")
     s.add_argument("args", nargs="*", metavar="[MODEL] MESSAGE", help=f"{MODEL_HELP}; the user message")
     s.add_argument("--system", "-s", help="system prompt")
     s.add_argument("--no-think", action="store_true", help="turn reasoning off (enable_thinking=false)")
-    s.add_argument("--gen", "-n", type=int, default=512, help="max tokens per reply (default 512)")
-    s.add_argument("--repl", action="store_true", help="multi-turn; Ctrl-D quits")
-    s.add_argument("--ctx", "-c", type=int, default=None, help="context size (default min(train, 4096))")
+    s.add_argument("--gen", "-n", type=count, default=512, help="max tokens per reply (default 512)")
+    s.add_argument("--repl", action="store_true",
+                   help="multi-turn with line editing and history; /help lists the commands, "
+                        "Ctrl-C stops a reply, Ctrl-D quits")
+    s.add_argument("--ids-out", help="write the generated ids here, one per line (every reply's, in order)")
+    s.add_argument("--ctx", "-c", type=positive, default=None, help="context size (default min(train, 4096))")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
-    s.add_argument("--threads", "-t", type=int)
-    s.add_argument("--ids-out", help="write each reply's generated ids here, one per line")
+    s.add_argument("--threads", "-t", type=positive)
     add_sampling_args(s)
     from fucina.cli.grammar_args import add_grammar_args
     add_grammar_args(s)
@@ -87,13 +101,15 @@ def add_parser(sub) -> None:
 
 
 def _split_positionals(args) -> tuple[str | None, str | None]:
+    from fucina.models.hub import PACKAGED
+
     pos = list(args.args)
     if len(pos) > 2:
         raise FucinaError("chat takes at most MODEL and MESSAGE (quote the message)")
     if len(pos) == 2:
         return pos[0], pos[1]
     if len(pos) == 1:
-        if args.repl and (os.path.exists(pos[0]) or pos[0].endswith(".gguf")):
+        if args.repl and (os.path.exists(pos[0]) or pos[0].endswith(".gguf") or pos[0] in PACKAGED):
             return pos[0], None
         return None, pos[0]
     if not args.repl:
@@ -114,46 +130,89 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
     return load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale)
 
 
+class ChatSession:
+    """What one `fucina chat` talks to: a Conversation over the model's chat template,
+    or, for a model without one, raw completions of each message."""
+
+    def __init__(self, llm, args):
+        from fucina.cli.grammar_args import reply_constraint
+        from fucina.text.conversation import Conversation
+
+        self.llm, self.args = llm, args
+        self.sampling = sampling_from_args(args, llm.sampling)
+        self.raw = not llm.has_chat_template
+        self.ids: list[int] = []           # every reply's ids, for --ids-out
+        self.conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system,
+                                 max_tokens=args.gen, think=not args.no_think, sampling=self.sampling,
+                                 stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
+                                 processor=None if self.raw else reply_constraint(llm, args, think=not args.no_think),
+                                 **spec_options(args))
+
+    @property
+    def name(self) -> str:
+        return self.llm._name()
+
+    def reply(self, text: str, out) -> None:
+        """One turn, streamed to `out`. Ctrl-C (KeyboardInterrupt) propagates after the
+        partial reply is kept and the cache is consistent with the conversation."""
+        emit = lambda p: (out.write(p), out.flush())          # noqa: E731
+        try:
+            if self.raw:
+                opts = {k: getattr(self.sampling, k) for k in ("temperature", "top_k", "top_p", "min_p",
+                                                              "repeat_penalty", "repeat_last_n",
+                                                              "frequency_penalty", "presence_penalty", "seed")}
+                from fucina.cli.grammar_args import grammar_options
+
+                for piece in self.llm.stream(text, self.args.gen, stop=self.args.stop or [], **opts,
+                                             **grammar_options(self.args)):
+                    emit(piece)
+            else:
+                self.conv.send(text, on_piece=emit)
+        except KeyboardInterrupt:
+            msgs = self.conv.messages
+            if not self.raw and not (len(msgs) >= 2 and msgs[-2] == {"role": "user", "content": text}):
+                msgs += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+                self.conv._committed_text = None          # stopped during the prefill
+            raise
+        finally:
+            last = self.llm.last if self.raw else self.conv.last
+            if last is not None:
+                self.ids += last.tokens
+            self._settle()
+            self.write_ids()
+            out.write("\n")
+            out.flush()
+            print_spec_stats(self.args, None if self.raw else self.conv.spec)
+
+    def _settle(self) -> None:
+        c = self.conv
+        n = c.cache.truncate_point(min(c.cache.len, len(c.tokens)))   # an interrupt between forward and commit
+        c.cache.truncate(n)
+        del c.tokens[n:]
+
+    def write_ids(self) -> None:
+        if self.args.ids_out:
+            with open(self.args.ids_out, "w") as fh:
+                fh.writelines(f"{t}\n" for t in self.ids)
+
+
 def cmd_chat(args) -> int:
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
-    from fucina.cli.grammar_args import reply_constraint
-    from fucina.text.conversation import Conversation
-
-    conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system, max_tokens=args.gen,
-                        think=not args.no_think, sampling=sampling_from_args(args),
-                        stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
-                        processor=reply_constraint(llm, args, think=not args.no_think),
-                        **spec_options(args))
-    try:
-        ids_out = open(args.ids_out, "w") if args.ids_out else None
-    except OSError as e:
-        raise FucinaError(f"cannot write --ids-out {args.ids_out}: {e.strerror}") from e
-
-    def turn(text: str) -> None:
-        conv.send(text, on_piece=lambda p: (sys.stdout.write(p), sys.stdout.flush()))
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        if ids_out is not None:
-            ids_out.writelines(f"{t}\n" for t in conv.last.tokens)
-            ids_out.flush()
-        print_spec_stats(args, conv.spec)
-
+    session = ChatSession(llm, args)
+    if session.raw:
+        print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "
+              f"model): each message is continued as a raw completion. Use a chat model "
+              f"(e.g. the default, smollm2) to chat.", file=sys.stderr)
     if message is not None:
-        turn(message)
+        try:
+            session.reply(message, sys.stdout)
+        except KeyboardInterrupt:
+            if not args.repl:
+                return 130
     if not args.repl:
         return 0
-    interactive = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            if interactive:
-                sys.stdout.write("\n")
-            return 0
-        if line.strip():
-            try:
-                turn(line)
-            except FucinaError as e:          # e.g. ContextFull: say so, keep the session
-                print(f"fucina: error: {e}", file=sys.stderr)
+    from fucina.cli.repl import repl
+
+    return repl(session)

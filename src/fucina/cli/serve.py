@@ -12,19 +12,51 @@ import sys
 from fucina.cli.chat import MODEL_HELP, load_llm
 
 
+def _port(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}")
+    return int(text)
+
+
+def check_bind(host: str, port: int) -> None:
+    """Fail before loading the model (and before saying "serving") when the address is
+    taken or not ours; uvicorn binds the same address a moment later."""
+    import socket
+
+    from fucina.errors import FucinaError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise FucinaError(f"--host {host}: {e.strerror}") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise FucinaError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+
+
 def add_parser(sub) -> None:
+    from fucina.cli.main import positive
+
     s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server",
                        epilog="Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, "
-                              "/v1/messages; GET /v1/models, /health, /metrics. Any `model` name in a request "
-                              "is answered by the loaded model.")
+                              "/v1/messages; GET /v1/models, /health, /metrics (each /v1 route also without "
+                              "the prefix). Any `model` name in a request is answered by the loaded "
+                              "model; unset sampling fields take the model's recommendation, else "
+                              "llama.cpp's defaults, with a fresh seed per request.")
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--port", type=_port, default=8080)
     s.add_argument("--api-key", default=os.environ.get("FUCINA_API_KEY"),
                    help="require this key (Authorization: Bearer / x-api-key); default $FUCINA_API_KEY")
     s.add_argument("--allow-host", action="append", default=[], metavar="H",
                    help="accept only requests whose Host header names H (repeatable; DNS-rebinding guard)")
-    s.add_argument("--ctx", "-c", type=int, default=None, help="context per slot (default min(train, 4096))")
+    s.add_argument("--ctx", "-c", type=positive, default=None, help="context per slot (default min(train, 4096))")
     s.add_argument("--slots", type=int, default=4, help="KV slots kept warm for prefix reuse (default 4; at least --batch)")
     s.add_argument("--batch", type=int, default=None,
                    help="streams served at once, each model pass serving all of them (default: as many "
@@ -42,7 +74,7 @@ def add_parser(sub) -> None:
                    help="lossless speculative decoding for every request (a request's "
                         "'speculative': false opts out; an OpenAI 'prediction' turns it on)")
     s.add_argument("--spec-max", type=int, default=16, metavar="N", help="max draft tokens per pass (16)")
-    s.add_argument("--threads", "-t", type=int)
+    s.add_argument("--threads", "-t", type=positive)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
 
@@ -55,6 +87,7 @@ def cmd_serve(args) -> int:
                     ("--chunk", args.chunk), ("--kv-budget", args.kv_budget)):
         if v is not None and v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
+    check_bind(args.host, args.port)
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,

@@ -59,6 +59,9 @@ class TensorInfo:
         return n
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over a buffer."""
 
@@ -86,6 +89,27 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row: the vocabulary (~100k entries) is read here, so this
+        loop stays tight (one unpack and one slice per string, the bound checked inline)."""
+        buf, pos, size, out = self.buf, self.pos, self.size, [None] * count
+        u64 = _U64.unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                break
+            (n,) = u64(buf, pos)
+            end = pos + 8 + n
+            if n > MAX_STRING or end > size:
+                break
+            out[i] = buf[pos + 8:end].decode("utf-8", "replace")
+            pos = end
+        else:
+            self.pos = pos
+            return out
+        self.pos = pos
+        self.string(what)              # raises the precise truncation/length error
+        raise AssertionError("unreachable")
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
             v = self.scalar(_SCALARS[vtype][1], what)
@@ -103,7 +127,7 @@ class _Cursor:
                 return arr.astype(bool) if sub == T_BOOL else arr.copy()
             if sub == T_STRING:
                 self.need(count * 8, what)  # each string has at least its length field
-                return [self.string(what) for _ in range(count)]
+                return self.strings(count, what)
             if sub == T_ARRAY:
                 self.need(count * 12, what)
                 return [self.value(T_ARRAY, what) for _ in range(count)]

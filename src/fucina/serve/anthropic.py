@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from fucina.serve import structured
 from fucina.serve.engine import GenRequest, Started
-from fucina.serve.openai import _max_tokens, _text_content
+from fucina.serve.openai import _max_tokens, _text_content, join_parts
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart, tool_arguments
 from fucina.serve.prompt import render_chat
 from fucina.serve.protocol import ApiError, Fields, bad, sampling
@@ -85,12 +85,12 @@ def messages(f: Fields) -> list[dict]:
             else:
                 raise bad(f"'{path}.type' {kind!r} is not supported in a {role} message", path + ".type")
         if role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            msg: dict[str, Any] = {"role": "assistant", "content": join_parts(text)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
         elif text or not results:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": join_parts(text)})
     return out
 
 
@@ -141,8 +141,8 @@ def parse(server, body: dict) -> tuple[Turn, dict]:
         if t not in ("enabled", "disabled", "adaptive"):
             raise bad("'thinking.type' must be 'enabled' or 'disabled'", "thinking.type")
         think = t != "disabled"
-    cfg = sampling(f)
-    if cfg.temperature > 1.0:
+    cfg = sampling(f, server.sampling)
+    if f.has("temperature") and cfg.temperature > 1.0:
         raise bad("'temperature' must be in [0, 1]", "temperature")
     stops = f.stops("stop_sequences")
     forced = structured.forced_tool(tools, choice)

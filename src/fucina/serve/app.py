@@ -2,12 +2,15 @@
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
 POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models,
-/v1/models/{id}, /health, /metrics (Prometheus text; see fucina.serve.metrics).
+/v1/models/{id}, /health, /metrics (Prometheus text; see fucina.serve.metrics); each /v1
+route also answers without the prefix, as llama-server's do (a client configured without
+`/v1` still works).
 
 Policy, in one place:
 - errors come in the dialect of the route (Anthropic's schema under /v1/messages,
   OpenAI's elsewhere): malformed JSON and invalid fields 400 naming the field, a
-  prompt that cannot fit the context 400 (`context_length_exceeded`), a full queue
+  prompt that cannot fit the context 400 (`context_length_exceeded`), a body over
+  MAX_BODY 413 (read no further), JSON nested deeper than MAX_DEPTH 400, a full queue
   429 with `Retry-After`, unknown routes 404, a failure inside the engine 500;
 - `model` in a request is accepted whatever it names: the loaded model answers, and
   responses carry its id (clients such as agent frameworks send their own default
@@ -30,16 +33,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fucina.errors import ContextFull, FucinaError, SamplingError
+from fucina.errors import ContextFull, FucinaError, InvalidArgument, SamplingError
 from fucina.serve import anthropic, openai
 from fucina.serve.engine import Engine, QueueFull, Scheduler, check_fits
-from fucina.serve.protocol import ApiError
+from fucina.serve.protocol import ApiError, check_depth
 from fucina.serve.turn import ClientGone, Turn
 from fucina.text.chat_template import ChatTemplateError
 
 log = logging.getLogger("fucina.serve")
 
 MAX_BODY = 32 << 20
+MAX_DEPTH = 64            # JSON nesting levels a request may use (real ones need under 10)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -52,6 +56,9 @@ class Server:
         self.allow_hosts = {h.lower().strip() for h in allow_hosts if h.strip()}
         self.model_id = model_id or engine.name
         self.fingerprint = "fucina"
+        from fucina.text.defaults import default_sampling
+
+        self.sampling = default_sampling(getattr(getattr(engine.model, "gguf", None), "metadata", None))
 
     @classmethod
     def from_llm(cls, llm, *, slots: int = 1, batch: int | None = None, chunk: int | None = None,
@@ -67,18 +74,19 @@ class Server:
         return cls(engine, **kw)
 
     # -- helpers the dialects call ---------------------------------------------------
-    def render(self, fn: Callable[[], Any]):
-        """Run a render (template + tokenizer), turning its failures into 400s."""
+    def render(self, fn: Callable[[], Any], param: str = "messages"):
+        """Run a render (template + tokenizer), turning its failures into 400s naming
+        `param` (the field the prompt came from)."""
         try:
             prompt = fn()
         except ChatTemplateError as e:
-            raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages")
+            raise ApiError(400, f"the chat template cannot render these messages: {e}", param=param)
         try:
             check_fits(prompt.ids, self.engine.n_ctx)
         except ContextFull as e:
-            raise ApiError(400, str(e), param="messages", code="context_length_exceeded")
+            raise ApiError(400, str(e), param=param, code="context_length_exceeded")
         except FucinaError as e:
-            raise ApiError(400, str(e), param="messages")
+            raise ApiError(400, str(e), param=param)
         return prompt
 
     def api_error(self, e: BaseException) -> ApiError:
@@ -89,7 +97,7 @@ class Server:
                             headers={"Retry-After": "1"})
         if isinstance(e, ContextFull):
             return ApiError(400, str(e), code="context_length_exceeded")
-        if isinstance(e, SamplingError):
+        if isinstance(e, (SamplingError, InvalidArgument)):
             return ApiError(400, str(e))
         if not isinstance(e, FucinaError):
             log.error("internal error: %r", e)
@@ -113,13 +121,25 @@ class Server:
                                kind="authentication_error", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body exceeds {MAX_BODY >> 20} MiB")
+        too_big = ApiError(413, f"the request body exceeds {MAX_BODY >> 20} MiB", kind="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():      # stop reading at the limit
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise too_big
+            chunks.append(chunk)
         try:
-            return json.loads(raw)
+            body = json.loads(b"".join(chunks))
+        except RecursionError:                     # deeper than the decoder's own stack
+            raise ApiError(400, f"the request body nests JSON deeper than {MAX_DEPTH} levels",
+                           code="too_deep") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+        check_depth(body, MAX_DEPTH)
+        return body
 
     def error_response(self, e: BaseException, dialect: str) -> JSONResponse:
         err = self.api_error(e)
@@ -223,16 +243,20 @@ async def _guarded(turn: Turn, chunks):
             turn.cancel()
 
 
+def _dialect(request: Request) -> str:
+    return "anthropic" if request.url.path.removeprefix("/v1").startswith("/messages") else "openai"
+
+
 def create_app(server: Server) -> Starlette:
     async def not_found(request: Request, exc: HTTPException) -> Response:
-        dialect = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+        dialect = _dialect(request)
         msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404
                                                           else exc.detail)
         return server.error_response(ApiError(exc.status_code, msg, kind="not_found_error"
                                               if exc.status_code == 404 else "invalid_request_error"), dialect)
 
     async def crashed(request: Request, exc: Exception) -> Response:
-        return server.error_response(exc, "anthropic" if request.url.path.startswith("/v1/messages") else "openai")
+        return server.error_response(exc, _dialect(request))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -242,17 +266,18 @@ def create_app(server: Server) -> Starlette:
         finally:
             server.scheduler.stop()
 
-    routes = [
-        Route("/v1/chat/completions", server.chat, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/responses", server.responses, methods=["POST"]),
-        Route("/v1/messages", server.messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
+    api = [
+        ("/chat/completions", server.chat, "POST"),
+        ("/completions", server.completions, "POST"),
+        ("/responses", server.responses, "POST"),
+        ("/messages", server.messages, "POST"),
+        ("/messages/count_tokens", server.count_tokens, "POST"),
+        ("/models", server.models, "GET"),
+        ("/models/{model_id:path}", server.model, "GET"),
     ]
+    routes = [Route(prefix + path, fn, methods=[method]) for prefix in ("/v1", "") for path, fn, method in api]
+    routes.append(Route("/health", server.health, methods=["GET"]))
+    routes.append(Route("/metrics", server.metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: not_found, Exception: crashed})
     app.state.server = server

@@ -48,7 +48,16 @@ def _text_content(content: Any, path: str, *, allowed=("text", "input_text", "ou
         if kind not in allowed:
             raise bad(f"'{path}[{j}].type' {kind!r} is not supported (text only)", f"{path}[{j}].type")
         out.append(f.str("text", "", required=True))
-    return "".join(out)
+    return join_parts(out)
+
+
+def join_parts(texts) -> str:
+    """Text parts as llama-server joins them: a newline before each part once some text
+    has accumulated ("What is" + "the best book" -> "What is\nthe best book")."""
+    out = ""
+    for t in texts:
+        out += ("\n" if out else "") + t
+    return out
 
 
 def _arguments_obj(text: str) -> Any:
@@ -194,7 +203,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
         mt = f.int("max_tokens", None, 1)
     stream = f.bool("stream", False)
     so = Fields(f.dict("stream_options", {}), "stream_options.")
-    cfg = sampling(f)
+    cfg = sampling(f, server.sampling)
     stops = f.stops("stop")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
                                                think=_think(f), prime=not forced))
@@ -229,7 +238,12 @@ def _chat_choice(server, turn: Turn, opt: dict, index: int) -> dict:
 
 
 async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+    pending: dict[int, list[tuple]] = {}   # per choice: logprobs of tokens whose text is not sent yet
+
+    def chunk(delta: dict, finish=None) -> str:
+        logprobs = None
+        if pending.get(i) and (delta or finish):   # ride on the chunk carrying the tokens' text
+            logprobs = chat_logprobs(server, pending.pop(i))
         c = {"id": opt["id"], "object": "chat.completion.chunk", "created": opt["created"],
              "model": server.model_id, "system_fingerprint": server.fingerprint,
              "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -253,7 +267,7 @@ async def stream_chat(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
         elif isinstance(ev, ToolArgs):
             yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
         elif isinstance(ev, LogProbs) and opt["logprobs"]:
-            yield chunk({}, logprobs=chat_logprobs(server, ev.entries))
+            pending.setdefault(i, []).extend(ev.entries)
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
@@ -287,12 +301,12 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
         raise bad("'suffix' is not supported", "suffix")
     top = f.int("logprobs", None, 0, 20)
     grammar = structured.llamacpp_fields(f)
-    prompt = server.render(lambda: render_completion(server.engine, p))
+    prompt = server.render(lambda: render_completion(server.engine, p), param="prompt")
     def constraint():
         return structured.constraint(server, prompt, grammar, think=False)
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
-                     sampling(f), f.stops("stop"), server.engine.stop_ids, top, constraint(),
-                     *speculation(f, server.engine.tokenizer))
+                     sampling(f, server.sampling), f.stops("stop"), server.engine.stop_ids, top,
+                     constraint(), *speculation(f, server.engine.tokenizer))
     so = Fields(f.dict("stream_options", {}), "stream_options.")
     return make_turns(server, prompt, req, n, constraint), {
         "stream": f.bool("stream", False), "include_usage": bool(so.bool("include_usage", False)),
@@ -323,7 +337,12 @@ def respond_completion(server, turn: Turn, opt: dict) -> dict:
 
 
 async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]:
-    def chunk(text: str, finish=None, logprobs=None) -> str:
+    pending: dict[int, list[tuple]] = {}   # per choice: logprobs of tokens whose text is not sent yet
+
+    def chunk(text: str, finish=None, echo=False) -> str:
+        logprobs = None
+        if pending.get(i) and not echo and (text or finish):
+            logprobs = _completion_logprobs(server, pending.pop(i))
         return sse({"id": opt["id"], "object": "text_completion", "created": opt["created"],
                     "model": server.model_id,
                     "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
@@ -333,11 +352,11 @@ async def stream_completion(server, turn: Turn, opt: dict) -> AsyncIterator[str]
             if turns_of(turn)[i].error is None:
                 yield chunk("", FINISH[turns_of(turn)[i].finish])
         elif isinstance(ev, Started) and opt["echo"]:
-            yield chunk(turn.prompt.text)
+            yield chunk(turn.prompt.text, echo=True)
         elif isinstance(ev, Text):
             yield chunk(ev.text)
         elif isinstance(ev, LogProbs) and opt["logprobs"]:
-            yield chunk("", logprobs=_completion_logprobs(server, ev.entries))
+            pending.setdefault(i, []).extend(ev.entries)
     if turn.error is not None:
         yield sse(error_body(server.api_error(turn.error)))
     else:
@@ -418,7 +437,7 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
         grammar = structured.tool_grammar(server, tools, choice, parallel)
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
                                                think=_think(f), prime=not forced))
-    cfg = sampling(f)
+    cfg = sampling(f, server.sampling)
     mt = f.int("max_output_tokens", None, 1)
     req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,
                      processor=structured.constraint(server, prompt, grammar, think=_think(f)))

@@ -6,8 +6,10 @@ dialect turns into its own error schema.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
+from fucina.text.defaults import default_sampling
 from fucina.text.sampler import SamplingConfig
 
 _MISSING = object()
@@ -24,6 +26,18 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def check_depth(value: Any, limit: int) -> None:
+    """400 when JSON `value` nests arrays/objects deeper than `limit` (iterative: a
+    hostile body cannot exhaust the stack here or in the code that walks it later)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            if d > limit:
+                raise bad(f"the request body nests JSON deeper than {limit} levels", code="too_deep")
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
 def _tname(v: Any) -> str:
@@ -79,6 +93,8 @@ class Fields:
     def num(self, key: str, default: float | None = None, lo: float | None = None,
             hi: float | None = None) -> float | None:
         v = self._typed(key, (int, float), "a number", False, default)
+        if v is not None and not math.isfinite(v):
+            raise bad(f"'{self.path(key)}' must be a finite number, got {v}", self.path(key))
         if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
             raise bad(f"'{self.path(key)}' must be in [{lo}, {hi}], got {v}", self.path(key))
         return v
@@ -104,22 +120,25 @@ class Fields:
         raise bad(f"'{self.path(key)}' must be a string or an array of strings", self.path(key))
 
 
-def sampling(f: Fields, *, default_temperature: float = 1.0, seed: int | None = None) -> SamplingConfig:
-    """The sampling fields every dialect shares (OpenAI names, llama.cpp extensions)."""
-    import random
+def sampling(f: Fields, base: SamplingConfig | None = None, *, seed: int | None = None) -> SamplingConfig:
+    """The sampling fields every dialect shares (OpenAI names, llama.cpp extensions).
+    An unset field takes `base` (the server's: the model's recommendation, else
+    llama.cpp's defaults, as llama-server); no seed means a fresh one."""
+    from fucina.text.defaults import fresh_seed
 
+    b = base or default_sampling()
     s = f.int("seed", None)
     if s is None:
-        s = seed if seed is not None else random.getrandbits(32)
+        s = seed if seed is not None else fresh_seed()
     return SamplingConfig(
-        temperature=f.num("temperature", default_temperature, 0.0, 2.0),
-        top_p=f.num("top_p", 1.0, 0.0, 1.0) or 1e-9,
-        top_k=f.int("top_k", 0, 0),
-        min_p=f.num("min_p", 0.0, 0.0, 1.0),
-        frequency_penalty=f.num("frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=f.num("presence_penalty", 0.0, -2.0, 2.0),
-        repeat_penalty=f.num("repeat_penalty", 1.0, 0.0, 10.0) or 1.0,
-        repeat_last_n=f.int("repeat_last_n", 64, -1),
+        temperature=f.num("temperature", b.temperature, 0.0, 2.0),
+        top_p=f.num("top_p", b.top_p, 0.0, 1.0),
+        top_k=f.int("top_k", b.top_k, 0),
+        min_p=f.num("min_p", b.min_p, 0.0, 1.0),
+        frequency_penalty=f.num("frequency_penalty", b.frequency_penalty, -2.0, 2.0),
+        presence_penalty=f.num("presence_penalty", b.presence_penalty, -2.0, 2.0),
+        repeat_penalty=f.num("repeat_penalty", b.repeat_penalty, 0.0, 10.0) or 1.0,
+        repeat_last_n=f.int("repeat_last_n", b.repeat_last_n, -1),
         seed=s & 0xFFFFFFFF)
 
 

@@ -10,7 +10,10 @@
 
 Sampling keywords follow llama.cpp/OpenAI: temperature, top_k, top_p, min_p,
 repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n, seed, plus stop
-(a string or a list of strings). The default is greedy (temperature 0).
+(a string or a list of strings). Unset keywords take the model's recommended sampling
+(`general.sampling.*` in the GGUF) or llama.cpp's defaults (temperature 0.8, top-k 40,
+top-p 0.95, min-p 0.05), with a fresh seed per call unless `seed` is given;
+`temperature=0` is greedy.
 
 Structured output (one of): json_schema= (a dict, JSON text or a pydantic model),
 regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings):
@@ -23,26 +26,42 @@ speculatively: drafts from what the model has seen, verified in one pass; same t
 """
 from __future__ import annotations
 
+import contextlib
+import numbers
 import os
+import warnings
 from typing import Any, Iterator, Sequence
 
-from fucina.models.cache_q8 import make_cache
+from fucina.errors import InvalidArgument
+from fucina.models.cache_q8 import CACHE_TYPES, make_cache
 from fucina.text import grammar as grammars
-from fucina.text.constraint import for_reply, pop_options
 from fucina.text.chat_template import ChatTemplate
+from fucina.text.constraint import for_reply, pop_options
 from fucina.text.conversation import Conversation
+from fucina.text.defaults import default_sampling, fresh_seed
 from fucina.text.generate import Reply, decode, prefill, run
 from fucina.text.sampler import SAMPLING_KEYS, Sampler, SamplingConfig
 from fucina.text.speculative import Speculation, reference_ids
 
 
-def _split_options(kw: dict[str, Any]) -> tuple[SamplingConfig, list[str]]:
+def _split_options(kw: dict[str, Any], base: SamplingConfig) -> tuple[SamplingConfig, list[str]]:
     stop = kw.pop("stop", None)
     unknown = sorted(set(kw) - SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown option(s): {', '.join(unknown)}")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        raise InvalidArgument(f"stop must be a string or a list of strings, got {stop!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return SamplingConfig.from_kwargs(**kw), stops
+    if kw.get("seed") is None:
+        kw["seed"] = fresh_seed()
+    return SamplingConfig.from_kwargs(base, **kw), stops
+
+
+def _count(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer, got {v!r}")
+    return v
 
 
 class LLM:
@@ -53,8 +72,15 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
         self.template = template or ChatTemplate.from_metadata(meta, tokenizer)
+        src = meta.get("tokenizer.chat_template")
+        self.has_chat_template = template is not None or (isinstance(src, str) and bool(src.strip()))
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise InvalidArgument(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if cache_type not in CACHE_TYPES:
+            raise InvalidArgument(f"cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
         self.cache_type = cache_type
+        self.sampling = default_sampling(meta)      # what unset sampling keywords mean
         self._cache = None
         self._history: list[int] = []
         self.last: Reply | None = None
@@ -79,8 +105,9 @@ class LLM:
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
                                  options.pop("spec_max", 16))
         grammar = grammars.from_options(**pop_options(options))
-        cfg, stops = _split_options(options)
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        cfg, stops = _split_options(options, self.sampling)
+        max_tokens = _count("max_tokens", max_tokens)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
         processor = for_reply(self.tokenizer, grammar, stop_ids=self._stop_ids(), n_vocab=self.config.n_vocab)
@@ -127,7 +154,14 @@ class LLM:
         `references`)."""
         options = dict(options)
         grammar = grammars.from_options(**pop_options(options))
-        cfg, stops = _split_options(options)
+        cfg, stops = _split_options(options, self.sampling)
+        max_tokens = _count("max_tokens", max_tokens)
+        if system is not None and not isinstance(system, str):
+            raise InvalidArgument(f"system must be a string, got {type(system).__name__}")
+        if not self.has_chat_template:
+            warnings.warn(f"{self._name()} has no chat template (a base model?): chat uses the "
+                          f"built-in {self.template.name} format, which it was not trained on; "
+                          f"generate() continues text as a raw completion", stacklevel=2)
         processor = for_reply(self.tokenizer, grammar, stop_ids=self.template.stop_ids(self.tokenizer),
                               n_vocab=self.config.n_vocab, template=self.template, think=think)
         return Conversation(self.model, self.tokenizer, self.template, system=system,
@@ -136,9 +170,39 @@ class LLM:
                             persist=persist, processor=processor, speculative=speculative,
                             references=references, spec_max=spec_max)
 
+    def _name(self) -> str:
+        return os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", "the model")))
+
     def __repr__(self) -> str:
-        path = getattr(getattr(self.model, "gguf", None), "path", "?")
-        return f"LLM({os.path.basename(str(path))}, arch={self.config.arch}, template={self.template.name})"
+        return f"LLM({self._name()}, arch={self.config.arch}, template={self.template.name})"
+
+
+def _token_ids(prompt: Any, tokenizer) -> list[int]:
+    n = getattr(tokenizer, "n_vocab", None)
+    try:
+        ids = [i for i in prompt]
+    except TypeError:
+        raise InvalidArgument(f"prompt must be a string or a sequence of token ids, got "
+                              f"{type(prompt).__name__}") from None
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (n is not None and i >= n):
+            raise InvalidArgument(f"prompt holds {i!r}, not a token id in [0, {n})")
+    return [int(i) for i in ids]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a model load on one thread, then restore the count: fusing the weights is a
+    few memory-bound copies a second thread does not speed up, and on a busy machine an
+    OpenMP team waiting on its slowest member made `load` several times slower."""
+    from fucina import kernels
+
+    before = kernels.get_threads()
+    kernels.set_threads(1)
+    try:
+        yield
+    finally:
+        kernels.set_threads(before)
 
 
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
@@ -149,7 +213,9 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     from fucina.models import load_model, resolve_model
     from fucina.text.tokenizer import Tokenizer
 
-    model = load_model(resolve_model(path))
+    path = resolve_model(path)
+    with one_thread():
+        model = load_model(path)
     if lora:
         from fucina.weights.lora import load_adapters
         scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale

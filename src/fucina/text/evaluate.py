@@ -71,10 +71,12 @@ def perplexity(model, tokens: Sequence[int], n_ctx: int, bos_id: int | None,
     return math.exp(nll / count), n_chunk
 
 
-def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0) -> dict:
+def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0,
+          progress: Callable[[], None] = lambda: None) -> dict:
     """Warm prefill of `pp` tokens and decode of `tg` tokens, like llama-bench's pp/tg
     tests; with `depth` both start after that many tokens already in the cache
-    (llama-bench -d). Tokens/s are medians over `reps` after one warm-up."""
+    (llama-bench -d). Tokens/s are medians over `reps` after one warm-up; `progress`
+    is called after every timed or warm-up run."""
     g = torch.Generator().manual_seed(seed)
     n_vocab = model.config.n_vocab
     context = torch.randint(0, n_vocab, (depth,), generator=g).tolist()
@@ -89,14 +91,18 @@ def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0) -> 
         cache.truncate(depth)
         t = time.perf_counter()
         model.forward_step(cache, prompt, depth)
-        return pp / (time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        progress()
+        return pp / dt
 
     def run_tg() -> float:
         cache.truncate(depth)
         t = time.perf_counter()
         for i, tok in enumerate(gen):
             model.forward_step(cache, [tok], depth + i)
-        return tg / (time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        progress()
+        return tg / dt
 
     out = {}
     if pp > 0:

@@ -22,6 +22,7 @@ of exactly 1 makes the order question moot.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
@@ -36,7 +37,7 @@ from fucina.text.logit_processor import LogitProcessor
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0       # <= 0: greedy (argmax)
-    top_k: int = 0                 # <= 0: off
+    top_k: int = 0                 # 0: off
     top_p: float = 1.0             # >= 1: off
     min_p: float = 0.0             # <= 0: off
     repeat_penalty: float = 1.0    # llama.cpp penalty_repeat; 1 = off
@@ -55,12 +56,21 @@ class SamplingConfig:
             self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
 
     def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            whole = f.type in ("int", int)
+            kind = numbers.Integral if whole else numbers.Real
+            if isinstance(v, bool) or not isinstance(v, kind) or (not whole and not math.isfinite(v)):
+                raise SamplingError(f"{f.name} must be {'an integer' if whole else 'a finite number'}, "
+                                    f"got {v!r}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.repeat_penalty <= 0:
             raise SamplingError(f"repeat_penalty must be positive, got {self.repeat_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_p <= 0:
-            raise SamplingError(f"top_p must be positive, got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.repeat_last_n < -1:
             raise SamplingError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
 
