@@ -229,6 +229,21 @@ class Pty:
         out, self.buf = self.buf[:at], self.buf[at:]
         return out
 
+    def read_some(self, timeout=60.0) -> None:
+        """Wait until the process has written something past what was read (a Ctrl-C sent
+        before the REPL took the line would cancel the line, not the reply)."""
+        end = time.time() + timeout
+        while not self.buf.strip():
+            left = end - time.time()
+            if left <= 0:
+                raise AssertionError("timed out waiting for output")
+            r, _, _ = select.select([self.master], [], [], left)
+            if r:
+                chunk = os.read(self.master, 4096)
+                if not chunk:
+                    break
+                self.buf += chunk
+
     def send(self, data: bytes) -> None:
         os.write(self.master, data)
 
@@ -250,14 +265,14 @@ def test_repl_banner_commands_ctrl_c_and_history(models, tmp_path):
         t.read_until(b"(system prompt set)")
         t.read_until(b"> ")
         t.send(b"tell me everything\r")
-        t.read_until(b"tell me everything")
-        time.sleep(0.5)                      # the reply is streaming (3000 tokens at most)
+        t.read_until(b"tell me everything\r\n")   # readline accepted the line ...
+        t.read_some()                          # ... and the reply is streaming (3000 tokens at most)
         t.send(b"\x03")                      # Ctrl-C: stop the reply, keep the conversation
         t.read_until(b"(stopped)")
         t.read_until(b"> ")
         t.send(b"again\r")
-        t.read_until(b"again")
-        time.sleep(0.2)
+        t.read_until(b"again\r\n")
+        t.read_some()
         t.send(b"\x03")
         t.read_until(b"> ")
         saved = tmp_path / "conv.json"
