@@ -20,22 +20,24 @@ HEAD_CHUNK = 256   # supervised rows per LM-head chunk ([256, 49152] f32 logits 
 
 
 class _LayerKV:
-    """Duck-typed KV cache for one block call at pos0 = 0: keeps what the block appends."""
+    """Duck-typed KV cache for one block call at pos0 = 0: keeps what the block appends.
+    `capacity` (the sequence length) is what a family reads to pick a context-dependent
+    RoPE variant (phi3's LongRoPE factors)."""
 
     len = 0
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
 
-    def keys(self, layer: int, n: int) -> torch.Tensor:
-        return self.k[:n]
-
-    def values(self, layer: int, n: int) -> torch.Tensor:
-        return self.v[:n]
+    def span(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[start:end], self.v[start:end]
 
 
 def _block(model, i: int, x: torch.Tensor) -> torch.Tensor:
-    return model.block(i, x, _LayerKV(), 0)
+    return model.block(i, x, _LayerKV(x.shape[0]), 0)
 
 
 def hidden(model, ids: torch.Tensor, use_checkpoint: bool = True) -> torch.Tensor:
