@@ -124,9 +124,144 @@ static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t k
 static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst);
 #define FK_FAST_QUANT_ACT fast_quant_act
 
+#define CB_NP 8
+#define CB_MR 4
+static void cb_kernel_avx2(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
+                           int64_t kp, int mr, float *acc, float *macc);
+static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
+#define CB_KERNEL cb_kernel_avx2
+#define CB_PANEL_U cb_panel_u_avx2
+
 #include "fk_impl.inc"
 #include "fk_decode_avx2.inc"
 #include "fk_gemv_avx2.inc"
+
+/* ---- the canonical kernel (fk_impl.inc): 8 weight rows in the lanes -----------------
+ * Per block and activation row: the row's dword broadcast against dword i of the 8 rows,
+ * vpmaddubsw (u8 x s8 pairs -> int16) and vpmaddwd with ones (-> int32 per row). Values
+ * up to 63 go in as they are, two products added in int16 (2 * 2 * 63 * 127 < 32767);
+ * zero point 128 formats (bytes up to 255) as w = u - 128 with the sign trick, which
+ * leaves -128 sum q out of the sum already (so those start from 0, not zi). */
+template <int MR, bool WIDE, bool G16, bool MIN, bool Q2K>
+static inline void cb_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                           float *acc, float *macc) {
+    const int64_t nbp = kp / 32;
+    const int32_t *xq[MR], *zi[MR], *sq[MR];
+    const float *dx[MR], *jf[MR];
+    __m256 A[MR], Mc[MR];
+    for (int c = 0; c < MR; c++) {
+        const uint8_t *x = act + c * arow;
+        xq[c] = (const int32_t *)x;
+        dx[c] = (const float *)(x + 2 * kp + kp / 4);
+        jf[c] = dx[c] + nbp;
+        zi[c] = (const int32_t *)(jf[c] + nbp);
+        sq[c] = zi[c] + 2 * nbp;
+        A[c] = _mm256_loadu_ps(acc + 8 * c);
+        Mc[c] = _mm256_loadu_ps(macc + 8 * c);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *pb = pan + (b - b0) * CB_BLOCK;
+        __m256i w[8], aw[8];
+        for (int i = 0; i < 8; i++) {
+            w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+            if (WIDE) {
+                w[i] = _mm256_xor_si256(w[i], _mm256_set1_epi8((char)0x80));
+                aw[i] = _mm256_abs_epi8(w[i]);
+            }
+        }
+        const __m256 ws = _mm256_loadu_ps((const float *)(pb + 256));
+        for (int c = 0; c < MR; c++) {
+            const int32_t *xd = xq[c] + 8 * b;
+            __m256i I;
+            if (WIDE) {
+                I = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    const __m256i p = _mm256_maddubs_epi16(aw[i], _mm256_sign_epi8(_mm256_set1_epi32(xd[i]), w[i]));
+                    I = _mm256_add_epi32(I, _mm256_madd_epi16(p, ones));
+                }
+            } else {
+                __m256i s[4];
+                for (int i = 0; i < 4; i++)
+                    s[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[2 * i], _mm256_set1_epi32(xd[2 * i])),
+                                                              _mm256_maddubs_epi16(w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
+                                             ones);
+                if (G16) {
+                    const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_set1_epi32(zi[c][2 * b]));
+                    const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(s[2], s[3]), _mm256_set1_epi32(zi[c][2 * b + 1]));
+                    I = _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_loadu_si256((const __m256i *)(pb + 320))),
+                                         _mm256_mullo_epi32(hi, _mm256_loadu_si256((const __m256i *)(pb + 352))));
+                } else {
+                    I = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),
+                                         _mm256_set1_epi32(zi[c][b]));
+                }
+            }
+            const __m256 d = _mm256_set1_ps(dx[c][b]);
+            A[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(ws, d), A[c]);
+            if (MIN) {
+                const __m256 wm = _mm256_loadu_ps((const float *)(pb + 288));
+                __m256 J;
+                if (Q2K) {
+                    const __m256i mlo = _mm256_loadu_si256((const __m256i *)(pb + 384)), mhi = _mm256_loadu_si256((const __m256i *)(pb + 416));
+                    J = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(mlo, _mm256_set1_epi32(sq[c][2 * b])),
+                                                            _mm256_mullo_epi32(mhi, _mm256_set1_epi32(sq[c][2 * b + 1]))));
+                } else {
+                    J = _mm256_set1_ps(jf[c][b]);
+                }
+                Mc[c] = _mm256_fmadd_ps(J, _mm256_mul_ps(wm, d), Mc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < MR; c++) {
+        _mm256_storeu_ps(acc + 8 * c, A[c]);
+        _mm256_storeu_ps(macc + 8 * c, Mc[c]);
+    }
+}
+
+template <bool WIDE, bool G16, bool MIN, bool Q2K>
+static void cb_kern_mr(int mr, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                       float *acc, float *macc) {
+    switch (mr) {
+    case 1: cb_kern<1, WIDE, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    case 2: cb_kern<2, WIDE, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    case 3: cb_kern<3, WIDE, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    default: cb_kern<4, WIDE, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    }
+}
+
+static void cb_kernel_avx2(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
+                           int64_t kp, int mr, float *acc, float *macc) {
+    if (cb_z(qt) == 128) cb_kern_mr<true, false, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else if (qt == FK_Q2_K) cb_kern_mr<false, true, true, true>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else if (cb_g16(qt)) cb_kern_mr<false, true, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else if (cb_min(qt)) cb_kern_mr<false, false, true, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else cb_kern_mr<false, false, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+}
+
+/* 8 decoded rows (row j at tmp + j * ts) -> the panel's dword order: an 8 x 8 dword transpose */
+static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan) {
+    for (int64_t b = 0; b < nblk; b++) {
+        __m256i z[8], t[8];
+        for (int j = 0; j < 8; j++)
+            z[j] = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + 32 * b)) : _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm256_unpacklo_epi32(z[j], z[j + 1]);
+            t[j + 1] = _mm256_unpackhi_epi32(z[j], z[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+            z[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+            z[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+            z[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+            z[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+        }
+        /* z[j] (j < 4): dword j of rows 0-3 | dword j + 4 of rows 0-3; z[4 + j]: rows 4-7 */
+        uint8_t *o = pan + b * CB_BLOCK;
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_si256((__m256i *)(o + 32 * j), _mm256_permute2x128_si256(z[j], z[4 + j], 0x20));
+            _mm256_storeu_si256((__m256i *)(o + 32 * (4 + j)), _mm256_permute2x128_si256(z[j], z[4 + j], 0x31));
+        }
+    }
+}
 
 }  // namespace fk_avx2_ns
 

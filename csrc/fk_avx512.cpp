@@ -133,7 +133,131 @@ static float gemv_float(int qt, const uint8_t *__restrict w, int64_t k, const fl
 static void matmul_bf16(const fk_matmul_args *a);
 #define FK_MATMUL_BF16 matmul_bf16
 
+#define CB_NP 16
+#define CB_MR 4
+static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
+                             int64_t kp, int mr, float *acc, float *macc);
+static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
+#define CB_KERNEL cb_kernel_avx512
+#define CB_PANEL_U cb_panel_u_avx512
+
 #include "fk_impl.inc"
+
+/* ---- the canonical kernel (fk_impl.inc): 16 weight rows in the lanes ----------------
+ * Per block: 8 vpdpbusd per activation row (the row's dword broadcast against dword i of
+ * the 16 rows), so each lane holds its row's exact block dot; then the block's one FMA. */
+template <int MR, bool G16, bool MIN, bool Q2K>
+static inline void cb_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                           float *acc, float *macc) {
+    const int64_t nbp = kp / 32;
+    const int32_t *xq[MR], *zi[MR], *sq[MR];
+    const float *dx[MR], *jf[MR];
+    __m512 A[MR], Mc[MR];
+    for (int c = 0; c < MR; c++) {
+        const uint8_t *x = act + c * arow;
+        xq[c] = (const int32_t *)x;
+        dx[c] = (const float *)(x + 2 * kp + kp / 4);
+        jf[c] = dx[c] + nbp;
+        zi[c] = (const int32_t *)(jf[c] + nbp);
+        sq[c] = zi[c] + 2 * nbp;
+        A[c] = _mm512_loadu_ps(acc + 16 * c);
+        Mc[c] = _mm512_loadu_ps(macc + 16 * c);
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *pb = pan + (b - b0) * CB_BLOCK;
+        __m512i w[8];
+        for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
+        const __m512 ws = _mm512_loadu_ps((const float *)(pb + 512));
+        for (int c = 0; c < MR; c++) {
+            const int32_t *xd = xq[c] + 8 * b;
+            __m512i I;
+            if (G16) {
+                __m512i lo = _mm512_set1_epi32(zi[c][2 * b]), hi = _mm512_set1_epi32(zi[c][2 * b + 1]);
+                for (int i = 0; i < 4; i++) {
+                    lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(xd[i]));
+                    hi = _mm512_dpbusd_epi32(hi, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
+                }
+                const __m512i clo = _mm512_loadu_si512((const void *)(pb + 640)), chi = _mm512_loadu_si512((const void *)(pb + 704));
+                I = _mm512_add_epi32(_mm512_mullo_epi32(lo, clo), _mm512_mullo_epi32(hi, chi));
+            } else {
+                __m512i i0 = _mm512_set1_epi32(zi[c][b]), i1 = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) {
+                    i0 = _mm512_dpbusd_epi32(i0, w[i], _mm512_set1_epi32(xd[i]));
+                    i1 = _mm512_dpbusd_epi32(i1, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
+                }
+                I = _mm512_add_epi32(i0, i1);
+            }
+            const __m512 d = _mm512_set1_ps(dx[c][b]);
+            A[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(ws, d), A[c]);
+            if (MIN) {
+                const __m512 wm = _mm512_loadu_ps((const float *)(pb + 576));
+                __m512 J;
+                if (Q2K) {
+                    const __m512i mlo = _mm512_loadu_si512((const void *)(pb + 768)), mhi = _mm512_loadu_si512((const void *)(pb + 832));
+                    J = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(mlo, _mm512_set1_epi32(sq[c][2 * b])),
+                                                            _mm512_mullo_epi32(mhi, _mm512_set1_epi32(sq[c][2 * b + 1]))));
+                } else {
+                    J = _mm512_set1_ps(jf[c][b]);
+                }
+                Mc[c] = _mm512_fmadd_ps(J, _mm512_mul_ps(wm, d), Mc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < MR; c++) {
+        _mm512_storeu_ps(acc + 16 * c, A[c]);
+        _mm512_storeu_ps(macc + 16 * c, Mc[c]);
+    }
+}
+
+template <bool G16, bool MIN, bool Q2K>
+static void cb_kern_mr(int mr, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                       float *acc, float *macc) {
+    switch (mr) {
+    case 1: cb_kern<1, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    case 2: cb_kern<2, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    case 3: cb_kern<3, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    default: cb_kern<4, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
+    }
+}
+
+static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
+                             int64_t kp, int mr, float *acc, float *macc) {
+    if (qt == FK_Q2_K) cb_kern_mr<true, true, true>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else if (cb_g16(qt)) cb_kern_mr<true, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else if (cb_min(qt)) cb_kern_mr<false, true, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    else cb_kern_mr<false, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+}
+
+/* 16 decoded rows (row j at tmp + j * ts, 32 bytes a block) -> the panel's dword order: an
+ * 8 x 8 dword transpose in each 256-bit half, rows j and j + 8 sharing a zmm */
+static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan) {
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int64_t b = 0; b < nblk; b++) {
+        __m512i z[8], t[8];
+        for (int j = 0; j < 8; j++) {
+            const __m256i a = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + 32 * b)) : _mm256_setzero_si256();
+            const __m256i c = j + 8 < nr ? _mm256_loadu_si256((const __m256i *)(tmp + (j + 8) * ts + 32 * b)) : _mm256_setzero_si256();
+            z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+        }
+        for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
+            t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+            z[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+            z[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+            z[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+            z[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+        }
+        /* z[j] (j < 4): dword j of rows 0-3 | dword j + 4 of rows 0-3 | same for rows 8-11;
+         * z[4 + j]: rows 4-7 and 12-15 */
+        uint8_t *o = pan + b * CB_BLOCK;
+        for (int j = 0; j < 4; j++) {
+            _mm512_storeu_si512((void *)(o + 64 * j), _mm512_permutex2var_epi64(z[j], lo, z[4 + j]));
+            _mm512_storeu_si512((void *)(o + 64 * (4 + j)), _mm512_permutex2var_epi64(z[j], hi, z[4 + j]));
+        }
+    }
+}
 
 /* ---- AVX-512 row decoders for the formats real models carry ------------------------ */
 
