@@ -152,6 +152,7 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.d = (int)v[8];
     a.scale = (float)scale;
     a.nthreads = g_threads;
+    a.pos0 = 0;
     void (*fn)(const fk_attn_args *) = g_isa == &fk_isa_avx512 ? fk_attn_decode_avx512
                                        : g_isa == &fk_isa_avx2 ? fk_attn_decode_avx2
                                                                : fk_attn_decode_scalar;
