@@ -206,12 +206,12 @@ static inline void cb_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uin
                 __m256 J;
                 if (Q2K) {
                     const __m256i mlo = _mm256_loadu_si256((const __m256i *)(pb + 384)), mhi = _mm256_loadu_si256((const __m256i *)(pb + 416));
-                    J = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(mlo, _mm256_set1_epi32(sq[c][2 * b])),
-                                                            _mm256_mullo_epi32(mhi, _mm256_set1_epi32(sq[c][2 * b + 1]))));
+                    J = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(mlo, _mm256_set1_epi32(sq[c][2 * b])),
+                                                            _mm256_mullo_epi32(mhi, _mm256_set1_epi32(sq[c][2 * b + 1])))));
                 } else {
                     J = _mm256_set1_ps(jf[c][b]);
                 }
-                Mc[c] = _mm256_fmadd_ps(J, _mm256_mul_ps(wm, d), Mc[c]);
+                Mc[c] = _mm256_fmadd_ps(wm, J, Mc[c]);
             }
         }
     }

@@ -197,12 +197,12 @@ static inline void cb_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uin
                 __m512 J;
                 if (Q2K) {
                     const __m512i mlo = _mm512_loadu_si512((const void *)(pb + 768)), mhi = _mm512_loadu_si512((const void *)(pb + 832));
-                    J = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(mlo, _mm512_set1_epi32(sq[c][2 * b])),
-                                                            _mm512_mullo_epi32(mhi, _mm512_set1_epi32(sq[c][2 * b + 1]))));
+                    J = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(mlo, _mm512_set1_epi32(sq[c][2 * b])),
+                                                            _mm512_mullo_epi32(mhi, _mm512_set1_epi32(sq[c][2 * b + 1])))));
                 } else {
                     J = _mm512_set1_ps(jf[c][b]);
                 }
-                Mc[c] = _mm512_fmadd_ps(J, _mm512_mul_ps(wm, d), Mc[c]);
+                Mc[c] = _mm512_fmadd_ps(wm, J, Mc[c]);
             }
         }
     }
