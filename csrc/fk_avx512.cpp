@@ -277,6 +277,17 @@ static inline void tr16x4(const uint8_t *const *rp, int64_t off, __m512i out[4])
     out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* the f16 at off of 16 rows -> f32 (vpinsrw from memory: cheaper here than a gather) */
+static inline __m512 h16_rows(const uint8_t *const *rp, int64_t off) {
+    __m128i a = _mm_cvtsi32_si128(rd16(rp[0] + off)), b = _mm_cvtsi32_si128(rd16(rp[8] + off));
+#define FK_INS(i)                                   \
+    a = _mm_insert_epi16(a, rd16(rp[i] + off), i);  \
+    b = _mm_insert_epi16(b, rd16(rp[8 + i] + off), i);
+    FK_INS(1) FK_INS(2) FK_INS(3) FK_INS(4) FK_INS(5) FK_INS(6) FK_INS(7)
+#undef FK_INS
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+}
+
 static inline __m512 h2f_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
 static inline __m512 h2f_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
 
@@ -295,9 +306,8 @@ static void cb_build32(const uint8_t *const *rp, __m512i vidx, int64_t b0, int64
     for (int64_t b = b0; b < b1; b++) {
         uint8_t *pb = pan + (b - b0) * CB_BLOCK;
         const int64_t o = b * bs;
-        const __m512i g0 = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o), 1);
-        _mm512_storeu_ps((float *)(pb + 512), h2f_lo(g0));
-        if (QT == FK_Q4_1 || QT == FK_Q5_1) _mm512_storeu_ps((float *)(pb + 576), h2f_hi(g0));
+        _mm512_storeu_ps((float *)(pb + 512), h16_rows(rp, o));
+        if (QT == FK_Q4_1 || QT == FK_Q5_1) _mm512_storeu_ps((float *)(pb + 576), h16_rows(rp, o + 2));
         if (QT == FK_Q8_0) {
             __m512i v[8];
             tr16x8(rp, o + 2, v);
