@@ -46,10 +46,10 @@ def _matmul_on(isa, raw, qt, n, k, x):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_matmul_rows_together_equal_rows_alone(qt, isa):
-    """Every split of 41 rows (1, 2..4, odd tiles, all at once) gives the same bits; the
-    1 + 1024-column chunking (k > 32 blocks) is covered by k = 1280 / 1312."""
+    """Every split of 41 rows (1, 2..4, odd tiles, all at once) gives the same bits; k spans
+    several 8-block panel chunks (the last one partial for the 32-blocks)."""
     rng = np.random.default_rng(int(qt))
-    n, k = 53, (1280 if qt in SUPER else 1312)
+    n, k = 53, (768 if qt in SUPER else 608)
     raw = torch.from_numpy(rand_weight(qt, n, k, rng))
     x = torch.randn(41, k, generator=torch.Generator().manual_seed(int(qt)))
     whole = K.matmul(raw, qt, n, k, x)
@@ -81,9 +81,10 @@ CASES = {
     "gemma3-window": ("gemma3", dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=3,
                                      sliding_window=5)),
 }
-# every format's matmul is covered above; the step is checked on the float route, a
-# 32-block format with and without mins, and a K-quant (the Gemma-shaped case only)
-STEP_CASES = [(name, qt) for name in sorted(CASES) for qt in (Q.F32, Q.Q8_0, Q.Q4_1)] + [("gemma3-window", Q.Q4_K)]
+# every format's matmul is covered above (the step's other pieces do not depend on the
+# format): the step is checked on the float route and a 32-block format with and without
+# mins (writing a K-quant model file takes ~20 s of Python quantizing)
+STEP_CASES = [(name, qt) for name in sorted(CASES) for qt in (Q.F32, Q.Q8_0, Q.Q4_1)]
 IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(300)]
 
 
@@ -95,8 +96,6 @@ def _model(tmp_path_factory, name, qtype):
     if (name, qtype) in _MODELS:
         return _MODELS[name, qtype]
     arch, kw = CASES[name]
-    if qtype in (Q.Q4_K, Q.Q6_K):  # K-quants need rows of 256
-        kw = dict(kw, hidden=256, ffn=256, head_dim=64 if arch != "qwen3" else 128)
     path = write_model(tmp_path_factory.mktemp(name) / "m.gguf", arch, qtype=qtype, **kw)
     model = load_model(path)
     assert model.native_plan is not None
@@ -131,7 +130,7 @@ def test_prefill_split_any_way_equals_token_by_token(tmp_path_factory, name, qty
         _same_cache(c1, c0)
 
 
-@pytest.mark.parametrize("name", ["gemma3-window", "qwen3-gqa"])
+@pytest.mark.parametrize("name", ["gemma3-window"])
 def test_long_prompt_across_key_chunks(tmp_path_factory, name, isa):
     """Past 256 positions a query's keys span two attention chunks (merged in order), and
     prompts past native_chunk run as several calls: still the bits of one row at a time."""
@@ -150,7 +149,7 @@ def test_long_prompt_across_key_chunks(tmp_path_factory, name, isa):
     _same_cache(c2, c0)
 
 
-@pytest.mark.parametrize("name,qtype", [("llama", Q.Q4_1), ("gemma3-window", Q.Q8_0), ("gemma3-window", Q.Q4_K)],
+@pytest.mark.parametrize("name,qtype", [("llama", Q.Q4_1), ("gemma3-window", Q.Q8_0), ("qwen3-gqa", Q.F32)],
                          ids=lambda v: getattr(v, "name", v))
 def test_batch_row_equals_stream_alone(tmp_path_factory, name, qtype, isa):
     model = _model(tmp_path_factory, name, qtype)
