@@ -63,14 +63,16 @@ def test_matmul_rows_together_equal_rows_alone(qt, isa):
 
 @pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_quantized_matmul_same_bits_on_every_isa(qt):
-    """The canonical formula is the same on every unit: AVX-512 / AVX2 == scalar."""
+    """The canonical formula is the same on every unit: AVX-512 / AVX2 == scalar, on the
+    panel route (6 rows) and the decode GEMV (1 and 3 rows)."""
     rng = np.random.default_rng(100 + int(qt))
     n, k = 29, (512 if qt in SUPER else 96)
     raw = torch.from_numpy(rand_weight(qt, n, k, rng))
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
-    ref = _matmul_on("scalar", raw, qt, n, k, x)
-    for isa in K.supported_isas():
-        assert torch.equal(_matmul_on(isa, raw, qt, n, k, x), ref), f"{qt.name} on {isa}"
+    for rows in (x, x[:1], x[:3]):
+        ref = _matmul_on("scalar", raw, qt, n, k, rows)
+        for isa in K.supported_isas():
+            assert torch.equal(_matmul_on(isa, raw, qt, n, k, rows), ref), f"{qt.name} m={len(rows)} on {isa}"
 
 
 # ---- the layer step ----------------------------------------------------------------------
