@@ -140,7 +140,7 @@ static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1,
 static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
 static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
                                  uint8_t *pan);
-static bool cbg_ok(int qt);
+static bool cbg_ok(int qt, int64_t m);
 static const uint8_t *cbg_prep(int qt, const uint8_t *act, size_t arow, int64_t kp, int m, uint8_t *dst);
 static void cbg_gemv(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, const uint8_t *act,
                      size_t arow, const uint8_t *xq, int64_t kp, int m, float *y, int64_t ldy);
