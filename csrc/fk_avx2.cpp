@@ -131,6 +131,7 @@ static void cb_kernel_avx2(int qt, const uint8_t *pan, int64_t b0, int64_t b1, c
 static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
 static bool cb_fast_panel_avx2(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
                                uint8_t *pan);
+#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (fk_impl.inc) */
 #define CB_KERNEL cb_kernel_avx2
 #define CB_PANEL_U cb_panel_u_avx2
 #define CB_FAST_PANEL cb_fast_panel_avx2
@@ -463,6 +464,8 @@ static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk,
         }
     }
 }
+
+#include "fk_cbgemv_avx2.inc"
 
 }  // namespace fk_avx2_ns
 

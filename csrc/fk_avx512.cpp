@@ -140,14 +140,7 @@ static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1,
 static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
 static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
                                  uint8_t *pan);
-static bool cbg_ok(int qt, int64_t m);
-static const uint8_t *cbg_prep(int qt, const uint8_t *act, size_t arow, int64_t kp, int m, uint8_t *dst);
-static void cbg_gemv(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, const uint8_t *act,
-                     size_t arow, const uint8_t *xq, int64_t kp, int m, float *y, int64_t ldy);
-#define CB_GEMV cbg_gemv
-#define CB_GEMV_OK cbg_ok
-#define CB_GEMV_PREP cbg_prep
-#define CB_GEMV_M 4
+#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (fk_impl.inc) */
 #define CB_KERNEL cb_kernel_avx512
 #define CB_PANEL_U cb_panel_u_avx512
 #define CB_FAST_PANEL cb_fast_panel_avx512
