@@ -1,6 +1,6 @@
 """Whole-model decode in process CPU time, one configuration per process.
 
-    python benchmarks/decode_models_cpu.py MODEL.gguf [--steps 32] [--reps 2] [--threads 1]
+    python benchmarks/decode_models_cpu.py MODEL.gguf [--steps 32] [--reps 2] [--threads 1] [--isa avx2]
 
 Loads the model, prefills 16 ids, then times --steps greedy forward_step calls in
 process CPU time (getrusage: on a shared machine it counts the cycles this process got,
@@ -32,7 +32,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--isa", default=None, help="force an ISA level before loading (kernels.set_isa)")
     a = ap.parse_args()
+    if a.isa:
+        K.set_isa(a.isa)
     K.set_threads(a.threads)
     torch.set_num_threads(a.threads)
     model = load_model(a.model)
