@@ -7,9 +7,10 @@ L3, so it streams from DRAM like decode does), GB/s = weight bytes read / median
 GEMM (m=--gemm-m, the prefill route): an [n=4096, k=4096] weight, GFLOP/s = 2*m*n*k /
 median time. Every figure is the median of --reps timed repetitions, and each format
 is timed alternately with torch's own f32 GEMV/GEMM on a matrix of the same shape
-(a paired comparison: the machine is shared, so both see the same noise). GEMM is
-timed on the default prefill route and on the int8 route, beside torch's f32 and bf16
-(oneDNN) GEMMs of the same shape.
+(a paired comparison: the machine is shared, so both see the same noise). Both are
+timed on the canonical (batch-invariant, default) route and on the legacy route it
+replaced (FUCINA_INVARIANT=0: the fused GEMVs, and for GEMM the AVX512_BF16 route where
+the CPU has it, else the int8 tiles), beside torch's f32 and bf16 (oneDNN) GEMMs.
 """
 from __future__ import annotations
 
@@ -75,22 +76,38 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     k = 4096
     print(f"isa={K.isa()} threads={K.get_threads()} reps={a.reps} (medians)", file=sys.stderr)
-    print(f"| format | GEMV GB/s (m=1) | torch f32 GEMV GB/s | GEMV µs | GEMM GFLOP/s, {K.prefill_route()} route "
-          f"(m={a.gemm_m}) | GEMM GFLOP/s, int8 route | torch f32 GEMM | torch bf16 GEMM |")
+    legacy = "int8"
+    try:
+        K.set_prefill_route("bf16")
+        legacy = "bf16"
+    except K.KernelError:
+        pass
+    K.set_prefill_route("canon")
+    print(f"| format | GEMV GB/s canon (m=1) | GEMV GB/s legacy | torch f32 GEMV GB/s | GEMM GFLOP/s canon "
+          f"(m={a.gemm_m}) | GEMM GFLOP/s legacy {legacy} | torch f32 GEMM | torch bf16 GEMM |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    default_route = K.prefill_route()
+
+    def on(route, fn):
+        K.set_prefill_route(route)
+        try:
+            return fn()
+        finally:
+            K.set_prefill_route("canon")
+
     for qt in fmts:
         bs, ts = TYPE_SIZES[qt]
         n = max(64, int(a.mib * 2**20 / (k // bs * ts)))
         raw = rand_raw(qt, n, k, rng)
         x = torch.randn(1, k)
         wf = torch.randn(n, k) if n * k * 4 <= 512 * 2**20 else torch.randn(512 * 2**18 // k, k)
-        t_q, t_f = [], []
-        for _ in range(a.reps):  # paired: ours, then torch's, each round
-            t_q.append(timeit(lambda: K.matmul(raw, qt, n, k, x), 1, 10))
+        t_c, t_l, t_f = [], [], []
+        for _ in range(a.reps):  # paired: canon, legacy, torch, each round
+            t_c.append(timeit(lambda: K.matmul(raw, qt, n, k, x), 1, 10))
+            t_l.append(on(legacy, lambda: timeit(lambda: K.matmul(raw, qt, n, k, x), 1, 10)))
             t_f.append(timeit(lambda: torch.nn.functional.linear(x, wf), 1, 10))
-        t_q, t_f = statistics.median(t_q), statistics.median(t_f)
-        row = f"| {qt.name} | {raw.numel() / t_q / 1e9:.1f} | {wf.numel() * 4 / t_f / 1e9:.1f} | {t_q * 1e6:.0f} |"
+        t_c, t_l, t_f = (statistics.median(t) for t in (t_c, t_l, t_f))
+        row = (f"| {qt.name} | {raw.numel() / t_c / 1e9:.1f} | {raw.numel() / t_l / 1e9:.1f} "
+               f"| {wf.numel() * 4 / t_f / 1e9:.1f} |")
         del raw, wf
         if not a.no_gemm:
             nn = kk = a.gemm_nk
@@ -100,10 +117,11 @@ def main(argv=None) -> None:
             wb, xb = wf.bfloat16(), xm.bfloat16()
             flop = 2.0 * a.gemm_m * nn * kk
             reps = max(3, a.reps // 2)
-            t_d = timeit(lambda: K.matmul(raw, qt, nn, kk, xm), reps, 1)
-            K.set_prefill_route("int8")
-            t_i = timeit(lambda: K.matmul(raw, qt, nn, kk, xm), reps, 1)
-            K.set_prefill_route(default_route)
+            t_d, t_i = [], []
+            for _ in range(reps):  # paired rounds: canon, legacy
+                t_d.append(timeit(lambda: K.matmul(raw, qt, nn, kk, xm), 1, 1))
+                t_i.append(on(legacy, lambda: timeit(lambda: K.matmul(raw, qt, nn, kk, xm), 1, 1)))
+            t_d, t_i = statistics.median(t_d), statistics.median(t_i)
             t_f = timeit(lambda: torch.nn.functional.linear(xm, wf), reps, 1)
             t_b = timeit(lambda: torch.nn.functional.linear(xb, wb), reps, 1)
             row += " | ".join(f" {flop / t / 1e9:.0f}" for t in (t_d, t_i, t_f, t_b)) + " |"

@@ -38,10 +38,14 @@ typedef struct {
     float *y;
     int64_t ldy;      /* row stride of y in floats (>= n) */
     int nthreads;
-    int prefill;      /* FK_PREFILL_*: which route serves m >= FK_PREFILL_MIN_M */
+    int prefill;      /* FK_PREFILL_*: the route family (canonical, or a legacy opt-out) */
 } fk_matmul_args;
 
-enum { FK_PREFILL_INT8 = 0, FK_PREFILL_BF16 = 1 };
+/* FK_PREFILL_CANON (the default): every m takes the canonical arithmetic of fk_impl.inc
+ * (batch invariant: a row's result never depends on the rows computed with it).
+ * INT8 / BF16: the legacy routes (FUCINA_INVARIANT=0): per-m GEMV / tiles, and for
+ * m >= FK_PREFILL_MIN_M the int8 tiles or the AVX512_BF16 GEMM. */
+enum { FK_PREFILL_INT8 = 0, FK_PREFILL_BF16 = 1, FK_PREFILL_CANON = 2 };
 #define FK_PREFILL_MIN_M 8
 
 typedef struct {
@@ -64,6 +68,7 @@ typedef struct {
     int n_head, kv_heads, d;
     float scale;
     int nthreads;
+    int64_t pos0;     /* absolute position of key 0: blocks and chunks align to positions */
 } fk_attn_args;
 
 #define FK_ATTN_MAX_GROUP 64

@@ -10,7 +10,12 @@
 
 static const fk_isa *g_isa = &fk_isa_scalar;
 static int g_threads = 1;
-static int g_prefill = FK_PREFILL_INT8;
+static int g_prefill = FK_PREFILL_CANON;
+
+/* the route family of a call: the BF16 legacy route exists on the AVX-512 unit only */
+static int prefill_for_isa(void) {
+    return g_prefill == FK_PREFILL_BF16 && g_isa != &fk_isa_avx512 ? FK_PREFILL_INT8 : g_prefill;
+}
 
 static int cpu_has_bf16(void);
 
@@ -99,7 +104,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     a.y = (float *)(uintptr_t)v[7];
     a.ldy = v[8];
     a.nthreads = g_threads;
-    a.prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
+    a.prefill = prefill_for_isa();
     long bs, ts;
     if (!type_block(a.qtype, &bs, &ts)) {
         PyErr_Format(PyExc_ValueError, "no native route for GGML type %d", a.qtype);
@@ -147,6 +152,7 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.d = (int)v[8];
     a.scale = (float)scale;
     a.nthreads = g_threads;
+    a.pos0 = 0;
     void (*fn)(const fk_attn_args *) = g_isa == &fk_isa_avx512 ? fk_attn_decode_avx512
                                        : g_isa == &fk_isa_avx2 ? fk_attn_decode_avx2
                                                                : fk_attn_decode_scalar;
@@ -312,7 +318,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
 
 static int run_step(fk_step_args *a) {
     a->nthreads = g_threads;
-    a->prefill = g_isa == &fk_isa_avx512 ? g_prefill : FK_PREFILL_INT8;
+    a->prefill = prefill_for_isa();
     a->matmul = g_isa->matmul;
     a->status = 0;
     void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
@@ -466,7 +472,9 @@ static PyObject *py_set_prefill(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
-    if (!strcmp(name, "int8")) {
+    if (!strcmp(name, "canon")) {
+        g_prefill = FK_PREFILL_CANON;
+    } else if (!strcmp(name, "int8")) {
         g_prefill = FK_PREFILL_INT8;
     } else if (!strcmp(name, "bf16") && cpu_has_bf16()) {
         g_prefill = FK_PREFILL_BF16;
@@ -479,7 +487,7 @@ static PyObject *py_set_prefill(PyObject *self, PyObject *arg) {
 
 static PyObject *py_get_prefill(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
-    return PyUnicode_FromString(g_prefill == FK_PREFILL_BF16 ? "bf16" : "int8");
+    return PyUnicode_FromString(g_prefill == FK_PREFILL_CANON ? "canon" : g_prefill == FK_PREFILL_BF16 ? "bf16" : "int8");
 }
 
 static PyObject *py_prefill_min_m(PyObject *self, PyObject *noargs) {
@@ -529,7 +537,7 @@ static PyMethodDef methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, ""},
     {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2' or 'scalar'"},
     {"get_isa", py_get_isa, METH_NOARGS, ""},
-    {"set_prefill", py_set_prefill, METH_O, "route for m >= 8: 'int8' (VNNI) or 'bf16' (AVX512_BF16)"},
+    {"set_prefill", py_set_prefill, METH_O, "'canon' (batch invariant, the default) or a legacy route: 'int8' or 'bf16' (AVX512_BF16, m >= 8)"},
     {"get_prefill", py_get_prefill, METH_NOARGS, ""},
     {"prefill_min_m", py_prefill_min_m, METH_NOARGS, ""},
     {"supported_isas", py_supported_isas, METH_NOARGS, ""},
@@ -542,7 +550,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "fucina na
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
-    if (cpu_has_bf16()) g_prefill = FK_PREFILL_BF16;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;

@@ -40,6 +40,8 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 }
 #undef FK_C
 
+#define CB_NP 8
+#define CB_MR 4
 #include "fk_impl.inc"
 
 }  // namespace fk_scalar_ns

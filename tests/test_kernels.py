@@ -72,7 +72,21 @@ def check(qt: T, n: int, k: int, m: int, rng, lead=()) -> None:
     assert err_true < 1e-2, f"{qt.name} n={n} k={k} m={m}: {err_true:.2e} against the f32 input"
 
 
-PREFILL_ROUTES = ["int8"] + (["bf16"] if K.available() and K.prefill_route() == "bf16" else [])
+def _has_bf16_route() -> bool:
+    if not K.available():
+        return False
+    before = K.prefill_route()
+    try:
+        K.set_prefill_route("bf16")
+        return True
+    except K.KernelError:
+        return False
+    finally:
+        K.set_prefill_route(before)
+
+
+# 'canon' (the batch-invariant default) and the legacy opt-out routes (FUCINA_INVARIANT=0)
+PREFILL_ROUTES = ["canon", "int8"] + (["bf16"] if _has_bf16_route() else [])
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

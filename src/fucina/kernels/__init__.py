@@ -80,8 +80,10 @@ def set_isa(name: str) -> None:
 
 
 def prefill_route() -> str:
-    """The route for m >= prefill_min_m() rows: 'bf16' (AVX512_BF16 dots on weights decoded to
-    bf16) or 'int8' (VNNI/AVX2 dots on int8-quantized activations, the decode route's math)."""
+    """The matmul route family: 'canon' (the default: one batch-invariant arithmetic for every
+    m, so a row's result never depends on the rows computed with it), or a legacy opt-out
+    (FUCINA_INVARIANT=0): 'int8' (per-m GEMV / int8 tiles) or 'bf16' (as 'int8', and for
+    m >= prefill_min_m() AVX512_BF16 dots on weights decoded to bf16)."""
     return _native.get_prefill() if _native is not None else "none"
 
 
@@ -94,13 +96,34 @@ def set_prefill_route(name: str) -> None:
 
 
 def route(m: int, qtype: GGMLType | None = None) -> str:
-    """Which arithmetic serves an m-row call now: 'bf16', or 'int8' (quantized formats;
-    F32/F16 weights always keep f32 arithmetic there)."""
+    """Which arithmetic serves an m-row call now: 'canon', 'bf16', or 'int8' (quantized
+    formats; F32/F16 weights always keep f32 arithmetic there)."""
+    if prefill_route() == "canon":
+        return "canon"
     if qtype in (GGMLType.F32, GGMLType.F16):
         return "int8"
     if m >= prefill_min_m() and prefill_route() == "bf16" and isa() == "avx512":
         return "bf16"
     return "int8"
+
+
+def _configure_from_env() -> None:
+    """FUCINA_ISA=avx2|scalar forces an ISA level (A/B timing of the AVX2 path on an AVX-512
+    CPU); FUCINA_INVARIANT=0 opts out of batch invariance for the legacy routes (bf16 where
+    the CPU has AVX512_BF16)."""
+    if _native is None:
+        return
+    name = os.environ.get("FUCINA_ISA", "")
+    if name:
+        set_isa(name)
+    if os.environ.get("FUCINA_INVARIANT", "1") == "0":
+        try:
+            _native.set_prefill("bf16")
+        except ValueError:
+            _native.set_prefill("int8")
+
+
+_configure_from_env()
 
 
 def set_threads(n: int) -> None:

@@ -1,0 +1,188 @@
+"""Batch invariance: a row's result never depends on the rows computed with it.
+
+The native layer step promises bitwise-equal logits and K/V rows for a position whether
+it runs alone (m = 1), in a block of rows, in a prefill chunk of any size, or as one
+stream of forward_step_batch, on every native format and ISA level (torch.equal, not
+allclose). The quantized matmuls go further: one canonical per-block formula on every
+ISA, so AVX-512, AVX2 and the scalar unit agree bit for bit as well. The torch path
+(use_native_step = False) stays the close-not-bitwise reference (test_native_step).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import fucina.kernels as K
+from fucina.gguf import GGMLType as T
+from fucina.models import load_model
+from synth import write_model
+from test_kernels import FLOATS, TYPES, rand_weight
+
+Q = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
+
+SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
+
+
+@pytest.fixture(autouse=True)
+def canonical_route():
+    before = K.prefill_route()
+    K.set_prefill_route("canon")
+    yield
+    K.set_prefill_route(before)
+
+
+def _matmul_on(isa, raw, qt, n, k, x):
+    before = K.isa()
+    K.set_isa(isa)
+    try:
+        return K.matmul(raw, qt, n, k, x)
+    finally:
+        K.set_isa(before)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_matmul_rows_together_equal_rows_alone(qt, isa):
+    """Every split of 41 rows (1, 2..4, odd tiles, all at once) gives the same bits; k spans
+    several 8-block panel chunks (the last one partial for the 32-blocks)."""
+    rng = np.random.default_rng(int(qt))
+    n, k = 53, (768 if qt in SUPER else 608)
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    x = torch.randn(41, k, generator=torch.Generator().manual_seed(int(qt)))
+    whole = K.matmul(raw, qt, n, k, x)
+    for split in ([1] * 41, [2, 3, 4, 1, 7, 8, 16], [5, 36], [13, 13, 13, 2]):
+        parts, i = [], 0
+        for s in split:
+            parts.append(K.matmul(raw, qt, n, k, x[i:i + s]))
+            i += s
+        assert torch.equal(torch.cat(parts), whole), f"{qt.name} split {split} on {isa}"
+
+
+@pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
+def test_quantized_matmul_same_bits_on_every_isa(qt):
+    """The canonical formula is the same on every unit: AVX-512 / AVX2 == scalar, on the
+    panel route (6 rows) and the decode GEMV (1 and 3 rows)."""
+    rng = np.random.default_rng(100 + int(qt))
+    n, k = 29, (512 if qt in SUPER else 96)
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    for rows in (x, x[:1], x[:3]):
+        ref = _matmul_on("scalar", raw, qt, n, k, rows)
+        for isa in K.supported_isas():
+            assert torch.equal(_matmul_on(isa, raw, qt, n, k, rows), ref), f"{qt.name} m={len(rows)} on {isa}"
+
+
+# ---- the layer step ----------------------------------------------------------------------
+
+CASES = {
+    "llama": ("llama", dict(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2)),
+    "qwen3-gqa": ("qwen3", dict(hidden=64, heads=4, kv_heads=1, head_dim=128, layers=2)),
+    "gemma3-window": ("gemma3", dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=3,
+                                     sliding_window=5)),
+}
+# every format's matmul is covered above (the step's other pieces do not depend on the
+# format): the step is checked on the float route and a 32-block format with and without
+# mins (writing a K-quant model file takes ~20 s of Python quantizing)
+STEP_CASES = [(name, qt) for name in sorted(CASES) for qt in (Q.F32, Q.Q8_0, Q.Q4_1)]
+IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(300)]
+
+
+_MODELS: dict = {}
+
+
+def _model(tmp_path_factory, name, qtype):
+    """One model per (case, format) for the whole module: writing a K-quant file is slow."""
+    if (name, qtype) in _MODELS:
+        return _MODELS[name, qtype]
+    arch, kw = CASES[name]
+    path = write_model(tmp_path_factory.mktemp(name) / "m.gguf", arch, qtype=qtype, **kw)
+    model = load_model(path)
+    assert model.native_plan is not None
+    _MODELS[name, qtype] = model
+    return model
+
+
+def _prefill(model, ids, chunks, capacity=320):
+    cache = model.init_cache(capacity)
+    out, pos = [], 0
+    for n in chunks:
+        out.append(model.forward_step_all_logits(cache, ids[pos:pos + n], pos))
+        pos += n
+    assert pos == len(ids)
+    return torch.cat(out), cache
+
+
+def _same_cache(a, b):
+    assert a.len == b.len
+    for i in range(a.n_layers):
+        assert torch.equal(a.k[i][:a.len], b.k[i][:b.len]) and torch.equal(a.v[i][:a.len], b.v[i][:b.len])
+
+
+@pytest.mark.parametrize("name,qtype", STEP_CASES, ids=lambda v: getattr(v, "name", v))
+def test_prefill_split_any_way_equals_token_by_token(tmp_path_factory, name, qtype, isa):
+    model = _model(tmp_path_factory, name, qtype)
+    ids = IDS[:37]
+    whole, c0 = _prefill(model, ids, [37])
+    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [3, 34]):
+        got, c1 = _prefill(model, ids, chunks)
+        assert torch.equal(got, whole), f"{name} {qtype.name} {chunks} on {isa}"
+        _same_cache(c1, c0)
+
+
+@pytest.mark.parametrize("name", ["gemma3-window"])
+def test_long_prompt_across_key_chunks(tmp_path_factory, name, isa):
+    """Past 256 positions a query's keys span two attention chunks (merged in order), and
+    prompts past native_chunk run as several calls: still the bits of one row at a time."""
+    model = _model(tmp_path_factory, name, Q.Q8_0)
+    ids = IDS[:300]
+    whole, c0 = _prefill(model, ids, [300])
+    model.native_chunk = 128
+    try:
+        got, c1 = _prefill(model, ids, [250, 1, 1, 48])
+    finally:
+        del model.native_chunk
+    assert torch.equal(got, whole)
+    _same_cache(c1, c0)
+    step, c2 = _prefill(model, ids, [255] + [1] * 45)
+    assert torch.equal(step, whole)
+    _same_cache(c2, c0)
+
+
+@pytest.mark.parametrize("name,qtype", [("llama", Q.Q4_1), ("gemma3-window", Q.Q8_0), ("qwen3-gqa", Q.F32)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_batch_row_equals_stream_alone(tmp_path_factory, name, qtype, isa):
+    model = _model(tmp_path_factory, name, qtype)
+    lens, nxt = (3, 11, 1, 6), [9, 17, 33, 65]
+    batch = [model.init_cache(32) for _ in lens]
+    alone = [model.init_cache(32) for _ in lens]
+    for caches in (batch, alone):
+        for c, n in zip(caches, lens):
+            model.forward_step(c, IDS[:n], 0)
+    got = model.forward_step_batch(batch, nxt)
+    for s, (c, t) in enumerate(zip(alone, nxt)):
+        assert torch.equal(got[s], model.forward_step(c, [t], c.len)), f"stream {s} on {isa}"
+        _same_cache(batch[s], c)
+
+
+def test_legacy_routes_stay_reachable():
+    """The opt-out (FUCINA_INVARIANT=0) keeps the older per-m routes; set back to canon."""
+    assert K.prefill_route() == "canon"
+    K.set_prefill_route("int8")
+    assert K.prefill_route() == "int8" and K.route(64, T.Q4_K) == "int8"
+    K.set_prefill_route("canon")
+    assert K.route(64, T.Q4_K) == "canon" and K.route(1, T.BF16) == "canon"
+
+
+@pytest.mark.slow
+def test_greedy_generate_repeats(smollm2_path):
+    """The user-visible contract: the same greedy request returns the same text, also when
+    the second call reuses the cached prefix and after an unrelated call."""
+    import fucina
+    llm = fucina.load(smollm2_path)
+    first = llm.generate("The sky is", max_tokens=24)
+    assert llm.generate("The sky is", max_tokens=24) == first
+    llm.generate("Write a haiku about rust.", max_tokens=8)
+    assert llm.generate("The sky is", max_tokens=24) == first
