@@ -249,19 +249,19 @@ def test_q8_cache_tracks_f16_on_smollm2(smollm2_path):
 
 from fucina.models.cache import AliasKV, KVMemory, RecurrentState, WindowKV  # noqa: E402
 
-CAP = 24
+CAP = 64
 
 
 def _kinds():
     def mixed():
         full = KVMemory(CAP, 2, 32)
-        return KVCache.of([full, WindowKV(CAP, 2, 32, window=4, slack=3), AliasKV(full, 0)], CAP)
+        return KVCache.of([full, WindowKV(CAP, 2, 32, window=4, slack=15), AliasKV(full, 0)], CAP)
     return {
         "kv-f16": lambda: KVCache(2, 2, 32, CAP),
         "kv-q8_0": lambda: Q8Cache(2, 2, 32, CAP),
         "kv-wide-v": lambda: KVCache(2, 2, 32, CAP, v_dim=64),
-        "window-f16": lambda: KVCache.of([WindowKV(CAP, 2, 32, window=4, slack=3) for _ in range(2)], CAP),
-        "window-q8_0": lambda: KVCache.of([WindowKV(CAP, 2, 32, storage="q8_0", window=4, slack=3)], CAP),
+        "window-f16": lambda: KVCache.of([WindowKV(CAP, 2, 32, window=4, slack=15) for _ in range(2)], CAP),
+        "window-q8_0": lambda: KVCache.of([WindowKV(CAP, 2, 32, storage="q8_0", window=4, slack=15)], CAP),
         "mixed-alias": mixed,
     }
 
@@ -330,17 +330,17 @@ def test_protocol_rows_and_reads(kind):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_protocol_rewinds(kind):
     c = KINDS[kind]()
-    _fill(c, 14)
+    _fill(c, 40)                                              # past a window memory's 19 rows
     windowed = any(m.kind == "window" for m in c.memories)
-    assert c.can_truncate(14) and c.can_truncate(0) and c.can_truncate(13)
+    assert c.can_truncate(40) and c.can_truncate(0) and c.can_truncate(39)
     assert c.can_truncate(2) is not windowed                 # past the window's rows
     assert c.truncate_point(2) == (0 if windowed else 2)
     if windowed:
         with pytest.raises(KVCacheError):
             c.truncate(2)
-        assert c.len == 14
-    c.truncate(c.truncate_point(12))
-    assert c.len == 12
+        assert c.len == 40
+    c.truncate(c.truncate_point(38))
+    assert c.len == 38
     _fill(c, 2, seed=5)                                       # re-extend after the rewind
     c.reset()
     assert c.len == 0 and c.can_truncate(0)
@@ -434,7 +434,7 @@ def test_window_cache_serves_a_model_prefix_reuse_and_persistence(tmp_path):
     from synth import write_model
     m = load_model(write_model(tmp_path / "g.gguf", "gemma3", layers=6, hidden=64, heads=4, kv_heads=2,
                                head_dim=32, sliding_window=5))
-    m.window_slack = 3
+    m.window_slack = 15
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     keep_all = m.init_cache(64, rewindable=True)
     want = m.forward_step_all_logits(keep_all, ids, 0)

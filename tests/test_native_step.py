@@ -32,7 +32,8 @@ CASES = {
                                           sliding_window=3)),
 }
 
-IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9]
+IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9,
+       77, 31, 6, 190, 45, 2, 88, 123, 61, 19, 240, 4, 56, 71, 10, 133, 29, 97, 180, 15]
 
 
 def _model(tmp_path_factory, name, qtype):
@@ -216,20 +217,23 @@ def test_family_with_its_own_block_gets_no_plan_by_accident(tmp_path_factory):
 
 
 def test_window_memory_shifts_under_the_native_step(tmp_path_factory):
-    """Gemma-3 with a window memory of window + 2 rows: long prompts run in steps of 3 rows,
-    the rows move to the front every few tokens, and native equals torch throughout."""
+    """Gemma-3 with a window memory of window + 17 rows (the rows kept start on a 16-row key
+    block): long prompts run in steps of 3 rows, the rows move to the front every few
+    tokens, and native equals torch throughout."""
     model = _model(tmp_path_factory, "gemma3-d32-window", Q.F32)
-    model.window_slack = 2
+    model.window_slack = 17
+    chunks = [11, 1, 1, 4, 1, 2, 9, 3, 7, 1]
     try:
-        got, c1 = _run(model, True, [11, 1, 1, 4, 1, 2])
-        want, c0 = _run(model, False, [11, 1, 1, 4, 1, 2])
+        got, c1 = _run(model, True, chunks)
+        want, c0 = _run(model, False, chunks)
     finally:
         del model.window_slack
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
     local = [i for i, s in enumerate(model.config.layers) if s.window]
-    assert local and all(c1.memories[i].rows == 5 + 2 and c1.memories[i].base > 0 for i in local)
+    assert local and all(c1.memories[i].rows == 5 + 17 and c1.memories[i].base > 0
+                         and c1.memories[i].base % 16 == 0 for i in local)
     _same_rows(c1, c0)
-    full, _ = _run(model, True, [11, 1, 1, 4, 1, 2])      # a full-size memory: the same logits
+    full, _ = _run(model, True, chunks)      # a full-size memory: the same logits
     assert (full - got).abs().max() < 1e-4 * got.abs().max()
 
 

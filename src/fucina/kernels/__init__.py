@@ -87,6 +87,14 @@ def prefill_route() -> str:
     return _native.get_prefill() if _native is not None else "none"
 
 
+def batch_invariant() -> bool:
+    """True when the native routes promise that a row's result never depends on the rows
+    computed with it (m rows at once == m single rows, bitwise, every chunking): the
+    native kernels are built and enabled and the canonical route is on. Speculation's
+    batched verify and the server's exactness rely on it."""
+    return available() and prefill_route() == "canon"
+
+
 def prefill_min_m() -> int:
     return _native.prefill_min_m() if _native is not None else 0
 

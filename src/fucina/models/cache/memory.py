@@ -23,6 +23,7 @@ from fucina.errors import KVCacheError
 from fucina.models.cache.rows import STORES
 
 NO_LIMIT = 1 << 30
+KEY_BLOCK = 16   # the attention kernels read keys in blocks of 16 aligned to absolute positions (csrc FK_AB)
 
 
 class LayerMemory(Protocol):
@@ -191,17 +192,19 @@ class WindowKV(KVMemory):
     """A sliding-window layer: keys older than `window` positions are never read again,
     so only `window + slack` rows exist. Rows stay in position order (reads are one
     contiguous span, as the native kernels want): when a step would run past the end,
-    the last window - 1 rows move to the front (every `slack` tokens, ~window rows
-    copied: about one row per token). A step may append up to slack + 1 rows; a rewind
-    reaches back as far as the rows still held allow."""
+    the rows from the oldest one still read (rounded down to a 16-row key block) move to
+    the front (every ~`slack` tokens, ~window rows copied: about one row per token). A
+    step may append up to slack + 2 - 16 rows; a rewind reaches back as far as the rows
+    still held allow."""
 
     kind = "window"
 
     def __init__(self, capacity: int, heads: int, k_dim: int, v_dim: int | None = None,
                  storage: str = "f16", dtype: torch.dtype = torch.float16, *, window: int,
-                 slack: int = 512):
-        if window < 1 or slack < 0:
-            raise KVCacheError(f"window memory needs window >= 1 and slack >= 0 (got {window}, {slack})")
+                 slack: int = 512 + KEY_BLOCK):
+        if window < 1 or slack < KEY_BLOCK - 1:
+            raise KVCacheError(f"window memory needs window >= 1 and slack >= {KEY_BLOCK - 1} "
+                               f"(got {window}, {slack}): its rows start on a {KEY_BLOCK}-row key block")
         self.window, self.slack = window, slack
         super().__init__(capacity, heads, k_dim, v_dim, storage, dtype)
 
@@ -213,8 +216,10 @@ class WindowKV(KVMemory):
         return (self.k.heads, self.k.dim, self.v.dim, self.window)
 
     def _need_from(self, pos: int) -> int:
-        """The oldest position a query at `pos` reads."""
-        return max(0, pos - self.window + 1)
+        """The oldest position a query at `pos` reads, rounded down to the attention
+        kernels' key block: they read whole blocks aligned to absolute positions (batch
+        invariance), so the rows held start on a block boundary."""
+        return max(0, pos - self.window + 1) // KEY_BLOCK * KEY_BLOCK
 
     def reserve(self, pos: int, m: int) -> None:
         if pos + m - self.base <= self.rows:
@@ -232,7 +237,7 @@ class WindowKV(KVMemory):
     def step_limit(self) -> int:
         if self.rows >= self.capacity:     # every position fits: it never moves
             return NO_LIMIT
-        return max(1, self.rows - self.window + 1)
+        return max(1, self.rows - self.window + 2 - KEY_BLOCK)
 
     def can_truncate(self, keep: int, length: int) -> bool:
         return keep >= length or keep == 0 or self.base <= self._need_from(keep)

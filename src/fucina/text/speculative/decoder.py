@@ -67,6 +67,15 @@ class Stats:
                 f"({self.disabled_steps} gated off)")
 
 
+def rows_invariant(model, cache) -> bool:
+    """Whether an m-row step of `model` on `cache` gives each row the bits of a single step:
+    the native step serves this cache (not the torch blocks, not a q8_0 cache) and the
+    kernels run their batch-invariant route."""
+    from fucina import kernels
+    native = getattr(model, "_native_cache", None)
+    return kernels.batch_invariant() and native is not None and native(cache) is not None
+
+
 class SpeculativeDecoder:
     def __init__(self, source: DraftSource, *, max_draft: int = 16, min_draft: int = 2,
                  topk_feedback: int = 8, gate: CostGate | None = None, pin_rows: bool = False,
@@ -180,9 +189,10 @@ class SpeculativeDecoder:
         return draft
 
     def _verify(self, model, cache, tokens: list[int], pos0: int) -> list[torch.Tensor]:
+        # lossless first: a batched verify only where its rows are the single steps' bits
         if len(tokens) == 1:
             return [model.forward_step(cache, tokens, pos0)]   # the plain step, call for call
-        if self.pin_rows:
+        if self.pin_rows or not rows_invariant(model, cache):
             return [model.forward_step(cache, [t], pos0 + i) for i, t in enumerate(tokens)]
         return list(model.forward_step_all_logits(cache, tokens, pos0))
 
