@@ -247,9 +247,10 @@ static void cb_kernel_avx2(int qt, const uint8_t *pan, int64_t b0, int64_t b1, c
  * nr repeat the last row), scale fields gathered one dword per row; the same panel bytes as
  * the generic way for every field the kernel reads. */
 
-static inline void tr8x8_rows(const uint8_t *const *rp, int64_t off, __m256i out[8]) {
-    __m256i z[8], t[8];
-    for (int j = 0; j < 8; j++) z[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + off));
+/* an 8 x 8 dword transpose: z[j] = row j's 8 dwords -> out[i] = dword i of rows 0..7
+ * (z is clobbered) */
+static inline void tr8x8(__m256i z[8], __m256i out[8]) {
+    __m256i t[8];
     for (int j = 0; j < 8; j += 2) {
         t[j] = _mm256_unpacklo_epi32(z[j], z[j + 1]);
         t[j + 1] = _mm256_unpackhi_epi32(z[j], z[j + 1]);
@@ -264,6 +265,12 @@ static inline void tr8x8_rows(const uint8_t *const *rp, int64_t off, __m256i out
         out[j] = _mm256_permute2x128_si256(z[j], z[4 + j], 0x20);
         out[4 + j] = _mm256_permute2x128_si256(z[j], z[4 + j], 0x31);
     }
+}
+
+static inline void tr8x8_rows(const uint8_t *const *rp, int64_t off, __m256i out[8]) {
+    __m256i z[8];
+    for (int j = 0; j < 8; j++) z[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + off));
+    tr8x8(z, out);
 }
 
 static inline void tr8x4_rows(const uint8_t *const *rp, int64_t off, __m256i out[4]) {
@@ -443,25 +450,12 @@ static bool cb_fast_panel_avx2(int qt, const uint8_t *w, size_t rb, int64_t n0, 
 /* 8 decoded rows (row j at tmp + j * ts) -> the panel's dword order: an 8 x 8 dword transpose */
 static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan) {
     for (int64_t b = 0; b < nblk; b++) {
-        __m256i z[8], t[8];
+        __m256i z[8], out[8];
         for (int j = 0; j < 8; j++)
             z[j] = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + 32 * b)) : _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-            t[j] = _mm256_unpacklo_epi32(z[j], z[j + 1]);
-            t[j + 1] = _mm256_unpackhi_epi32(z[j], z[j + 1]);
-        }
-        for (int j = 0; j < 8; j += 4) {
-            z[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
-            z[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
-            z[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
-            z[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
-        }
-        /* z[j] (j < 4): dword j of rows 0-3 | dword j + 4 of rows 0-3; z[4 + j]: rows 4-7 */
+        tr8x8(z, out);
         uint8_t *o = pan + b * CB_BLOCK;
-        for (int j = 0; j < 4; j++) {
-            _mm256_storeu_si256((__m256i *)(o + 32 * j), _mm256_permute2x128_si256(z[j], z[4 + j], 0x20));
-            _mm256_storeu_si256((__m256i *)(o + 32 * (4 + j)), _mm256_permute2x128_si256(z[j], z[4 + j], 0x31));
-        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(o + 32 * i), out[i]);
     }
 }
 

@@ -239,12 +239,11 @@ static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1,
  * transpose) writes, field for field, for the fields the kernel reads. */
 
 /* 32 bytes at off of 16 rows -> out[i] = dword i of rows 0..15 */
-static inline void tr16x8(const uint8_t *const *rp, int64_t off, __m512i out[8]) {
+/* the 8 x 8 dword transpose in each 256-bit half: z[j] = row j's 8 dwords | row j + 8's ->
+ * out[i] = dword i of rows 0..15 (z is clobbered) */
+static inline void tr16x8_core(__m512i z[8], __m512i out[8]) {
     const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    __m512i z[8], t[8];
-    for (int j = 0; j < 8; j++)
-        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rp[j] + off))),
-                                  _mm256_loadu_si256((const __m256i *)(rp[j + 8] + off)), 1);
+    __m512i t[8];
     for (int j = 0; j < 8; j += 2) {
         t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
         t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
@@ -259,6 +258,14 @@ static inline void tr16x8(const uint8_t *const *rp, int64_t off, __m512i out[8])
         out[j] = _mm512_permutex2var_epi64(z[j], lo, z[4 + j]);
         out[4 + j] = _mm512_permutex2var_epi64(z[j], hi, z[4 + j]);
     }
+}
+
+static inline void tr16x8(const uint8_t *const *rp, int64_t off, __m512i out[8]) {
+    __m512i z[8];
+    for (int j = 0; j < 8; j++)
+        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rp[j] + off))),
+                                  _mm256_loadu_si256((const __m256i *)(rp[j + 8] + off)), 1);
+    tr16x8_core(z, out);
 }
 
 /* 16 bytes at off of 16 rows -> out[i] = dword i of rows 0..15 */
@@ -452,31 +459,16 @@ static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0
 /* 16 decoded rows (row j at tmp + j * ts, 32 bytes a block) -> the panel's dword order: an
  * 8 x 8 dword transpose in each 256-bit half, rows j and j + 8 sharing a zmm */
 static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan) {
-    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int64_t b = 0; b < nblk; b++) {
-        __m512i z[8], t[8];
+        __m512i z[8], out[8];
         for (int j = 0; j < 8; j++) {
             const __m256i a = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + 32 * b)) : _mm256_setzero_si256();
             const __m256i c = j + 8 < nr ? _mm256_loadu_si256((const __m256i *)(tmp + (j + 8) * ts + 32 * b)) : _mm256_setzero_si256();
             z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
         }
-        for (int j = 0; j < 8; j += 2) {
-            t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
-            t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
-        }
-        for (int j = 0; j < 8; j += 4) {
-            z[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-            z[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-            z[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-            z[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-        }
-        /* z[j] (j < 4): dword j of rows 0-3 | dword j + 4 of rows 0-3 | same for rows 8-11;
-         * z[4 + j]: rows 4-7 and 12-15 */
+        tr16x8_core(z, out);
         uint8_t *o = pan + b * CB_BLOCK;
-        for (int j = 0; j < 4; j++) {
-            _mm512_storeu_si512((void *)(o + 64 * j), _mm512_permutex2var_epi64(z[j], lo, z[4 + j]));
-            _mm512_storeu_si512((void *)(o + 64 * (4 + j)), _mm512_permutex2var_epi64(z[j], hi, z[4 + j]));
-        }
+        for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)(o + 64 * i), out[i]);
     }
 }
 
