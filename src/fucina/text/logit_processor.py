@@ -36,6 +36,12 @@ class LogitProcessor:
     def forced_tokens(self) -> list[int] | None:
         return None
 
+    def allows(self, token: int) -> bool | None:
+        """For a processor whose `process` only forbids tokens (a mask): whether `token`
+        is allowed, so the sampler can test its first choice instead of masking the row.
+        None: not a pure mask (the sampler always calls `process`)."""
+        return None
+
     def valid_prefix_len(self, tokens: Sequence[int]) -> int | None:
         return None
 

@@ -206,7 +206,7 @@ class Sampler:
         cfg = self.config
         row = logits.detach().reshape(-1).to(torch.float32).clone()
         proc = self.processor
-        masked = proc if hasattr(proc, "allowed_words") else None   # a grammar Constraint
+        masked = proc if proc is not None and type(proc).allows is not LogitProcessor.allows else None
         if proc is not None and masked is None:
             proc.process(row, history)
         apply_penalties(row, history, cfg)
