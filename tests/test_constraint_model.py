@@ -196,7 +196,8 @@ def test_server_forced_tool_calls_openai(server):
                 args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
                 names[tc.index] = tc.function.name or names.get(tc.index)
         assert args and all(valid(a, PARAMS[names[k]]) is None for k, a in args.items())
-    resp = c.responses.create(model="x", input="Weather in Rome?", max_output_tokens=64,
+    resp = c.responses.create(model="x", input="Weather in Rome?", max_output_tokens=192,
+                              extra_body={"seed": 0},   # sampled args may run long; a fixed draw
                               tools=[{"type": "function", "name": "get_weather", "parameters": TOOL_PARAMS}],
                               tool_choice="required", parallel_tool_calls=False, **HOT)
     calls = [o for o in resp.output if o.type == "function_call"]
