@@ -15,10 +15,9 @@ from typing import Any, AsyncIterator
 
 from fucina.serve import structured
 from fucina.serve.engine import GenRequest, Started
-from fucina.serve.openai import _max_tokens, _text_content, join_parts
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart, tool_arguments
 from fucina.serve.prompt import render_chat
-from fucina.serve.protocol import ApiError, Fields, bad, sampling
+from fucina.serve.protocol import ApiError, Fields, bad, join_parts, max_tokens_for, sampling, text_content
 from fucina.serve.turn import Turn
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -39,7 +38,7 @@ def sse(kind: str, data: dict) -> str:
 
 
 def _text(content: Any, path: str) -> str:
-    return _text_content(content, path, allowed=("text",))
+    return text_content(content, path, allowed=("text",))
 
 
 def messages(f: Fields) -> list[dict]:
@@ -149,7 +148,7 @@ def parse(server, body: dict) -> tuple[Turn, dict]:
     grammar = structured.tool_grammar(server, tools, choice, not single) if forced else None
     prompt = server.render(lambda: render_chat(server.engine, msgs, tools=tools, tool_choice=choice,
                                                think=think, prime=not forced))
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, max_tokens), cfg, stops,
+    req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, max_tokens), cfg, stops,
                      server.engine.stop_ids, processor=structured.constraint(server, prompt, grammar, think=think))
     turn = Turn(server, prompt, req, single_call=bool(tools) and single, id_prefix="toolu_")
     return turn, {"stream": f.bool("stream", False), "id": "msg_" + secrets.token_hex(12)}

@@ -15,7 +15,7 @@ from fucina.serve.choices import MAX_CHOICES, indexed_events, make_turns, turns_
 from fucina.serve.engine import GenRequest, Started
 from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart
 from fucina.serve.prompt import render_chat, render_completion
-from fucina.serve.protocol import ApiError, Fields, bad, sampling, speculation
+from fucina.serve.protocol import ApiError, Fields, bad, max_tokens_for, sampling, speculation, text_content
 from fucina.serve.turn import LogProbs, Turn
 
 
@@ -33,32 +33,6 @@ def _rid(prefix: str) -> str:
 
 
 # -- shared request pieces -------------------------------------------------------------
-
-def _text_content(content: Any, path: str, *, allowed=("text", "input_text", "output_text")) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"'{path}' must be a string or an array of content parts", path)
-    out = []
-    for j, part in enumerate(content):
-        f = Fields(part, f"{path}[{j}].")
-        kind = f.str("type", required=True)
-        if kind not in allowed:
-            raise bad(f"'{path}[{j}].type' {kind!r} is not supported (text only)", f"{path}[{j}].type")
-        out.append(f.str("text", "", required=True))
-    return join_parts(out)
-
-
-def join_parts(texts) -> str:
-    """Text parts as llama-server joins them: a newline before each part once some text
-    has accumulated ("What is" + "the best book" -> "What is\nthe best book")."""
-    out = ""
-    for t in texts:
-        out += ("\n" if out else "") + t
-    return out
-
 
 def _arguments_obj(text: str) -> Any:
     try:
@@ -113,11 +87,6 @@ def _think(f: Fields) -> bool | None:
     return None
 
 
-def _max_tokens(server, ids: list[int], requested: int | None) -> int:
-    room = server.engine.n_ctx - len(ids)
-    return min(requested, room) if requested is not None else room
-
-
 def _logprob_entry(tok_text, tok: int, lp: float) -> dict:
     piece = tok_text(tok)
     return {"token": piece.decode("utf-8", "replace"), "logprob": lp, "bytes": list(piece)}
@@ -162,7 +131,7 @@ def chat_messages(f: Fields) -> list[dict]:
         if role not in ("system", "user", "assistant", "tool"):
             raise bad(f"'messages[{i}].role' {role!r} is not one of system, developer, user, "
                       f"assistant, tool", f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": role, "content": _text_content(mf.get("content"), path)}
+        msg: dict[str, Any] = {"role": role, "content": text_content(mf.get("content"), path)}
         if role == "assistant" and mf.has("tool_calls"):
             calls = []
             for j, c in enumerate(mf.list("tool_calls")):
@@ -209,7 +178,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
                                                think=_think(f), prime=not forced))
     def constraint():
         return structured.constraint(server, prompt, grammar, think=_think(f))
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, stops,
+    req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, mt), cfg, stops,
                      server.engine.stop_ids, top, constraint(),
                      *speculation(f, server.engine.tokenizer))
     single = isinstance(choice, dict) or not parallel
@@ -304,7 +273,7 @@ def parse_completion(server, body: dict) -> tuple[Turn, dict]:
     prompt = server.render(lambda: render_completion(server.engine, p), param="prompt")
     def constraint():
         return structured.constraint(server, prompt, grammar, think=False)
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, f.int("max_tokens", 16, 1)),
+    req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, f.int("max_tokens", 16, 1)),
                      sampling(f, server.sampling), f.stops("stop"), server.engine.stop_ids, top,
                      constraint(), *speculation(f, server.engine.tokenizer))
     so = Fields(f.dict("stream_options", {}), "stream_options.")
@@ -386,7 +355,7 @@ def response_input(f: Fields) -> list[dict]:
             if role not in ("system", "user", "assistant"):
                 raise bad(f"'input[{i}].role' {role!r} is not one of system, developer, user, assistant",
                           f"input[{i}].role")
-            msgs.append({"role": role, "content": _text_content(it.require("content"), f"input[{i}].content")})
+            msgs.append({"role": role, "content": text_content(it.require("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": it.str("call_id", required=True), "type": "function",
                     "function": {"name": it.str("name", required=True),
@@ -398,7 +367,7 @@ def response_input(f: Fields) -> list[dict]:
         elif kind == "function_call_output":
             out = it.require("output")
             msgs.append({"role": "tool", "tool_call_id": it.str("call_id", required=True),
-                         "content": out if isinstance(out, str) else _text_content(out, f"input[{i}].output")})
+                         "content": out if isinstance(out, str) else text_content(out, f"input[{i}].output")})
         elif kind == "reasoning":
             continue
         else:
@@ -439,7 +408,7 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
                                                think=_think(f), prime=not forced))
     cfg = sampling(f, server.sampling)
     mt = f.int("max_output_tokens", None, 1)
-    req = GenRequest(prompt.ids, _max_tokens(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,
+    req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,
                      processor=structured.constraint(server, prompt, grammar, think=_think(f)))
     turn = Turn(server, prompt, req, single_call=bool(tools) and (isinstance(choice, dict) or not parallel))
     return turn, {"stream": f.bool("stream", False), "id": _rid("resp_"), "created": int(time.time()),

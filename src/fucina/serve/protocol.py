@@ -167,3 +167,39 @@ def speculation(f: Fields, tokenizer) -> tuple[bool | None, list[list[int]]]:
     if on is False or not content:
         return on, []
     return True, [tokenizer.encode(content, add_special=False, parse_special=False)]
+
+
+# -- request pieces every dialect reads (a dialect never imports another's) ------
+
+def text_content(content: Any, path: str, *, allowed=("text", "input_text", "output_text")) -> str:
+    """A message's `content`: a string, or an array of text parts (each of a type in
+    `allowed`) joined as llama-server joins them."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"'{path}' must be a string or an array of content parts", path)
+    out = []
+    for j, part in enumerate(content):
+        f = Fields(part, f"{path}[{j}].")
+        kind = f.str("type", required=True)
+        if kind not in allowed:
+            raise bad(f"'{path}[{j}].type' {kind!r} is not supported (text only)", f"{path}[{j}].type")
+        out.append(f.str("text", "", required=True))
+    return join_parts(out)
+
+
+def join_parts(texts) -> str:
+    """Text parts as llama-server joins them: a newline before each part once some text
+    has accumulated ("What is" + "the best book" -> "What is\nthe best book")."""
+    out = ""
+    for t in texts:
+        out += ("\n" if out else "") + t
+    return out
+
+
+def max_tokens_for(server, ids: list[int], requested: int | None) -> int:
+    """The request's token budget: what it asked for, capped by the room the context leaves."""
+    room = server.engine.n_ctx - len(ids)
+    return min(requested, room) if requested is not None else room
