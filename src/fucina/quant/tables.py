@@ -12,7 +12,12 @@ from functools import cache
 
 import numpy as np
 import torch
-from gguf import quants as _gq
+
+
+def _gq():
+    """gguf-py's quants module, imported on first use (the package costs ~0.1 s to import)."""
+    from gguf import quants
+    return quants
 
 
 def _grid(cls) -> torch.Tensor:
@@ -26,26 +31,26 @@ def _grid(cls) -> torch.Tensor:
 def iq_grid(name: str) -> torch.Tensor:
     """Grid for IQ2_XXS (256x8), IQ2_XS (512x8), IQ2_S (1024x8), IQ3_XXS (256x4),
     IQ3_S (512x4), IQ1_S/IQ1_M (2048x8, values -1/0/1)."""
-    return _grid(getattr(_gq, name))
+    return _grid(getattr(_gq(), name))
 
 
 @cache
 def ksigns_f32() -> torch.Tensor:
     """[128, 8] of +-1: the 7 stored sign bits of a group of 8 plus an implied parity bit."""
-    ks = np.frombuffer(_gq.IQ2_XXS.ksigns, dtype=np.uint8)
+    ks = np.frombuffer(_gq().IQ2_XXS.ksigns, dtype=np.uint8)
     bits = (ks[:, None] >> np.arange(8, dtype=np.uint8)) & 1
     return torch.from_numpy(np.where(bits == 0, 1.0, -1.0).astype(np.float32))
 
 
 @cache
 def kvalues_iq4nl() -> torch.Tensor:
-    return torch.tensor(_gq.IQ4_NL.kvalues, dtype=torch.float32)
+    return torch.tensor(_gq().IQ4_NL.kvalues, dtype=torch.float32)
 
 
 @cache
 def kvalues_fp4() -> torch.Tensor:
     """E2M1 values doubled (MXFP4 and NVFP4 share it; the scales carry the 1/2)."""
-    return torch.tensor(_gq.MXFP4.kvalues, dtype=torch.float32)
+    return torch.tensor(_gq().MXFP4.kvalues, dtype=torch.float32)
 
 
 @cache

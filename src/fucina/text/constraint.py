@@ -29,7 +29,6 @@ from collections import deque
 import weakref
 from typing import Iterable, Sequence
 
-import llguidance as llg
 import numpy as np
 import torch
 
@@ -112,7 +111,7 @@ def lltokenizer(tokenizer, n_vocab: int | None = None, stop_ids: Iterable[int] =
     llt = per_tok.get(key)
     if llt is None:
         t0 = time.perf_counter()
-        llt = llg.LLTokenizer(_Vocab(tokenizer, n_vocab, stops[0]), n_vocab=n_vocab, eos_token=list(stops))
+        llt = grammars._llg().LLTokenizer(_Vocab(tokenizer, n_vocab, stops[0]), n_vocab=n_vocab, eos_token=list(stops))
         log.info("llguidance tokenizer for %d ids built in %.2f s", n_vocab, time.perf_counter() - t0)
         per_tok[key] = llt
     return llt
@@ -128,7 +127,7 @@ class Constraint(LogitProcessor):
         self.llt = lltokenizer(tokenizer, n_vocab, stop_ids)
         self.stop_ids = list(self.llt.eos_tokens)
         self.n_vocab = self.llt.vocab_size
-        self.matcher = llg.LLMatcher(self.llt, grammar, log_level=log_level)
+        self.matcher = grammars._llg().LLMatcher(self.llt, grammar, log_level=log_level)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error().strip())
         self._init_state()

@@ -21,12 +21,16 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-import llguidance as llg
-
 from fucina.errors import GrammarError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 ANY_JSON_OBJECT = {"type": "object"}
+
+
+def _llg():
+    """llguidance, imported on first use: a plain generate/chat never pays its ~35 ms import."""
+    import llguidance
+    return llguidance
 
 
 def schema_dict(schema: Any) -> dict:
@@ -46,7 +50,7 @@ def schema_dict(schema: Any) -> dict:
 
 
 def json_schema(schema: Any) -> str:
-    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema_dict(schema)), defaults=JSON_OPTIONS)
+    return _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema_dict(schema)), defaults=JSON_OPTIONS)
 
 
 def json_object() -> str:
@@ -54,17 +58,17 @@ def json_object() -> str:
 
 
 def regex(pattern: str) -> str:
-    return llg.LLMatcher.grammar_from_regex(pattern)
+    return _llg().LLMatcher.grammar_from_regex(pattern)
 
 
 def lark(text: str) -> str:
-    return llg.LLMatcher.grammar_from_lark(text)
+    return _llg().LLMatcher.grammar_from_lark(text)
 
 
 def gbnf(text: str) -> str:
     """A llama.cpp GBNF grammar (Lark text is recognised and passed through)."""
     try:
-        return llg.grammar_from("gbnf", text)
+        return _llg().grammar_from("gbnf", text)
     except ValueError as e:
         raise GrammarError(f"GBNF grammar: {e}") from None
 
@@ -98,7 +102,7 @@ _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "Lark gra
 
 def check(grammar: str, kind: str = "grammar", tokenizer: Any = None) -> str:
     """Compile once; a problem raises GrammarError naming it. Returns the grammar."""
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
         what = _KIND_NAMES.get(kind, kind)
         detail = (messages[0] if messages else "invalid").strip()
