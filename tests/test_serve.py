@@ -13,9 +13,7 @@ Two kinds of server:
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,40 +26,15 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 uvicorn = pytest.importorskip("uvicorn")
 
-from fucina.serve import Engine, Server, create_app  # noqa: E402
+from fucina.serve import Engine, Server  # noqa: E402
 from fucina.text.chat_template import ChatTemplate  # noqa: E402
+from live_server import free_port, live  # noqa: E402,F401  (others import them from here)
 
 GEN = dict(temperature=0, max_tokens=8)
 T0 = {"temperature": 0}   # the anthropic SDK no longer has sampling arguments
 
 
 # -- live servers ----------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live(server: Server):
-    port = free_port()
-    cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning",
-                         timeout_graceful_shutdown=2)
-    srv = uvicorn.Server(cfg)
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        if time.time() > deadline or not t.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        t.join(10)
-
 
 @pytest.fixture(scope="module")
 def threads_one():
