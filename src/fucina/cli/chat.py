@@ -1,6 +1,8 @@
 """`fucina chat [MODEL] MESSAGE [--system S] [--no-think] [--gen N] [--repl] [--ids-out F]`.
 
-With one positional argument it is the message and the default model answers. With
+With one positional argument it is the message and the chat default answers:
+Qwen2.5-Coder-0.5B-Instruct (`CHAT_DEFAULT`; 11/12 on benchmarks/chat_default.py's
+questions where SmolLM2-135M, every other command's default, gets 7/12). With
 --repl the conversation continues turn by turn (see fucina.cli.repl). Also home of
 the sampling flags other commands share (`add_sampling_args`).
 
@@ -16,7 +18,9 @@ import sys
 
 from fucina.errors import FucinaError
 
-MODEL_HELP = "GGUF file or packaged name (smollm2, gemma3; default: SmolLM2-135M-Instruct Q4_1)"
+MODEL_HELP = "GGUF file or packaged name (smollm2, gemma3, qwen2.5-coder; default: SmolLM2-135M-Instruct Q4_1)"
+#: the packaged model `fucina chat` talks to when no MODEL is given (README: "Which chat model")
+CHAT_DEFAULT = "qwen2.5-coder"
 
 
 def add_sampling_args(p) -> None:
@@ -82,7 +86,9 @@ def add_parser(sub) -> None:
     from fucina.cli.main import count, positive
 
     s = sub.add_parser("chat", help="chat with a model (one message, or --repl)")
-    s.add_argument("args", nargs="*", metavar="[MODEL] MESSAGE", help=f"{MODEL_HELP}; the user message")
+    s.add_argument("args", nargs="*", metavar="[MODEL] MESSAGE",
+                   help=f"GGUF file or packaged name (default: {CHAT_DEFAULT}, Qwen2.5-Coder-0.5B-Instruct "
+                        f"Q4_K_M; also smollm2, gemma3); the user message")
     s.add_argument("--system", "-s", help="system prompt")
     s.add_argument("--no-think", action="store_true", help="turn reasoning off (enable_thinking=false)")
     s.add_argument("--gen", "-n", type=count, default=512, help="max tokens per reply (default 512)")
@@ -198,13 +204,13 @@ class ChatSession:
 
 def cmd_chat(args) -> int:
     model_arg, message = _split_positionals(args)
-    llm = load_llm(model_arg, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
+    llm = load_llm(model_arg or CHAT_DEFAULT, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
     session = ChatSession(llm, args)
     if session.raw:
         print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "
               f"model): each message is continued as a raw completion. Use a chat model "
-              f"(e.g. the default, smollm2) to chat.", file=sys.stderr)
+              f"(e.g. the default, {CHAT_DEFAULT}) to chat.", file=sys.stderr)
     if message is not None:
         try:
             session.reply(message, sys.stdout)
