@@ -120,7 +120,7 @@ def test_weights_stay_in_their_type(tmp_path):
     path = write_model(tmp_path / "q.gguf", "qwen3", layers=1, hidden=64, head_dim=32, qtype=Q.Q8_0)
     m = load_model(path)
     L = m.layers[0]
-    assert L.wq.qtype is Q.Q8_0 and L.wq.raw.dtype == torch.uint8
+    assert L.wq.qtype == Q.Q8_0 and L.wq.raw.dtype == torch.uint8
     assert L.wq.nbytes == (4 * 32) * 64 // 32 * 34  # [heads*head_dim, hidden] in Q8_0 blocks
 
 

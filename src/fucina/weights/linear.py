@@ -40,7 +40,7 @@ class LinearWeight:
             raise FucinaError(f"{name}: {raw.numel()} bytes do not hold a {qtype.name} "
                               f"[{out_features}, {in_features}] matrix")
         self.raw = raw.reshape(out_features, row_bytes)
-        self.qtype = qtype
+        self.qtype = GGMLType(qtype)   # ints and gguf-py's enum alike: `is` checks below
         self.out_features = out_features
         self.in_features = in_features
         self.name = name
