@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import gguf
+import pytest
 
 from fucina.gguf import TYPE_SIZES, GGMLType
 
@@ -58,3 +59,38 @@ def test_lazy_imports_still_work_on_first_use():
     else:
         raise AssertionError("a broken template rendered")
     assert grammar.regex("[ab]+")
+
+
+def test_the_start_up_gc_pause_always_ends(tmp_path, capsys):
+    import gc
+
+    import fucina
+    from fucina.cli import main as cli
+    from synth import write_model
+
+    path = write_model(tmp_path / "m.gguf", "llama")
+    seen = []
+    real = cli.resume_gc
+
+    def spy():
+        real()
+        seen.append(gc.isenabled())
+    cli.resume_gc = spy
+    try:
+        assert cli.main(["run", path, "--prompt", "ab", "--gen", "2", "-t", "1"]) == 0
+        assert seen[0] is True                    # generation runs with the collector back on
+        assert cli.main(["info", path]) == 0
+        with pytest.raises(SystemExit):           # an argument error leaves through argparse
+            cli.main(["run", "--gen", "-1"])
+    finally:
+        cli.resume_gc = real
+    assert gc.isenabled()
+    gc.disable()                                  # a caller's own choice survives load()
+    try:
+        fucina.load(path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    fucina.load(path)
+    assert gc.isenabled()
+    capsys.readouterr()

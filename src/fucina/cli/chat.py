@@ -133,7 +133,10 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
     else:
         import torch
         torch.set_num_threads(n)
-    return load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale)
+    llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale)
+    from fucina.cli.main import resume_gc
+    resume_gc()
+    return llm
 
 
 class ChatSession:

@@ -95,6 +95,7 @@ def _threads(n: int | None, world: int = 1) -> None:
 
 
 def cmd_finetune(args) -> int:
+    from fucina.cli.main import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.text.chat_template import ChatTemplate
     from fucina.text.tokenizer import Tokenizer
@@ -105,6 +106,7 @@ def cmd_finetune(args) -> int:
     rank, world = init_distributed()
     _threads(args.threads, world)
     model = load_model(resolve_model(args.model))
+    resume_gc()
     meta = model.gguf.metadata
     tok = Tokenizer.from_metadata(meta)
     tpl = ChatTemplate.from_metadata(meta, tok)
@@ -149,6 +151,7 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from fucina.cli.main import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.train.adapters import read_adapter
     from fucina.train.export import export_merged
@@ -157,6 +160,7 @@ def cmd_export(args) -> int:
     _threads(args.threads)
     path = resolve_model(args.model)
     model = load_model(path)
+    resume_gc()
     adapters = [(read_adapter(p), s) for p, s in with_scales(args.lora, args.lora_scale)]
     stats = export_merged(path, model, adapters, args.out, args.type, args.merged_type)
     print(f"fucina: wrote {args.out} ({stats['merged']} merged, {stats['requantized']} re-encoded, "

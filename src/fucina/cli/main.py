@@ -7,6 +7,7 @@ command is an `add_parser(sub)` in its own module, listed in EXTRA_COMMANDS.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -17,6 +18,19 @@ from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune")
+
+
+_gc_was_enabled: bool | None = None
+
+
+def resume_gc() -> None:
+    """End main()'s start-up pause of the cyclic GC (once the model is loaded). Start-up
+    allocates torch's modules and the vocabulary, hundreds of thousands of long-lived
+    objects; collections re-scanning them cost ~0.25 s CPU of a 1.4 s `run --gen 16`."""
+    global _gc_was_enabled
+    if _gc_was_enabled:
+        gc.enable()
+    _gc_was_enabled = None
 
 
 def _load(args, *, threads: int | None = None):
@@ -36,6 +50,7 @@ def _load(args, *, threads: int | None = None):
     with one_thread():
         model = load_model(path)
     model.load_s = time.perf_counter() - t
+    resume_gc()
     return model
 
 
@@ -342,12 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    global _gc_was_enabled
+    _gc_was_enabled = gc.isenabled()
+    gc.disable()                  # until the model is loaded (resume_gc) or the command ends
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return args.func(args) or 0
     except FucinaError as e:
         print(f"fucina: error: {e}", file=sys.stderr)
@@ -356,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        resume_gc()
 
 
 if __name__ == "__main__":
