@@ -2,7 +2,8 @@
 
     python benchmarks/startup.py [MODEL] [--runs 7] [--threads 1]
 
-Each run is a fresh interpreter (imports are the point) that times, in order: `import
+Each run is a fresh interpreter (imports are the point) that times, in order, under the
+tree's CLI start-up GC pause when it has one (`fucina.cli.main.resume_gc` ends it): `import
 torch`; fucina's own imports on top of it (what `fucina run` imports); the GGUF parse
 and model build (`load_model`); the tokenizer build; the prompt and 16 greedy tokens.
 Prints the median and range of each phase in wall and CPU seconds (CPU is the figure
@@ -22,6 +23,11 @@ import sys
 CHILD = r"""
 import json, sys, time
 clock = lambda: (time.perf_counter(), time.process_time())
+import gc
+from fucina.cli import main as cli
+if hasattr(cli, "resume_gc"):      # the tree's CLI start-up GC pause, as main() holds it
+    cli._gc_was_enabled = gc.isenabled()
+    gc.disable()
 marks = [clock()]
 import torch
 marks.append(clock())
@@ -37,6 +43,7 @@ with one_thread():
 marks.append(clock())
 tok = Tokenizer.from_metadata(model.gguf.metadata)
 marks.append(clock())
+getattr(cli, "resume_gc", lambda: None)()
 llm = LLM(model, tok, n_ctx=32)
 out = "".join(llm.stream(tok.encode("Hi"), 16, temperature=0))
 marks.append(clock())

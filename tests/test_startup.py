@@ -84,7 +84,7 @@ def test_the_start_up_gc_pause_always_ends(tmp_path, capsys):
             cli.main(["run", "--gen", "-1"])
     finally:
         cli.resume_gc = real
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0     # main() unfroze what it froze
     gc.disable()                                  # a caller's own choice survives load()
     try:
         fucina.load(path)
