@@ -43,3 +43,12 @@ def test_chat_help_names_the_chat_default(capsys):
     with pytest.raises(SystemExit):
         main(["chat", "--help"])
     assert f"default: {chat_cli.CHAT_DEFAULT}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_chat_default_answers_the_question_smollm2_missed(capsys):
+    from conftest import present_model
+
+    present_model(chat_cli.CHAT_DEFAULT)                  # skips rather than fetch 491 MB
+    assert main(["chat", "What is the capital of France?", "--greedy", "--gen", "16", "-t", "1"]) == 0
+    assert "Paris" in capsys.readouterr().out
