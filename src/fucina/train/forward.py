@@ -5,17 +5,27 @@ Blocks write K/V into a cache object; during training a `_LayerKV` stands in for
 just hands the layer's (differentiable) K/V back to the attention, so every family that
 routes attention through `models.base.attend` trains with no change to its code.
 
-Memory: with `checkpoint=True` only each layer's input [T, n_embd] is kept between forward
-and backward; the layer is recomputed during backward (one extra forward). The LM head runs
-on the supervised rows only, in chunks, each chunk checkpointed too, so the
+Memory vs speed (`checkpoint`, one of CHECKPOINT_MODES):
+- "full": only each layer's input [T, n_embd] is kept between forward and backward; the
+  layer is recomputed during backward (one extra forward);
+- "keep-matmul": the same segments, but the frozen quantized matmuls' outputs are kept
+  from the forward (`MatmulMemo`) and the recompute re-runs only the cheap ops (norms,
+  RoPE, attention, activations, the LoRA deltas): +4 bytes per matmul output value;
+- "off": torch keeps every activation (no recompute).
+The LM head runs on the supervised rows only, in chunks (each a segment too), so the
 [T, n_vocab] logits never exist at once.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from fucina.errors import FucinaError
+from fucina.train.lora import MatmulMemo, recording
+
+CHECKPOINT_MODES = ("full", "keep-matmul", "off")
+DEFAULT_CHECKPOINT = "keep-matmul"
 HEAD_CHUNK = 256   # supervised rows per LM-head chunk ([256, 49152] f32 logits = 50 MB)
 
 
@@ -36,17 +46,42 @@ class _LayerKV:
         return self.k[start:end], self.v[start:end]
 
 
+def checkpoint_mode(mode: bool | str) -> str:
+    """True/False (older callers) -> the default / "off"; a name is checked."""
+    if mode is True:
+        return DEFAULT_CHECKPOINT
+    if mode is False:
+        return "off"
+    if mode not in CHECKPOINT_MODES:
+        raise FucinaError(f"unknown gradient checkpointing mode {mode!r} ({', '.join(CHECKPOINT_MODES)})")
+    return mode
+
+
 def _block(model, i: int, x: torch.Tensor) -> torch.Tensor:
     return model.block(i, x, _LayerKV(x.shape[0]), 0)
 
 
-def hidden(model, ids: torch.Tensor, use_checkpoint: bool = True) -> torch.Tensor:
+def _run_memo(memo: MatmulMemo, fn, *args):
+    with recording(memo):
+        return fn(*args)
+
+
+def _segment(mode: str, fn, *args):
+    """fn(*args) as one gradient-checkpointed segment in `mode` (not "off")."""
+    if mode == "keep-matmul":
+        return _checkpoint(_run_memo, MatmulMemo(), fn, *args, use_reentrant=False,
+                           preserve_rng_state=False)
+    return _checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+def hidden(model, ids: torch.Tensor, use_checkpoint: bool | str = True) -> torch.Tensor:
     """Final residual stream [T, n_embd] of one sequence (positions 0..T-1)."""
+    mode = checkpoint_mode(use_checkpoint)
     x = model.embed(ids).float()
     grad = torch.is_grad_enabled()
     for i in range(model.config.n_layer):
-        if use_checkpoint and grad:
-            x = checkpoint(_block, model, i, x, use_reentrant=False, preserve_rng_state=False)
+        if mode != "off" and grad:
+            x = _segment(mode, _block, model, i, x)
         else:
             x = _block(model, i, x)
     return x
@@ -57,20 +92,20 @@ def _head_loss(model, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
-def loss_sum(model, ids: torch.Tensor, labels: torch.Tensor, use_checkpoint: bool = True
+def loss_sum(model, ids: torch.Tensor, labels: torch.Tensor, use_checkpoint: bool | str = True
              ) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over positions whose label is >= 0, and their count.
     `labels[t]` is the target for position t (already shifted; -100 = not supervised)."""
-    x = hidden(model, ids, use_checkpoint)
+    mode = checkpoint_mode(use_checkpoint)
+    x = hidden(model, ids, mode)
     rows = (labels >= 0).nonzero().reshape(-1)
     total = x.new_zeros(())
     grad = torch.is_grad_enabled()
     for s in range(0, rows.numel(), HEAD_CHUNK):
         r = rows[s:s + HEAD_CHUNK]
         h, t = x[r], labels[r]
-        if use_checkpoint and grad:
-            total = total + checkpoint(_head_loss, model, h, t, use_reentrant=False,
-                                       preserve_rng_state=False)
+        if mode != "off" and grad:
+            total = total + _segment(mode, _head_loss, model, h, t)
         else:
             total = total + _head_loss(model, h, t)
     return total, int(rows.numel())

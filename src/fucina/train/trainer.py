@@ -167,7 +167,7 @@ class Trainer:
         if path is None:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        pairs = {n: (p.a, p.b) for n, p in self.lm.pairs.items()}
+        pairs = self.lm.file_pairs()
         name = os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", ""))) + " LoRA"
         return write_adapter(path, self.model.config.arch, self.lora_cfg.alpha, pairs, name)
 
