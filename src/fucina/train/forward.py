@@ -35,6 +35,7 @@ class _LayerKV:
     RoPE variant (phi3's LongRoPE factors)."""
 
     len = 0
+    training = True   # models.base.attention: the flash SDPA (no [heads, T, T] probabilities kept)
 
     def __init__(self, capacity: int):
         self.capacity = capacity
