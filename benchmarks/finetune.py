@@ -109,7 +109,8 @@ def cmd_train(model: str, out: str, mode: str, steps: int, threads: int, lr: flo
     tpl = ChatTemplate.from_metadata(m.gguf.metadata, tok)
     train = read_jsonl(os.path.join(out, "train.jsonl"), tok, tpl, 256)
     rss_loaded = peak_rss_mb()
-    ckpt = {"quant": True, "quant-full": "full"}.get(mode, "off")   # the peer keeps activations
+    # the peer keeps activations; quant = the default (auto)
+    ckpt = {"quant": True, "quant-full": "full", "quant-keep": "keep-matmul"}.get(mode, "off")
     cfg = TrainConfig(steps=steps, lr=lr, batch=8, grad_accum=1, ctx=256, seed=0, warmup=5,
                       grad_checkpoint=ckpt)
     tr = Trainer(m, LoRAConfig(rank=rank, alpha=2 * rank, targets=targets), cfg, train, None,
@@ -163,8 +164,9 @@ def main() -> None:
     ap.add_argument("cmd", choices=("all", "data", "train", "eval", "speed", "llamacpp"))
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default="/tmp/fucina-ft-bench")
-    ap.add_argument("--mode", default="quant", choices=("quant", "quant-full", "quant-nockpt", "dense"),
-                    help="quant: the default checkpointing; -full: recompute everything; -nockpt: none")
+    ap.add_argument("--mode", default="quant", choices=("quant", "quant-full", "quant-keep", "quant-nockpt", "dense"),
+                    help="quant: the default checkpointing (auto); -full: recompute every layer; "
+                         "-keep: keep-matmul; -nockpt: none")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--peer-steps", type=int, default=8, help="steps timed for the dense peer")
     ap.add_argument("--lr", type=float, default=1.5e-3)
@@ -189,7 +191,7 @@ def main() -> None:
         res = dict(config=dict(targets=a.targets, rank=a.rank, lr=a.lr, steps=a.steps, threads=a.threads))
         # paired speed runs (A B C D A B C D ..., the same first steps each)
         for rep in range(a.reps):
-            for mode in ("dense", "quant", "quant-full", "quant-nockpt"):
+            for mode in ("dense", "quant-keep", "quant-full", "quant-nockpt"):
                 r = _sub(["train", "--mode", mode, "--steps", str(a.peer_steps)] + tcfg + common)
                 res.setdefault("speed", []).append({k: v for k, v in r.items() if k != "adapter"})
                 print(mode, {k: v for k, v in r.items() if k != "losses"}, file=sys.stderr)

@@ -234,3 +234,13 @@ def test_checkpoint_modes_give_the_same_gradients(tmp_path):
             assert torch.equal(g1[k], g0[k]), (mode, k)
     with pytest.raises(Exception, match="checkpointing mode"):
         loss_sum(model, ids, labels, "sometimes")
+
+
+def test_auto_checkpoint_follows_the_activation_budget(tmp_path, monkeypatch):
+    import fucina.train.forward as fw
+    model = _model(tmp_path, "llama", Q.Q8_0, native=False)
+    per_row = fw.activation_bytes(model, 100)
+    assert per_row > 100 * model.config.n_layer * model.config.n_embd * 4   # > the layer inputs alone
+    monkeypatch.setattr(fw, "AUTO_BUDGET_BYTES", per_row)
+    assert fw.checkpoint_mode("auto", model, 100) == "off"
+    assert fw.checkpoint_mode(True, model, 101) == "keep-matmul"

@@ -15,7 +15,7 @@ from fucina.errors import FucinaError
 
 #: fucina.train.forward's CHECKPOINT_MODES and DEFAULT_CHECKPOINT (spelled here: building
 #: the parser imports no torch)
-GRAD_CHECKPOINT, GRAD_CHECKPOINT_DEFAULT = ("full", "keep-matmul", "off"), "keep-matmul"
+GRAD_CHECKPOINT, GRAD_CHECKPOINT_DEFAULT = ("auto", "full", "keep-matmul", "off"), "auto"
 
 MODEL_HELP = "base GGUF file or packaged name (default: SmolLM2-135M-Instruct Q4_1)"
 
@@ -73,7 +73,9 @@ def add_parser(sub) -> None:
     s.add_argument("--grad-checkpoint", choices=GRAD_CHECKPOINT, default=GRAD_CHECKPOINT_DEFAULT,
                    help="what the backward recomputes: full (every layer: least memory), "
                         "keep-matmul (all but the frozen quantized matmuls, whose outputs are kept), "
-                        f"off (nothing: every activation kept) (default {GRAD_CHECKPOINT_DEFAULT})")
+                        "off (nothing: every activation kept, fastest), auto (off while a row's "
+                        "estimated activations fit FUCINA_TRAIN_ACT_BUDGET_MB, default 1024, else "
+                        f"keep-matmul) (default {GRAD_CHECKPOINT_DEFAULT})")
     s.add_argument("--no-grad-checkpoint", action="store_true", help="the same as --grad-checkpoint off")
     s.add_argument("--resume", metavar="DIR", help="continue from DIR/checkpoint.pt (same flags)")
     s.add_argument("--threads", "-t", type=int)

@@ -5,7 +5,8 @@ Blocks write K/V into a cache object; during training a `_LayerKV` stands in for
 just hands the layer's (differentiable) K/V back to the attention, so every family that
 routes attention through `models.base.attend` trains with no change to its code.
 
-Memory vs speed (`checkpoint`, one of CHECKPOINT_MODES):
+Memory vs speed (`checkpoint`, one of CHECKPOINT_MODES; "auto", the default, is "off"
+while a row's estimated activations fit AUTO_BUDGET_BYTES, else "keep-matmul"):
 - "full": only each layer's input [T, n_embd] is kept between forward and backward; the
   layer is recomputed during backward (one extra forward);
 - "keep-matmul": the same segments, but the frozen quantized matmuls' outputs are kept
@@ -17,6 +18,8 @@ The LM head runs on the supervised rows only, in chunks (each a segment too), so
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
@@ -24,8 +27,11 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from fucina.errors import FucinaError
 from fucina.train.lora import MatmulMemo, recording
 
-CHECKPOINT_MODES = ("full", "keep-matmul", "off")
-DEFAULT_CHECKPOINT = "keep-matmul"
+CHECKPOINT_MODES = ("auto", "full", "keep-matmul", "off")
+DEFAULT_CHECKPOINT = "auto"
+#: "auto" keeps every activation ("off") while a row's estimated activations fit this;
+#: otherwise "keep-matmul"
+AUTO_BUDGET_BYTES = int(float(os.environ.get("FUCINA_TRAIN_ACT_BUDGET_MB", "1024")) * (1 << 20))
 HEAD_CHUNK = 256   # supervised rows per LM-head chunk ([256, 49152] f32 logits = 50 MB)
 
 
@@ -47,15 +53,38 @@ class _LayerKV:
         return self.k[start:end], self.v[start:end]
 
 
-def checkpoint_mode(mode: bool | str) -> str:
-    """True/False (older callers) -> the default / "off"; a name is checked."""
+def checkpoint_mode(mode: bool | str, model=None, rows: int = 0) -> str:
+    """True/False (older callers) -> the default / "off"; a name is checked; "auto" is
+    resolved for rows of `rows` tokens (see `activation_bytes`)."""
     if mode is True:
-        return DEFAULT_CHECKPOINT
+        mode = DEFAULT_CHECKPOINT
     if mode is False:
         return "off"
     if mode not in CHECKPOINT_MODES:
         raise FucinaError(f"unknown gradient checkpointing mode {mode!r} ({', '.join(CHECKPOINT_MODES)})")
+    if mode == "auto":
+        return "off" if activation_bytes(model, rows) <= AUTO_BUDGET_BYTES else "keep-matmul"
     return mode
+
+
+def activation_bytes(model, rows: int) -> int:
+    """Estimated bytes autograd keeps for one row of `rows` tokens with no checkpointing:
+    what one layer saves for a 64-token row (measured once per model, unique storages),
+    scaled to `rows` tokens and every layer, plus the [rows, rows] causal mask per layer."""
+    per_token = getattr(model, "_train_act_bytes_per_token", None)
+    if per_token is None:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        x = torch.zeros(64, model.config.n_embd, requires_grad=True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _block(model, 0, x)
+        per_token = model._train_act_bytes_per_token = sum(seen.values()) / 64
+    return int((per_token * rows + rows * rows) * model.config.n_layer)
 
 
 def _block(model, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +106,7 @@ def _segment(mode: str, fn, *args):
 
 def hidden(model, ids: torch.Tensor, use_checkpoint: bool | str = True) -> torch.Tensor:
     """Final residual stream [T, n_embd] of one sequence (positions 0..T-1)."""
-    mode = checkpoint_mode(use_checkpoint)
+    mode = checkpoint_mode(use_checkpoint, model, ids.numel())
     x = model.embed(ids).float()
     grad = torch.is_grad_enabled()
     for i in range(model.config.n_layer):
@@ -97,7 +126,7 @@ def loss_sum(model, ids: torch.Tensor, labels: torch.Tensor, use_checkpoint: boo
              ) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over positions whose label is >= 0, and their count.
     `labels[t]` is the target for position t (already shifted; -100 = not supervised)."""
-    mode = checkpoint_mode(use_checkpoint)
+    mode = checkpoint_mode(use_checkpoint, model, ids.numel())
     x = hidden(model, ids, mode)
     rows = (labels >= 0).nonzero().reshape(-1)
     total = x.new_zeros(())
