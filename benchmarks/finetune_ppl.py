@@ -5,9 +5,8 @@ tests/test_train_export.py's llama.cpp check, merged by apply_adapters.
     FUCINA_INVARIANT=1|0 FUCINA_LORA_MERGE=Q8_0|F16 [NATIVE=0] python benchmarks/finetune_ppl.py
 """
 import os
+import sys
 from pathlib import Path
-
-import torch
 
 import fucina.kernels as K
 from fucina.models import load_model
@@ -15,19 +14,15 @@ from fucina.text.evaluate import perplexity
 from fucina.text.tokenizer import Tokenizer
 from fucina.train.adapters import apply_adapters, read_adapter, write_adapter
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from test_train_export import smollm2_adapter_pairs  # noqa: E402 (the test's adapter)
+
 K.set_threads(1)
 if os.environ.get("NATIVE") == "0":
     K.set_enabled(False)   # the exact figure: torch f32 on the dequantized weights
 path = os.environ.get("MODEL", os.path.expanduser("~/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"))
 model = load_model(path)
-g = torch.Generator().manual_seed(0)
-pairs = {}
-for i in range(model.config.n_layer):
-    for t in ("attn_q", "attn_v", "ffn_down"):
-        w = next(w for w in vars(model.layers[i]).values() if getattr(w, "name", "") == f"blk.{i}.{t}.weight")
-        pairs[w.name] = (torch.randn(8, w.in_features, generator=g) / w.in_features ** 0.5,
-                         torch.randn(w.out_features, 8, generator=g) * 0.02)
-adapter = write_adapter("/tmp/fucina-ppl-adapter.gguf", model.config.arch, 16.0, pairs)
+adapter = write_adapter("/tmp/fucina-ppl-adapter.gguf", model.config.arch, 16.0, smollm2_adapter_pairs(model))
 text = (Path(__file__).parent.parent / "tests" / "data" / "ppl.txt").read_text()[:2500]
 tok = Tokenizer.from_metadata(model.gguf.metadata)
 ids = tok.encode(text, add_special=True, parse_special=False)

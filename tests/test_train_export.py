@@ -112,11 +112,8 @@ def _llama_ppl(oracle, model_path, text, *extra):
     return float(m.group(1))
 
 
-@pytest.mark.slow
-@pytest.mark.oracle
-def test_llama_cpp_lora_matches_ours_on_smollm2(oracle, smollm2_path, tmp_path):
-    """`llama-perplexity --lora OUR_ADAPTER` == our perplexity with it merged (SmolLM2)."""
-    model = load_model(smollm2_path)
+def smollm2_adapter_pairs(model) -> dict:
+    """r 8 on attn_q, attn_v, ffn_down, seed 0 (benchmarks/finetune_ppl.py uses it too)."""
     g = torch.Generator().manual_seed(0)
     pairs = {}
     for i in range(model.config.n_layer):
@@ -124,7 +121,15 @@ def test_llama_cpp_lora_matches_ours_on_smollm2(oracle, smollm2_path, tmp_path):
             w = next(w for w in vars(model.layers[i]).values() if getattr(w, "name", "") == f"blk.{i}.{t}.weight")
             pairs[w.name] = (torch.randn(8, w.in_features, generator=g) / w.in_features ** 0.5,
                              torch.randn(w.out_features, 8, generator=g) * 0.02)
-    adapter = write_adapter(tmp_path / "a.gguf", "llama", 16.0, pairs)
+    return pairs
+
+
+@pytest.mark.slow
+@pytest.mark.oracle
+def test_llama_cpp_lora_matches_ours_on_smollm2(oracle, smollm2_path, tmp_path):
+    """`llama-perplexity --lora OUR_ADAPTER` == our perplexity with it merged (SmolLM2)."""
+    model = load_model(smollm2_path)
+    adapter = write_adapter(tmp_path / "a.gguf", "llama", 16.0, smollm2_adapter_pairs(model))
     text = tmp_path / "t.txt"
     text.write_text((Path(__file__).parent / "data" / "ppl.txt").read_text()[:2500])
     tok = Tokenizer.from_metadata(model.gguf.metadata)
