@@ -51,3 +51,21 @@ def test_finetune_errors(setup, capsys):
     assert "unknown LoRA target" in capsys.readouterr().err
     assert main(["run", model, "--tokens", "1", "--lora", str(model)]) == 1
     assert "not 'adapter'" in capsys.readouterr().err
+
+
+def test_finetune_phi3_fused_targets_and_checkpoint_modes(tmp_path):
+    from fucina.cli.finetune import GRAD_CHECKPOINT, GRAD_CHECKPOINT_DEFAULT
+    from fucina.train.forward import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
+    assert (GRAD_CHECKPOINT, GRAD_CHECKPOINT_DEFAULT) == (CHECKPOINT_MODES, DEFAULT_CHECKPOINT)
+    model = write_model(tmp_path / "p.gguf", "phi3", qtype=gguf.GGMLQuantizationType.Q8_0, ffn=64)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i % 2}"}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    assert main(["finetune", model, "--data", str(data), "--out", str(out), "--steps", "1",
+                 "--targets", "q,v,up", "--rank", "2", "--ctx", "32", "--threads", "1",
+                 "--no-progress", "--grad-checkpoint", "full"]) == 0
+    f = GGUFFile(out / "adapter.gguf")
+    assert "blk.0.attn_qkv.weight.lora_a" in f.tensors and "blk.0.attn_q.weight.lora_a" not in f.tensors
+    assert main(["run", model, "--tokens", "1,2,3", "-n", "2", "--lora", str(out / "adapter.gguf"),
+                 "-t", "1"]) == 0

@@ -11,9 +11,6 @@ from fucina.train.lora import TARGETS, LoRAConfig, LoRAError, LoRAModel, input_g
 from synth import ARCHS, write_model
 
 Q = gguf.GGMLQuantizationType
-# phi3 stores Q/K/V fused in the file (attn_qkv) and gate with up (ffn_up): LoRA targets
-# name the separate projections, so its adapters cover o/up/down only (not tested here yet)
-ARCHS = [a for a in ARCHS if a != "phi3"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -192,3 +189,58 @@ def test_q8_transposed_equals_quantized_transpose():
     dy = torch.randn(3, 2080)
     cos = torch.nn.functional.cosine_similarity(f.input_grad(dy).flatten(), (dy @ w.dequantize()).flatten(), 0)
     assert cos > 0.999
+
+
+def test_fused_in_file_weights_write_one_llama_cpp_pair(tmp_path):
+    """phi3 stores Q/K/V as one attn_qkv and [gate | up] as one ffn_up: LoRA on some of the
+    parts adapts slices of the fused output, and the adapter file holds one pair per fused
+    tensor (rank r * parts) whose llama.cpp delta, B A * alpha / rank, is what training added."""
+    from fucina.train.adapters import read_adapter, write_adapter
+    model = _model(tmp_path, "phi3", Q.Q8_0, native=False)
+    cfg = LoRAConfig(rank=2, alpha=4, targets=["q", "v", "up", "down"])
+    lm = LoRAModel(model, cfg, seed=1)
+    try:
+        _randomize(lm)
+        pairs = lm.file_pairs()
+        assert "blk.0.attn_qkv.weight" in pairs and "blk.0.attn_q.weight" not in pairs
+        assert pairs["blk.0.attn_qkv.weight"][0].shape[0] == 4      # q and v: 2 x rank 2
+        assert pairs["blk.0.ffn_up.weight"][0].shape[0] == 2        # up only
+        ad = read_adapter(write_adapter(tmp_path / "a.gguf", model.config.arch, cfg.alpha, pairs))
+        x = torch.randn(5, model.config.n_embd)
+        L = model.layers[0]
+        with torch.no_grad():
+            for adapted in (L.wqkv, L.w_gate_up, L.down):
+                got = adapted(x) - adapted.base(x)
+                want = x @ ad.delta(adapted.name).T
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), adapted.name
+            q, k, v = (L.wqkv(x) - L.wqkv.base(x)).split(L.split_qkv, dim=-1)
+            assert k.abs().max() == 0 and q.abs().max() > 0 and v.abs().max() > 0
+    finally:
+        lm.detach()
+
+
+def test_checkpoint_modes_give_the_same_gradients(tmp_path):
+    """Keeping the frozen matmuls' outputs (keep-matmul) or every activation (off) changes
+    what is recomputed, not what is computed."""
+    model = _model(tmp_path, "llama", Q.Q4_1, native=True)
+    cfg = LoRAConfig(rank=4, alpha=8, targets=list(TARGETS))
+    ids, labels = _batch(16)
+    runs = {m: _grads(model, cfg, ids, labels, dense=False, use_checkpoint=m)
+            for m in ("full", "keep-matmul", "off")}
+    l0, g0 = runs["full"]
+    for mode, (l1, g1) in runs.items():
+        assert l1 == l0, mode
+        for k in g0:
+            assert torch.equal(g1[k], g0[k]), (mode, k)
+    with pytest.raises(Exception, match="checkpointing mode"):
+        loss_sum(model, ids, labels, "sometimes")
+
+
+def test_auto_checkpoint_follows_the_activation_budget(tmp_path, monkeypatch):
+    import fucina.train.forward as fw
+    model = _model(tmp_path, "llama", Q.Q8_0, native=False)
+    per_row = fw.activation_bytes(model, 100)
+    assert per_row > 100 * model.config.n_layer * model.config.n_embd * 4   # > the layer inputs alone
+    monkeypatch.setattr(fw, "AUTO_BUDGET_BYTES", per_row)
+    assert fw.checkpoint_mode("auto", model, 100) == "off"
+    assert fw.checkpoint_mode(True, model, 101) == "keep-matmul"

@@ -13,6 +13,10 @@ import sys
 
 from fucina.errors import FucinaError
 
+#: fucina.train.forward's CHECKPOINT_MODES and DEFAULT_CHECKPOINT (spelled here: building
+#: the parser imports no torch)
+GRAD_CHECKPOINT, GRAD_CHECKPOINT_DEFAULT = ("auto", "full", "keep-matmul", "off"), "auto"
+
 MODEL_HELP = "base GGUF file or packaged name (default: SmolLM2-135M-Instruct Q4_1)"
 
 
@@ -66,8 +70,13 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     s.add_argument("--eval-every", type=int, default=0, metavar="M", help="validation loss every M steps")
-    s.add_argument("--no-grad-checkpoint", action="store_true",
-                   help="keep every layer's activations (faster, more memory)")
+    s.add_argument("--grad-checkpoint", choices=GRAD_CHECKPOINT, default=GRAD_CHECKPOINT_DEFAULT,
+                   help="what the backward recomputes: full (every layer: least memory), "
+                        "keep-matmul (all but the frozen quantized matmuls, whose outputs are kept), "
+                        "off (nothing: every activation kept, fastest), auto (off while a row's "
+                        "estimated activations fit FUCINA_TRAIN_ACT_BUDGET_MB, default 1024, else "
+                        f"keep-matmul) (default {GRAD_CHECKPOINT_DEFAULT})")
+    s.add_argument("--no-grad-checkpoint", action="store_true", help="the same as --grad-checkpoint off")
     s.add_argument("--resume", metavar="DIR", help="continue from DIR/checkpoint.pt (same flags)")
     s.add_argument("--threads", "-t", type=int)
     s.add_argument("--no-progress", action="store_true")
@@ -122,7 +131,7 @@ def cmd_finetune(args) -> int:
                       warmup=args.warmup, clip=args.clip, batch=args.batch, grad_accum=args.grad_accum,
                       ctx=args.ctx, seed=args.seed, pack=not args.no_pack,
                       checkpoint_every=args.save_every, valid_every=args.eval_every,
-                      grad_checkpoint=not args.no_grad_checkpoint, world_size=world, rank=rank)
+                      grad_checkpoint="off" if args.no_grad_checkpoint else args.grad_checkpoint, world_size=world, rank=rank)
     if cfg.steps is None and cfg.epochs is None:
         cfg.epochs = 1.0
 

@@ -246,6 +246,8 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
         s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~mask, float("-inf"))
         out = torch.softmax(s, dim=-1) @ v
+    elif getattr(cache, "training", False):   # 4-D: torch's flash kernel, which has a backward
+        out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(m, n_head * d)

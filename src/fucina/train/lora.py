@@ -99,7 +99,7 @@ class Frozen:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             return _FrozenMatmul.apply(x, self)
-        return self.w.linear(x)
+        return _memo_or(self.w.linear, x)
 
     def transposed(self) -> LinearWeight:
         """W^T as Q8_0, encoded 1024 rows of W at a time: a Q8_0 block is 32 consecutive
@@ -132,11 +132,59 @@ class _FrozenMatmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, f: Frozen) -> torch.Tensor:
         ctx.f = f
         with torch.no_grad():
-            return f.w.kernel.run(x) if f.w.kernel is not None else f.w.linear(x)
+            return _memo_or(f.w.kernel.run if f.w.kernel is not None else f.w.linear, x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         return ctx.f.input_grad(dy), None
+
+
+class MatmulMemo:
+    """The frozen matmul outputs of one checkpointed segment. Its first run (the forward)
+    records every output; the recompute during backward takes them back in the same order
+    instead of re-running the quantized matmuls (their inputs are the same values: same
+    weights, same LoRA parameters, the same dropout masks). Costs 4 bytes per output value
+    held from forward to the segment's backward; each is dropped once taken back."""
+
+    def __init__(self):
+        self.outs: list[torch.Tensor | None] = []
+        self.replay, self.i = False, 0
+
+    def take(self, run, x: torch.Tensor) -> torch.Tensor:
+        if not self.replay:
+            self.outs.append(run(x))
+            return self.outs[-1]
+        i, self.i = self.i, self.i + 1
+        out = self.outs[i] if i < len(self.outs) else None
+        if out is None or out.shape[:-1] != x.shape[:-1]:
+            return run(x)   # a second recompute (or a mismatch): run it again
+        self.outs[i] = None
+        return out
+
+
+_MEMO: MatmulMemo | None = None
+
+
+class recording:
+    """`with recording(memo):` routes the frozen matmuls of a segment run through `memo`;
+    the first entry records, later entries replay."""
+
+    def __init__(self, memo: MatmulMemo):
+        self.memo = memo
+
+    def __enter__(self):
+        global _MEMO
+        self.prev, _MEMO = _MEMO, self.memo
+        self.memo.i = 0
+
+    def __exit__(self, *exc):
+        global _MEMO
+        _MEMO = self.prev
+        self.memo.replay = True
+
+
+def _memo_or(run, x: torch.Tensor) -> torch.Tensor:
+    return run(x) if _MEMO is None else _MEMO.take(run, x)
 
 
 def input_grad(w: LinearWeight, dy: torch.Tensor) -> torch.Tensor:
@@ -206,8 +254,23 @@ class Adapted:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if all(p is None for p in self.pairs):
+        live = [p for p in self.pairs if p is not None]
+        if not live:
             return y
+        if (self.state.training and any(p.dropout for p in live)) or \
+                any(p.scale != live[0].scale for p in live):   # per-part masks or strengths
+            return self._per_part(x, y)
+        # every part's delta at once: x @ [A_1; A_2; ...]^T, then one block-diagonal B
+        # (zero columns where a part is not adapted): no split/cat of y, two GEMMs in all
+        a = live[0].a if len(live) == 1 else torch.cat([p.a for p in live])
+        b = live[0].b if len(self.pairs) == 1 else torch.block_diag(
+            *[p.b if p is not None else y.new_zeros(n, 0) for p, n in zip(self.pairs, self.sizes)])
+        lead = y.shape[:-1]
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]) @ a.T, b.T,
+                          alpha=live[0].scale)
+        return out.reshape(*lead, y.shape[-1])
+
+    def _per_part(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if len(self.pairs) == 1:
             return y + self.pairs[0].delta(x, self.state)
         parts = y.split(self.sizes, dim=-1)
@@ -227,6 +290,20 @@ def _stem(tensor_name: str) -> str:
     return parts[2] if len(parts) == 4 and parts[0] == "blk" else ""
 
 
+def _file_parts(L, attr: str, w: LinearWeight, layer: int) -> list[tuple[str, int]] | None:
+    """The projections inside a weight the file stores fused, named as if separate
+    ("blk.N.attn_q.weight", ...), with their output sizes; None for a plain weight."""
+    stem = _stem(w.name)
+    if stem == "attn_qkv" and attr == "wqkv" and sum(getattr(L, "split_qkv", [])) == w.out_features:
+        stems = ("attn_q", "attn_k", "attn_v")
+        return [(f"blk.{layer}.{st}.weight", n) for st, n in zip(stems, L.split_qkv)]
+    if stem == "ffn_up" and attr == "w_gate_up" and getattr(L, "gate", 0) is None \
+            and w.out_features % 2 == 0:   # [gate | up] in one ffn_up
+        half = w.out_features // 2
+        return [(f"blk.{layer}.ffn_gate.weight", half), (f"blk.{layer}.ffn_up.weight", half)]
+    return None
+
+
 class LoRAModel:
     """LoRA attached to a loaded model. `params()` are the trainable tensors; `detach()`
     restores the model. `dense=True` swaps every weight for an f32 copy (the peer)."""
@@ -238,6 +315,7 @@ class LoRAModel:
         self.model, self.config, self.seed, self.backward = model, config, seed, backward
         self.state = DropoutState(seed=seed)
         self.pairs: dict[str, LoRAPair] = {}
+        self.file_parts: dict[str, list[tuple[str, int]]] = {}   # fused in the file: parts
         self._saved: list[tuple[object, str, object]] = []
         self._saved_native = getattr(model, "use_native_step", None)
         model.use_native_step = False   # training runs the families' torch blocks
@@ -256,25 +334,49 @@ class LoRAModel:
             names = w.name.split("+")
             if any(n not in by_name and len(names) > 1 for n in names):
                 raise LoRAError(f"{w.name}: fused weight whose parts are not on the layer")
-            sizes = [by_name[n].out_features for n in names] if len(names) > 1 else [w.out_features]
-            pairs = [self._pair(n, by_name.get(n, w), i, g) for n in names]
+            if len(names) > 1:     # fused by the loader from separate tensors
+                parts = [(n, by_name[n].out_features) for n in names]
+            else:                  # one tensor, or one the file itself stores fused (phi3)
+                parts = _file_parts(L, attr, w, i) or [(w.name, w.out_features)]
+                if len(parts) > 1:
+                    self.file_parts[w.name] = parts
+            pairs = [self._pair(n, w.in_features, size, i, g) for n, size in parts]
             base = DenseBase(w) if dense else Frozen(w, self.backward)
-            self._swap(L, attr, Adapted(base, sizes, pairs, self.state))
+            self._swap(L, attr, Adapted(base, [size for _, size in parts], pairs, self.state))
 
-    def _pair(self, tensor_name: str, w: LinearWeight, layer: int, g: torch.Generator) -> LoRAPair | None:
+    def _pair(self, tensor_name: str, n_in: int, n_out: int, layer: int, g: torch.Generator
+              ) -> LoRAPair | None:
         target = _STEM_TARGET.get(_stem(tensor_name))
         if target not in self.config.targets:
             return None
         pair = self.pairs.get(tensor_name)
         if pair is None:   # the same projection may appear separate and fused: one pair
             r = self.config.rank
-            bound = 1.0 / math.sqrt(w.in_features)   # kaiming-uniform(a=sqrt(5)), as PEFT's A
-            a = (torch.rand(r, w.in_features, generator=g) * 2 - 1) * bound
-            b = torch.zeros(w.out_features, r)
+            bound = 1.0 / math.sqrt(n_in)   # kaiming-uniform(a=sqrt(5)), as PEFT's A
+            a = (torch.rand(r, n_in, generator=g) * 2 - 1) * bound
+            b = torch.zeros(n_out, r)
             pair = self.pairs[tensor_name] = LoRAPair(
                 tensor_name, a.requires_grad_(), b.requires_grad_(), self.config.scale, layer,
                 list(TARGETS).index(target), self.config.dropout)
         return pair
+
+    def file_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapters by the file's own tensor names (what the adapter GGUF holds). A
+        weight the file stores fused (phi3's attn_qkv, ffn_up) gets one pair of rank
+        r * (adapted parts): A = [A_1; A_2; ...], B = blockdiag(B_1, B_2, ...) * parts, the
+        factor keeping llama.cpp's alpha / rank(file) equal to ours, alpha / r."""
+        inner = {n for parts in self.file_parts.values() for n, _ in parts}
+        out = {n: (p.a, p.b) for n, p in self.pairs.items() if n not in inner}
+        for name, parts in self.file_parts.items():
+            live = [self.pairs.get(n) for n, _ in parts]
+            if not any(live):
+                continue
+            k = sum(p is not None for p in live)
+            a = torch.cat([p.a for p in live if p is not None])
+            b = torch.block_diag(*[p.b if p is not None else torch.zeros(size, 0)
+                                   for p, (_, size) in zip(live, parts)]) * k
+            out[name] = (a.detach(), b.detach())
+        return out
 
     def _swap(self, obj, attr: str, new) -> None:
         self._saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))

@@ -22,7 +22,7 @@ from fucina.errors import FucinaError
 from fucina.train import checkpoint as ckpt
 from fucina.train.adapters import write_adapter
 from fucina.train.data import IGNORE, Example, Loader, pack
-from fucina.train.forward import loss_sum
+from fucina.train.forward import checkpoint_mode, loss_sum
 from fucina.train.lora import LoRAConfig, LoRAModel
 
 OPTIMIZERS = ("adamw", "sgd", "muon")
@@ -52,7 +52,7 @@ class TrainConfig:
     pack: bool = True
     checkpoint_every: int = 0       # steps; 0 = only at the end (and on Ctrl-C)
     valid_every: int = 0            # steps; 0 = only at the end
-    grad_checkpoint: bool = True
+    grad_checkpoint: bool | str = True   # a forward.CHECKPOINT_MODES name; True = the default
     world_size: int = 1
     rank: int = 0
 
@@ -167,7 +167,7 @@ class Trainer:
         if path is None:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        pairs = {n: (p.a, p.b) for n, p in self.lm.pairs.items()}
+        pairs = self.lm.file_pairs()
         name = os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", ""))) + " LoRA"
         return write_adapter(path, self.model.config.arch, self.lora_cfg.alpha, pairs, name)
 
@@ -281,7 +281,9 @@ class Trainer:
         return dict(steps=self.step, first_loss=first.get("loss"), final_loss=last.get("loss"),
                     valid_loss=valid_loss, tokens=self.tokens, train_s=self.train_s,
                     tok_s=self.tokens / self.train_s if self.train_s else 0.0,
-                    peak_rss_mb=peak_rss_mb(), trainable=sum(p.numel() for p in self.lm.params()),
+                    peak_rss_mb=peak_rss_mb(),
+                    grad_checkpoint=checkpoint_mode(self.cfg.grad_checkpoint, self.model, self.cfg.ctx),
+                    trainable=sum(p.numel() for p in self.lm.params()),
                     adapter=os.path.join(self.out_dir, "adapter.gguf") if self.out_dir else None)
 
     def close(self) -> None:
