@@ -112,7 +112,11 @@ class KVCache:
     def truncate_point(self, n: int) -> int:
         """The longest prefix <= n this cache can rewind to (0 always works)."""
         n = max(0, min(n, self.len))
-        return n if self.can_truncate(n) else 0
+        if self.can_truncate(n):
+            return n
+        # memories that rewind only to listed lengths (recurrent snapshots): the longest one below n
+        points = {p for mem in self.memories for p in mem.rewind_points() if p < n}
+        return next((p for p in sorted(points, reverse=True) if self.can_truncate(p)), 0)
 
     def truncate(self, keep: int) -> None:
         keep = max(0, keep)
