@@ -129,7 +129,7 @@ class Model(llama.Model):
     supports_batch = True
     config_class = Config
     tensors = ATTENTION          # the attention layers' schema; DeltaNet layers use DELTA_NET
-    state_horizon = 16           # positions a recurrent state can rewind (snapshots kept)
+    state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
         c = self.config = config or Config.from_gguf(f)

@@ -47,6 +47,9 @@ class LayerMemory(Protocol):
         """The only lengths it can rewind to below its current one, when it has such a
         list (a recurrent state's snapshots); () when any length that can_truncate says works."""
 
+    def rewind_reach(self) -> int:
+        """How many positions may be appended with the current length still a rewind point."""
+
     def truncate(self, keep: int) -> None: ...
 
     def commit(self, length: int) -> None:
@@ -129,6 +132,9 @@ class KVMemory:
 
     def rewind_points(self) -> tuple[int, ...]:
         return ()
+
+    def rewind_reach(self) -> int:
+        return NO_LIMIT
 
     def truncate(self, keep: int) -> None:
         pass
@@ -300,6 +306,9 @@ class AliasKV:
     def rewind_points(self) -> tuple[int, ...]:
         return ()
 
+    def rewind_reach(self) -> int:
+        return NO_LIMIT
+
     def truncate(self, keep: int) -> None:
         pass
 
@@ -392,6 +401,9 @@ class RecurrentState:
 
     def rewind_points(self) -> tuple[int, ...]:
         return tuple(sorted(self.snaps))
+
+    def rewind_reach(self) -> int:
+        return max(0, self.horizon - 1)    # snapshots kept: the last `horizon` lengths
 
     def truncate(self, keep: int) -> None:
         self.inner = []
