@@ -27,10 +27,10 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> 
     inputs) with weight [ch, d_conv] (tap d_conv - 1 is the current input), no bias.
     Returns (out [m, ch], the padded input [d_conv - 1 + m, ch]) — its last d_conv - 1
     rows are the next window, and rows [p + 1, p + d_conv) the window after row p."""
-    d_conv = weight.shape[1]
     full = torch.cat([window.to(x.dtype), x], dim=0)
-    out = F.conv1d(full.t().unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
-    return out[0].t(), full
+    # elementwise, not conv1d: at decode (m = 1) a oneDNN call costs more than the math
+    out = (full.unfold(0, weight.shape[1], 1) * weight.to(x.dtype)).sum(-1)
+    return out, full
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,9 +53,9 @@ def sequential(q, k, v, g, beta, state, keep_states: int = 0):
     out, kept = [], []
     for t in range(m):
         s = s * torch.exp(g[t])[:, None, None]
-        u = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
-        s = s + k[t][:, :, None] * u[:, None, :]
-        out.append(torch.einsum("hkv,hk->hv", s, q[t]) * scale)
+        u = (v[t] - (s * k[t][:, :, None]).sum(1)) * beta[t][:, None]    # S^T k, elementwise:
+        s = s + k[t][:, :, None] * u[:, None, :]                         # no BLAS call per token
+        out.append((s * q[t][:, :, None]).sum(1) * scale)
         if t >= m - keep_states:
             kept.append(s)
     return torch.stack(out), s, kept
