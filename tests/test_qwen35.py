@@ -63,9 +63,9 @@ def ref_model(tmp_path_factory):
     """F32 weights on the reference path: the schedules must agree to float precision."""
     path = write_model(tmp_path_factory.mktemp("q35") / "q35.gguf", "qwen35", layers=4, hidden=64,
                        heads=4, kv_heads=2, head_dim=32, ffn=128, seed=3)
-    K.set_enabled(False)
+    K.set_enabled(False)     # the weights pick their route at load: the model stays on it
     try:
-        yield load_model(path)
+        return load_model(path)
     finally:
         K.set_enabled(True)
 
@@ -175,3 +175,25 @@ def test_q8_0_weights_and_cache(tmp_path):
     a = m.forward_step(m.init_cache(32, cache_type="q8_0"), IDS[:20], 0)
     b = m.forward_last_logits(IDS[:20])
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+
+
+def test_native_decode_step_equals_torch(tmp_path, monkeypatch):
+    if not K.delta_step_ok():
+        pytest.skip("native kernels not built")
+    import fucina.models.qwen35 as q35
+    m = load_model(write_model(tmp_path / "n.gguf", "qwen35", layers=2, hidden=64, heads=4, kv_heads=2,
+                               head_dim=32, ffn=128, seed=4))
+
+    def run():
+        c = m.init_cache(64)
+        m.forward_step(c, IDS[:10], 0)
+        return torch.stack([m.forward_step(c, [t], 10 + i) for i, t in enumerate(IDS[10:18])]), c
+
+    native, a = run()
+    monkeypatch.setattr(q35.kernels, "delta_step_ok", lambda: False)
+    ref, b = run()
+    torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(a.memories[0].state, b.memories[0].state, rtol=1e-5, atol=1e-5)
+    assert sorted(a.memories[0].snaps) == sorted(b.memories[0].snaps) == list(range(1, 19))
+    with pytest.raises(K.KernelError):
+        K.delta_step(*(torch.zeros(3) for _ in range(10)), 1, 1, 1e-6)

@@ -18,8 +18,9 @@ over `state_horizon` positions, inside a multi-row step too), the attention laye
 `KVMemory`; so prefix reuse, Conversation and speculation rewind within the horizon and
 fall back to a re-prefill past it (the cache says which through can_truncate).
 Prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
-states are the snapshots); decode is the sequential recurrence. No native plan yet:
-the torch blocks serve every call (the matmuls are still the native kernels).
+states are the snapshots); decode runs the recurrence natively (csrc/fk_delta.cpp, one
+call per DeltaNet layer). No native layer plan yet: the blocks are torch around the
+native matmuls.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fucina import kernels
 from fucina.errors import GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import delta_net, llama
@@ -147,8 +149,8 @@ class Model(llama.Model):
         L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i]), dims))
         L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
         if self.config.recurrent[i]:
-            L.conv = L.ssm_conv1d.dequantize().float().reshape(dims["conv_dim"], dims["d_conv"])
-            L.ssm_a = L.ssm_a.float()
+            L.conv = L.ssm_conv1d.dequantize().float().reshape(dims["conv_dim"], dims["d_conv"]).contiguous()
+            L.ssm_a, L.ssm_dt_bias, L.ssm_norm = (t.float().contiguous() for t in (L.ssm_a, L.ssm_dt_bias, L.ssm_norm))
             L.split = [dims["conv_dim"], dims["d_inner"], dims["v_heads"], dims["v_heads"]]
             L.w_in = llama.fuse(f, [L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha])
         else:
@@ -196,6 +198,11 @@ class Model(llama.Model):
         mem = cache.memories[i]
         window, state = mem.span(pos0, pos0)
         qkv, z, b, a = self._project(L, x, [L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha])
+        if m == 1 and kernels.delta_step_ok():   # decode: one native call, the state updated in place
+            o = kernels.delta_step(*(t.float().contiguous() for t in (qkv, z, b, a)), window, L.conv,
+                                   L.ssm_dt_bias, L.ssm_a, state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps)
+            mem.write(pos0, window, state)
+            return L.ssm_out(o.view(1, -1))
         conv, full = delta_net.causal_conv(qkv.float(), window, L.conv)
         conv = F.silu(conv)
         kd = c.n_k_heads * c.d_state

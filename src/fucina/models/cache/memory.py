@@ -371,8 +371,9 @@ class RecurrentState:
         if conv.shape != self.conv.shape or state.shape != self.state.shape:
             raise KVCacheError(f"state {tuple(conv.shape)}/{tuple(state.shape)} does not fit "
                                f"{tuple(self.conv.shape)}/{tuple(self.state.shape)}")
-        self.conv.copy_(conv)
-        self.state.copy_(state)
+        if conv is not self.conv:       # a native step updates the state in place
+            self.conv.copy_(conv)
+            self.state.copy_(state)
         if self.horizon:
             self.inner = [(n, c.to(self.conv.dtype).clone(), s.to(self.state.dtype).clone())
                           for n, c, s in inner if n > pos]
