@@ -10,7 +10,7 @@ import platform
 
 from setuptools import Extension, setup
 
-sources = ["csrc/fk_module.cpp", "csrc/fk_scalar.cpp", "csrc/fk_attn.cpp"]
+sources = ["csrc/fk_module.cpp", "csrc/fk_scalar.cpp", "csrc/fk_attn.cpp", "csrc/fk_delta.cpp"]
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 if x86:
     sources += ["csrc/fk_avx2.cpp", "csrc/fk_avx512.cpp"]
@@ -18,7 +18,7 @@ if x86:
 ext = Extension(
     "fucina.kernels._native",
     sources=sources,
-    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_impl.inc", "csrc/fk_decode_avx2.inc", "csrc/fk_gemv_avx2.inc", "csrc/fk_cbgemv_avx512.inc", "csrc/fk_cbgemv_avx2.inc", "csrc/fk_attn_impl.inc", "csrc/fk_step_impl.inc"],
+    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_impl.inc", "csrc/fk_decode_avx2.inc", "csrc/fk_gemv_avx2.inc", "csrc/fk_cbgemv_avx512.inc", "csrc/fk_cbgemv_avx2.inc", "csrc/fk_attn_impl.inc", "csrc/fk_step_impl.inc", "csrc/fk_delta.h"],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],
     extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",

@@ -6,6 +6,7 @@
 #include <omp.h>
 #include <string.h>
 
+#include "fk_delta.h"
 #include "fk_common.h"
 
 static const fk_isa *g_isa = &fk_isa_scalar;
@@ -166,6 +167,30 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+
+/* delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv,
+ * d_conv, eps): one Gated DeltaNet decode token (fk_delta.cpp) */
+static PyObject *py_delta_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[16];
+    if (!int_args("delta_step", args, nargs, 17, 0, 16, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[16]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    for (int i = 0; i < 11; i++)
+        if (!v[i]) { PyErr_SetString(PyExc_ValueError, "delta_step: null pointer"); return NULL; }
+    if (v[11] < 1 || v[12] < 1 || v[12] % v[11] || v[13] < 1 || v[13] > 1024 || v[14] < 1 || v[14] > 1024 ||
+        v[15] < 2 || v[15] > 64) {
+        PyErr_SetString(PyExc_ValueError, "delta_step: inconsistent head counts or dims");
+        return NULL;
+    }
+    fk_delta_args a = {(const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[2],
+                       (const float *)(uintptr_t)v[3], (float *)(uintptr_t)v[4], (const float *)(uintptr_t)v[5],
+                       (const float *)(uintptr_t)v[6], (const float *)(uintptr_t)v[7], (float *)(uintptr_t)v[8],
+                       (const float *)(uintptr_t)v[9], (float *)(uintptr_t)v[10], (int)v[11], (int)v[12], (int)v[13],
+                       (int)v[14], (int)v[15], g_threads, (float)eps};
+    fk_delta_step(&a);
+    Py_RETURN_NONE;
+}
 
 /* ---- the decoder layer step -----------------------------------------------------------
  * plan_schema() -> (plan fields, layer fields), each a tuple of (name, kind) in descriptor
@@ -524,6 +549,8 @@ static PyMethodDef methods[] = {
      "matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy): y[m,n] = x[m,k] @ W[n,k]^T"},
     {"attn_decode", (PyCFunction)(void (*)(void))py_attn_decode, METH_FASTCALL,
      "attn_decode(q, k, v, out, n, row_stride, n_head, kv_heads, d, scale): one-row attention over f16 K/V"},
+    {"delta_step", (PyCFunction)(void (*)(void))py_delta_step, METH_FASTCALL,
+     "delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv, d_conv, eps)"},
     {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},
     {"plan_new", py_plan_new, METH_VARARGS, "plan_new(desc): a validated decoder plan from int64 slots"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,

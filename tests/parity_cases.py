@@ -38,10 +38,19 @@ def phi3_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                        attn_factor=1.19)
 
 
+def qwen35_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Qwen3.5 hybrid: DeltaNet layers 0 and 2, gated attention layers 1 and
+    3; 4 value heads over 2 key heads; RoPE on half of each head with multi-section
+    frequencies (sections 3, 1, 1, 1: two pairs of the fourth section do not rotate)."""
+    return write_model(path, "qwen35", layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                       ffn=256, vocab=str(vocab), qtype=qtype, seed=17)
+
+
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
-SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth}
+SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
+         "qwen35-synth": qwen35_synth}
 
 
 # name -> (model source, prompt text, positions scored: "all" or last N)
@@ -51,5 +60,6 @@ CASES = {
     "qwen3-synth": ("qwen3-synth", TEXT, "all"),
     "qwen2-synth": ("qwen2-synth", TEXT, "all"),
     "phi3-synth": ("phi3-synth", TEXT, "all"),
+    "qwen35-synth": ("qwen35-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
 }

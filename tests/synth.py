@@ -89,6 +89,12 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_rope_freq_base(1_000_000.0)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
+    if arch == "qwen35":    # DeltaNet layers, gated full attention every 2nd; RoPE on half the head
+        for key, v in (("full_attention_interval", 2), ("ssm.conv_kernel", 4), ("ssm.inner_size", heads * head_dim),
+                       ("ssm.state_size", head_dim), ("ssm.time_step_rank", heads), ("ssm.group_count", kv_heads)):
+            w.add_uint32(f"{arch}.{key}", v)
+        w.add_rope_dimension_count(head_dim // 2)
+        w.add_array(f"{arch}.rope.dimension_sections", [3, 1, 1, 1] if head_dim == 32 else [head_dim // 4 - 2 * (head_dim // 12), head_dim // 12, head_dim // 12, 0])
     if rope_factors:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", ctx // 2)
     if attn_factor:
@@ -119,7 +125,8 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
 
     H, D = hidden, head_dim
     q, kv = heads * D, kv_heads * D
-    dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D)
+    dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
+                qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4)
     add("token_embd.weight", mat(n_vocab, H, 0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:
@@ -128,15 +135,21 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         add("rope_factors_short.weight", 1.0 + rng.random(D // 2, dtype=np.float32))
         add("rope_factors_long.weight", 1.0 + 4.0 * rng.random(D // 2, dtype=np.float32))
     for i in range(layers):
-        for t in family(arch).Model.tensors:
+        fam = family(arch)
+        schema = fam.layer_schema((i + 1) % 2 != 0) if arch == "qwen35" else fam.Model.tensors
+        for t in schema:
             shape = [dims[d] for d in t.shape]
             if t.role == "norm":
                 value = norm(shape[0])
             elif t.role == "bias":
                 value = 0.5 * rng.standard_normal(shape[0], dtype=np.float32)
+            elif t.role == "decay":   # a negative log-decay rate (-exp(A_log))
+                value = -np.exp(0.5 * rng.standard_normal(shape[0], dtype=np.float32))
+            elif t.role == "conv":    # small f32 conv taps, never quantized (as llama-quantize keeps them)
+                value = 0.5 * rng.standard_normal(shape, dtype=np.float32)
             else:
                 value = mat(*shape)
-            add(t.gguf_name(i), value)
+            add(t.gguf_name(i), value, quantize=t.role != "conv")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

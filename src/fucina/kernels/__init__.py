@@ -243,6 +243,29 @@ def decode_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
             and v.is_contiguous() and not (q.requires_grad and torch.is_grad_enabled()))
 
 
+def delta_step_ok() -> bool:
+    """Whether the native Gated DeltaNet decode step is there (and kernels are enabled)."""
+    return _native is not None and _enabled and hasattr(_native, "delta_step")
+
+
+def delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, hk: int, dk: int,
+               eps: float) -> torch.Tensor:
+    """One DeltaNet decode token (csrc/fk_delta.cpp): updates `window` and `state` in
+    place, returns the gated, normed output [hv * dv]. Every tensor f32 and contiguous."""
+    ts = (qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w)
+    if state.dim() != 3 or window.dim() != 2 or conv_w.dim() != 2:
+        raise KernelError("delta_step: state [hv, dk, dv], window [d_conv - 1, conv_dim], conv_w [conv_dim, d_conv]")
+    hv, dv = state.shape[0], state.shape[2]
+    if any(t.dtype is not torch.float32 or not t.is_contiguous() for t in ts) or state.shape[1] != dk \
+            or qkv.numel() != 2 * hk * dk + hv * dv or window.shape[1] != qkv.numel() or z.numel() != hv * dv \
+            or any(t.numel() != hv for t in (b, a, dt_bias, ssm_a)) or norm_w.numel() != dv \
+            or conv_w.shape != (qkv.numel(), window.shape[0] + 1):
+        raise KernelError("delta_step: tensors must be f32, contiguous and of one layer's geometry")
+    out = torch.empty(hv * dv)
+    _native.delta_step(*(t.data_ptr() for t in ts), out.data_ptr(), hk, hv, dk, dv, conv_w.shape[1], float(eps))
+    return out
+
+
 class _Backward(torch.autograd.Function):
     """Gradient w.r.t. the input through the frozen weight (LoRA training)."""
 

@@ -10,6 +10,8 @@ native step) asks the cache what it can do instead of probing its type:
   can_truncate(n), truncate_point(n), truncate(n), reset()
                                     rewinds: window layers and recurrent states reach back
                                     only as far as they hold; truncate raises past that
+  rewind_reach()                    positions a step may append and still rewind to len
+                                    (a speculative verify sizes its draft by it)
   copy_rows(src, start, end)        adopt another same-layout cache's rows
   nbytes(), bytes_per_position()    memory now / per extra position
   layout()                          per layer (kind, storage, geometry): persistence's key
@@ -112,7 +114,16 @@ class KVCache:
     def truncate_point(self, n: int) -> int:
         """The longest prefix <= n this cache can rewind to (0 always works)."""
         n = max(0, min(n, self.len))
-        return n if self.can_truncate(n) else 0
+        if self.can_truncate(n):
+            return n
+        # memories that rewind only to listed lengths (recurrent snapshots): the longest one below n
+        points = {p for mem in self.memories for p in mem.rewind_points() if p < n}
+        return next((p for p in sorted(points, reverse=True) if self.can_truncate(p)), 0)
+
+    def rewind_reach(self) -> int:
+        """How many positions may be appended with today's length still a rewind point
+        (unbounded for rows kept per position; a recurrent state's snapshot horizon)."""
+        return min((mem.rewind_reach() for mem in self.memories), default=self.capacity)
 
     def truncate(self, keep: int) -> None:
         keep = max(0, keep)

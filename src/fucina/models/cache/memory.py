@@ -43,6 +43,13 @@ class LayerMemory(Protocol):
 
     def can_truncate(self, keep: int, length: int) -> bool: ...
 
+    def rewind_points(self) -> tuple[int, ...]:
+        """The only lengths it can rewind to below its current one, when it has such a
+        list (a recurrent state's snapshots); () when any length that can_truncate says works."""
+
+    def rewind_reach(self) -> int:
+        """How many positions may be appended with the current length still a rewind point."""
+
     def truncate(self, keep: int) -> None: ...
 
     def commit(self, length: int) -> None:
@@ -122,6 +129,12 @@ class KVMemory:
 
     def can_truncate(self, keep: int, length: int) -> bool:
         return True
+
+    def rewind_points(self) -> tuple[int, ...]:
+        return ()
+
+    def rewind_reach(self) -> int:
+        return NO_LIMIT
 
     def truncate(self, keep: int) -> None:
         pass
@@ -290,6 +303,12 @@ class AliasKV:
     def can_truncate(self, keep: int, length: int) -> bool:
         return True    # the target answers for the rows
 
+    def rewind_points(self) -> tuple[int, ...]:
+        return ()
+
+    def rewind_reach(self) -> int:
+        return NO_LIMIT
+
     def truncate(self, keep: int) -> None:
         pass
 
@@ -327,7 +346,9 @@ class RecurrentState:
     be cut back by a length; instead a snapshot is taken at every committed position over
     the last `horizon` positions, so a rewind within the horizon (a rejected speculation,
     the start of the last turn) restores the snapshot. The mixer reads `span()` (the
-    current state) and stores the next with `write(pos, conv, state)`."""
+    current state) and stores the next with `write(pos, conv, state, inner)`; `inner`
+    are the states inside a multi-row step, (length, conv, state) each, so a rewind can
+    land inside the last step too (a rejected draft verified in one call)."""
 
     kind = "recur"
     storage = "f32"
@@ -339,18 +360,23 @@ class RecurrentState:
         self.state = torch.zeros(heads, d_k, d_v)
         self.horizon = horizon
         self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inner: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # the step's, until commit
         self.table_row = None
 
     def descriptor(self) -> tuple[int, ...]:
         return (self.conv.shape[0], self.conv.shape[1], self.state.shape[0],
                 self.state.shape[1] * 65536 + self.state.shape[2])
 
-    def write(self, pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+    def write(self, pos: int, conv: torch.Tensor, state: torch.Tensor, inner=()) -> None:
         if conv.shape != self.conv.shape or state.shape != self.state.shape:
             raise KVCacheError(f"state {tuple(conv.shape)}/{tuple(state.shape)} does not fit "
                                f"{tuple(self.conv.shape)}/{tuple(self.state.shape)}")
-        self.conv.copy_(conv)
-        self.state.copy_(state)
+        if conv is not self.conv:       # a native step updates the state in place
+            self.conv.copy_(conv)
+            self.state.copy_(state)
+        if self.horizon:
+            self.inner = [(n, c.to(self.conv.dtype).clone(), s.to(self.state.dtype).clone())
+                          for n, c, s in inner if n > pos]
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv, self.state
@@ -363,6 +389,10 @@ class RecurrentState:
 
     def commit(self, length: int) -> None:
         if self.horizon:
+            for n, conv, state in self.inner:
+                if length - self.horizon < n < length:
+                    self.snaps[n] = (conv, state)
+            self.inner = []
             self.snaps[length] = (self.conv.clone(), self.state.clone())
             for p in [p for p in self.snaps if p <= length - self.horizon or p > length]:
                 del self.snaps[p]
@@ -370,7 +400,14 @@ class RecurrentState:
     def can_truncate(self, keep: int, length: int) -> bool:
         return keep >= length or keep == 0 or keep in self.snaps
 
+    def rewind_points(self) -> tuple[int, ...]:
+        return tuple(sorted(self.snaps))
+
+    def rewind_reach(self) -> int:
+        return max(0, self.horizon - 1)    # snapshots kept: the last `horizon` lengths
+
     def truncate(self, keep: int) -> None:
+        self.inner = []
         if keep == 0:
             self.conv.zero_()
             self.state.zero_()

@@ -157,7 +157,8 @@ class SpeculativeDecoder:
         s, history, cache = self.stats, rd.history, rd.cache
         s.steps += 1
         room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - 1,
-                   rd.max_tokens - len(rd.reply.tokens) - 1)
+                   rd.max_tokens - len(rd.reply.tokens) - 1,
+                   cache.rewind_reach() - 1)   # a recurrent state rewinds only within its snapshots
         if not self.enabled or room < self.min_draft:
             s.fallback_steps += 1
             return []

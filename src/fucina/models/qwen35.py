@@ -1,0 +1,268 @@
+"""Qwen3.5 (dense): a hybrid of Gated DeltaNet layers and gated full-attention layers.
+
+Layer i is full attention when (i + 1) % full_attention_interval == 0 (or as the
+`attention.recurrent_layers` array says), a DeltaNet layer otherwise. Every block is
+    x = x + mixer(rms_norm(x, attn_norm));  x = x + ffn(rms_norm(x, post_attention_norm))
+with the dense SiLU ffn. The mixers, as llama.cpp b11434 builds them (src/models/qwen35.cpp):
+
+- gated attention: attn_q gives per head [q | gate]; q/k RMSNorm, multi-section RoPE
+  (IMROPE over the first n_rot dims; text positions are (p, p, p, 0), so a pair of the
+  fourth section does not rotate), attention, then out * sigmoid(gate) -> attn_output.
+- DeltaNet: attn_qkv -> causal conv (ssm_conv1d, window d_conv) -> SiLU -> q, k, v;
+  q, k L2-normed; beta = sigmoid(ssm_beta x), g = softplus(ssm_alpha x + ssm_dt) * ssm_a;
+  the gated delta rule (models/delta_net.py) over per-head state matrices; the output
+  RMSNorm(ssm_norm) * SiLU(attn_gate x) -> ssm_out.
+
+The recurrent layers keep a `RecurrentState` (conv window + state matrices, snapshots
+over `state_horizon` positions, inside a multi-row step too), the attention layers a
+`KVMemory`; so prefix reuse, Conversation and speculation rewind within the horizon and
+fall back to a re-prefill past it (the cache says which through can_truncate).
+Prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
+states are the snapshots); decode runs the recurrence natively (csrc/fk_delta.cpp, one
+call per DeltaNet layer). No native layer plan yet: the blocks are torch around the
+native matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fucina import kernels
+from fucina.errors import GGUFError, KVCacheError
+from fucina.gguf import GGUFFile
+from fucina.models import delta_net, llama
+from fucina.models.base import (LayerSpec, Ragged, Rope, TensorSpec, attend, attn_scale, check_shape,
+                                load_layer_tensors, load_linear, load_vector, meta_field, rms_norm)
+from fucina.models.cache import KVCache, KVMemory, Q8Cache, RecurrentState
+
+
+@dataclass
+class Config(llama.Config):
+    rope_neox: bool = True
+    d_conv: int = meta_field("ssm.conv_kernel")
+    d_inner: int = meta_field("ssm.inner_size")
+    d_state: int = meta_field("ssm.state_size")
+    n_v_heads: int = meta_field("ssm.time_step_rank")
+    n_k_heads: int = meta_field("ssm.group_count")
+    attn_interval: int = meta_field("full_attention_interval", 4)
+    rope_sections: list[int] = field(default_factory=list)
+    recurrent: list[bool] = field(default_factory=list)
+
+    def finish(self, f: GGUFFile) -> None:
+        super().finish(f)
+        m, a = f.metadata, self.arch
+        secs = m.get(f"{a}.rope.dimension_sections")
+        self.rope_sections = [int(s) for s in secs][:4] if secs is not None else []
+        self.rope_sections += [0] * (4 - len(self.rope_sections))
+        flags = m.get(f"{a}.attention.recurrent_layers")
+        if flags is not None and len(flags) >= self.n_layer:
+            self.recurrent = [bool(x) for x in list(flags)[:self.n_layer]]
+        else:
+            self.recurrent = [(i + 1) % self.attn_interval != 0 for i in range(self.n_layer)]
+        if self.d_conv < 2 or self.d_inner % self.n_v_heads or self.n_v_heads % self.n_k_heads:
+            raise GGUFError(f"{f.path}: qwen35 ssm geometry (conv {self.d_conv}, inner {self.d_inner}, "
+                            f"{self.n_v_heads} v heads, {self.n_k_heads} k heads) is not a valid DeltaNet")
+        if self.d_inner // self.n_v_heads != self.d_state:
+            raise GGUFError(f"{f.path}: qwen35 needs the value head dim ({self.d_inner // self.n_v_heads}) "
+                            f"equal to ssm.state_size ({self.d_state})")
+        if sum(self.rope_sections) * 2 > self.n_rot and any(self.rope_sections):
+            raise GGUFError(f"{f.path}: rope.dimension_sections {self.rope_sections} exceed n_rot {self.n_rot}")
+
+    def layer_spec(self, i: int) -> LayerSpec:
+        if self.recurrent[i]:
+            return LayerSpec(mixer="delta_net")
+        return super().layer_spec(i)
+
+    def dims(self) -> dict[str, int]:
+        q, kv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        return dict(n_embd=self.n_embd, q_out=q, qg_out=2 * q, kv_out=kv, head_dim=self.head_dim,
+                    n_ff=self.n_ff, conv_dim=2 * self.n_k_heads * self.d_state + self.d_inner,
+                    d_inner=self.d_inner, v_heads=self.n_v_heads, ssm_v_dim=self.d_inner // self.n_v_heads,
+                    d_conv=self.d_conv)
+
+
+@dataclass(frozen=True)
+class BareSpec(TensorSpec):
+    """A tensor named without a .weight/.bias suffix (llama.cpp's `blk.N.ssm_a`)."""
+
+    def gguf_name(self, i: int) -> str:
+        return f"blk.{i}.{self.name}"
+
+
+T, norm = llama.T, llama.norm
+COMMON = (norm("attn_norm"), norm("post_attention_norm"),
+          T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"))
+ATTENTION = COMMON + (T("attn_q", "qg_out", "n_embd"), T("attn_k", "kv_out", "n_embd"),
+                      T("attn_v", "kv_out", "n_embd"), T("attn_output", "n_embd", "q_out"),
+                      norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
+# role "conv": a small f32 matrix llama-quantize never quantizes; "decay": -exp(A_log) < 0
+DELTA_NET = COMMON + (T("attn_qkv", "conv_dim", "n_embd"), T("attn_gate", "d_inner", "n_embd"),
+                      T("ssm_conv1d", "conv_dim", "d_conv", role="conv"),
+                      T("ssm_dt", "v_heads", role="bias", suffix="bias"), BareSpec("ssm_a", ("v_heads",), role="decay"),
+                      T("ssm_beta", "v_heads", "n_embd"), T("ssm_alpha", "v_heads", "n_embd"),
+                      norm("ssm_norm", "ssm_v_dim"), T("ssm_out", "n_embd", "d_inner"))
+
+
+def layer_schema(recurrent: bool) -> tuple[TensorSpec, ...]:
+    return DELTA_NET if recurrent else ATTENTION
+
+
+def imrope(n_rot: int, base: float, sections: list[int]) -> Rope:
+    """NEOX RoPE over n_rot dims with ggml's interleaved multi-section frequencies at text
+    positions (p, p, p, 0): pair i is in sector i % sum(sections); sectors of the t/h/w
+    sections rotate by p, the others by position 0 (not at all)."""
+    rope = Rope(n_rot, base, True)
+    total = sum(sections)
+    if total:
+        s0, s1, s2 = sections[:3]
+        keep = []
+        for i in range(n_rot // 2):
+            s = i % total
+            keep.append((s % 3 == 0 and s < 3 * s0) or (s % 3 == 1 and s < 3 * s1) or (s % 3 == 2 and s < 3 * s2))
+        rope.inv_freq = rope.inv_freq * torch.tensor(keep, dtype=torch.float64)
+    return rope
+
+
+class Model(llama.Model):
+    supports_batch = True
+    config_class = Config
+    tensors = ATTENTION          # the attention layers' schema; DeltaNet layers use DELTA_NET
+    state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
+
+    def __init__(self, f: GGUFFile, config: Config | None = None):
+        c = self.config = config or Config.from_gguf(f)
+        self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
+        self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
+        out = load_linear(f, "output.weight", required=False)
+        self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd
+        dims = c.dims()
+        self.layers = [self._layer(f, i, dims) for i in range(c.n_layer)]
+        self.rope = imrope(c.n_rot, c.rope_base, c.rope_sections)
+        self.scale = attn_scale(c.head_dim)
+        self.native_plan = None
+
+    def _layer(self, f: GGUFFile, i: int, dims: dict) -> SimpleNamespace:
+        L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i]), dims))
+        L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
+        if self.config.recurrent[i]:
+            L.conv = L.ssm_conv1d.dequantize().float().reshape(dims["conv_dim"], dims["d_conv"]).contiguous()
+            L.ssm_a, L.ssm_dt_bias, L.ssm_norm = (t.float().contiguous() for t in (L.ssm_a, L.ssm_dt_bias, L.ssm_norm))
+            L.split = [dims["conv_dim"], dims["d_inner"], dims["v_heads"], dims["v_heads"]]
+            L.w_in = llama.fuse(f, [L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha])
+        else:
+            L.split = [dims["qg_out"], dims["kv_out"], dims["kv_out"]]
+            L.w_in = llama.fuse(f, [L.attn_q, L.attn_k, L.attn_v])
+        return L
+
+    @staticmethod
+    def _project(L, x: torch.Tensor, parts: list) -> list[torch.Tensor]:
+        if L.w_in is not None:
+            return list(L.w_in(x).split(L.split, dim=-1))
+        return [w(x) for w in parts]
+
+    # -- the block -------------------------------------------------------------------
+    def block(self, i: int, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        L, eps = self.layers[i], self.config.rms_eps
+        h = rms_norm(x, L.attn_norm, eps)
+        x = x + (self.delta_mixer(i, L, h, cache, pos0) if self.config.recurrent[i]
+                 else self.mixer(i, L, h, cache, pos0))
+        return x + self.ffn(i, L, rms_norm(x, L.post_attention_norm, eps))
+
+    def ffn(self, i: int, L, x: torch.Tensor) -> torch.Tensor:
+        g, u = L.w_gate_up(x).chunk(2, dim=-1) if L.w_gate_up is not None else (L.ffn_gate(x), L.ffn_up(x))
+        return L.ffn_down(F.silu(g) * u)
+
+    def mixer(self, i: int, L, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        """Gated full attention of the normed residual x [m, n_embd]."""
+        c, m = self.config, x.shape[0]
+        qg, k, v = self._project(L, x, [L.attn_q, L.attn_k, L.attn_v])
+        qg = qg.reshape(m, c.n_head, 2, c.head_dim)
+        q = rms_norm(qg[:, :, 0], L.attn_q_norm, c.rms_eps)
+        gate = qg[:, :, 1].reshape(m, c.n_head * c.head_dim)
+        k = rms_norm(k.reshape(m, c.n_head_kv, c.head_dim), L.attn_k_norm, c.rms_eps)
+        v = v.reshape(m, c.n_head_kv, c.head_dim)
+        out = attend(q, k, v, cache, i, pos0, self.rope, self.scale)
+        return L.attn_output(out * torch.sigmoid(gate))
+
+    def delta_mixer(self, i: int, L, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        """The Gated DeltaNet mixer of x [m, n_embd]; a ragged batch runs row by row (each
+        row advances its own state)."""
+        if isinstance(cache, Ragged):
+            return torch.cat([self.delta_mixer(i, L, x[r:r + 1], c, p)
+                              for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
+        c, m = self.config, x.shape[0]
+        mem = cache.memories[i]
+        window, state = mem.span(pos0, pos0)
+        qkv, z, b, a = self._project(L, x, [L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha])
+        if m == 1 and kernels.delta_step_ok():   # decode: one native call, the state updated in place
+            o = kernels.delta_step(*(t.float().contiguous() for t in (qkv, z, b, a)), window, L.conv,
+                                   L.ssm_dt_bias, L.ssm_a, state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps)
+            mem.write(pos0, window, state)
+            return L.ssm_out(o.view(1, -1))
+        conv, full = delta_net.causal_conv(qkv.float(), window, L.conv)
+        conv = F.silu(conv)
+        kd = c.n_k_heads * c.d_state
+        dv = c.d_inner // c.n_v_heads
+        q = delta_net.l2_norm(conv[:, :kd].reshape(m, c.n_k_heads, c.d_state), c.rms_eps)
+        k = delta_net.l2_norm(conv[:, kd:2 * kd].reshape(m, c.n_k_heads, c.d_state), c.rms_eps)
+        v = conv[:, 2 * kd:].reshape(m, c.n_v_heads, dv)
+        q, k = delta_net.expand_heads(q, c.n_v_heads), delta_net.expand_heads(k, c.n_v_heads)
+        beta = torch.sigmoid(b.float())
+        g = F.softplus(a.float() + L.ssm_dt_bias) * L.ssm_a
+        o, final, inner = self.scan(q, k, v, g, beta, state, min(m, mem.horizon))
+        tail = m - len(inner)
+        d = c.d_conv - 1
+        mem.write(pos0, full[m:], final,
+                  [(pos0 + t + 1, full[t + 1:t + 1 + d], s) for t, s in zip(range(tail, m), inner)])
+        o = rms_norm(o, L.ssm_norm, c.rms_eps) * F.silu(z.float().reshape(m, c.n_v_heads, dv))
+        return L.ssm_out(o.reshape(m, c.d_inner))
+
+    @staticmethod
+    def scan(q, k, v, g, beta, state, keep: int):
+        """The delta rule over m rows: the first m - keep chunked, the last `keep`
+        sequentially (their states become snapshots). Returns (o, final state, kept states)."""
+        m = q.shape[0]
+        head = m - keep
+        if head < delta_net.CHUNK // 4:   # a short step: the chunked form would not pay
+            return delta_net.sequential(q, k, v, g, beta, state, keep)
+        o1, s = delta_net.chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
+        if not keep:
+            return o1, s, []
+        o2, s, kept = delta_net.sequential(q[head:], k[head:], v[head:], g[head:], beta[head:], s, keep)
+        return torch.cat([o1, o2]), s, kept
+
+    # -- the cache -------------------------------------------------------------------
+    def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
+                   cache_type: str = "f16", rewindable: bool = False) -> KVCache:
+        """Attention layers keep every position (f16 or q8_0 rows); DeltaNet layers a
+        RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here:
+        a state rewinds only within its horizon)."""
+        if cache_type not in ("f16", "q8_0"):
+            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
+        c = self.config
+        cap = capacity or min(c.n_ctx_train, 4096)
+        if cap <= 0:
+            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        mems = [RecurrentState(c.d_conv - 1, c.dims()["conv_dim"], c.n_v_heads, c.d_state,
+                               c.d_inner // c.n_v_heads, horizon=self.state_horizon) if r
+                else KVMemory(cap, c.n_head_kv, c.head_dim, c.head_dim, cache_type, dtype)
+                for r in c.recurrent]
+        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+
+    def kv_bytes(self, capacity: int, cache_type: str = "f16") -> int:
+        c = self.config
+        per_value = 2.0 if cache_type == "f16" else 34 / 32
+        attn = sum(not r for r in c.recurrent) * capacity * c.n_head_kv * 2 * c.head_dim * per_value
+        state = (c.d_conv - 1) * c.dims()["conv_dim"] + c.d_inner * c.d_state
+        return int(attn + sum(c.recurrent) * state * 4 * (1 + self.state_horizon))
+
+    def kv_geometry(self) -> tuple[list[int], list[int]]:
+        c = self.config
+        return [0 if r else c.n_head_kv for r in c.recurrent], [0 if r else c.head_dim for r in c.recurrent]
+
+    def build_plan(self):
+        return None
