@@ -62,7 +62,7 @@ WORKLOADS = {
 
 
 def one_run(llm, turns, spec: bool, max_tokens: int):
-    conv = llm.chat(speculative=spec, max_tokens=max_tokens)
+    conv = llm.chat(speculative=spec, max_tokens=max_tokens, temperature=0)   # greedy: comparable streams
     for t in turns[:-1]:
         conv.send(t)
     before = dict(conv.spec.stats.__dict__) if spec else None
