@@ -163,8 +163,6 @@ class SpeculationIndex(DraftSource):
         """Mirror `history`: append what is new, or rebuild when history was rewound or
         edited (a suffix automaton cannot forget)."""
         self._pending = None
-        for ref in self.refs:
-            ref.anchor = 0 if ref.anchored else None
         seen = self.conv.tokens
         if self.conv.poisoned or len(seen) > len(history) or common_prefix(seen, history) != len(seen):
             self.conv = SamIndex(min_match=self.min_match)
@@ -174,6 +172,8 @@ class SpeculationIndex(DraftSource):
             if self.recycling is not None:
                 self.recycling.sync(history[:0])
         self._append([int(t) for t in history[len(seen):]])
+        for ref in self.refs:     # after the catch-up: an anchored document is the reply to come
+            ref.anchor = 0 if ref.anchored else None
 
     def _append(self, tokens: list[int]) -> None:
         if not tokens:

@@ -16,13 +16,15 @@ from collections import deque
 
 from fucina.errors import FucinaError
 
-# (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured with the native
-# step on SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this project's Zen 5 box (best of 9,
-# benchmarks/speculative.py --costs; roughly the mean of the two models). These small models
-# are compute-bound on CPU, so rows are far from free: m <= 4 rows share the fused GEMV,
-# more rows cost nearly linearly. Interpolated between points, extrapolated past the last.
+# (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured on the
+# batch-invariant native kernels with SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this
+# project's Zen 5 box (median of 9 paired, process CPU time, 1 thread; 2 threads on a quiet
+# box agreed within ~0.1: benchmarks/speculative.py --costs), the mean of the two models.
+# Up to 4 rows share one pass over the weights (the m <= 4 GEMV); from 5 rows the GEMM
+# route costs a step more, then grows slowly. Interpolated between points, extrapolated
+# past the last.
 DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
-    (0, 1.0), (1, 1.2), (2, 1.6), (3, 1.7), (4, 3.0), (8, 5.5), (16, 8.0))
+    (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 2.3), (6, 2.8), (8, 3.0), (12, 3.75), (16, 4.45))
 
 
 def table_cost(table, k: int) -> float:
@@ -49,6 +51,7 @@ class CostGate:
         self.min_speedup, self.probe_margin = min_speedup, probe_margin
         self.reprobe_after, self.reprobe_max, self.probe_steps = reprobe_after, reprobe_max, probe_steps
         self.table = tuple(cost_table)
+        self._prior = [table_cost(self.table, k) for k in range(max_draft + 1)]
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.plain_time: float | None = None
@@ -63,7 +66,7 @@ class CostGate:
     # -- costs --------------------------------------------------------------------------
 
     def cost(self, k: int) -> float:
-        prior = table_cost(self.table, k)
+        prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
         t = self.verify_time.get(k)
         if not self.timed or k == 0 or t is None or not self.plain_time \
                 or min(self.samples.get(k, 0), self.samples.get(0, 0)) < 3:
