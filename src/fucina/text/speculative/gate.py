@@ -27,6 +27,9 @@ DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
     (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 2.3), (6, 2.8), (8, 3.0), (12, 3.75), (16, 4.45))
 
 
+MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
+
+
 def table_cost(table, k: int) -> float:
     pts = sorted(table)
     if k <= pts[0][0]:
@@ -40,7 +43,7 @@ def table_cost(table, k: int) -> float:
 
 class CostGate:
     def __init__(self, *, max_draft: int = 16, min_draft: int = 2, rate_window: int = 16,
-                 min_window_drafted: int = 8, min_speedup: float = 1.0, probe_margin: float = 0.10,
+                 min_window_drafted: int = 4, min_speedup: float = 1.0, probe_margin: float = 0.10,
                  reprobe_after: int = 128, reprobe_max: int = 1024, probe_steps: int = 4,
                  cost_table=DEFAULT_COST_TABLE, adapt_budget: bool = True, timed: bool = True):
         if rate_window < 2 or probe_steps < 1 or reprobe_after < 1 or not cost_table:
@@ -71,7 +74,9 @@ class CostGate:
         if not self.timed or k == 0 or t is None or not self.plain_time \
                 or min(self.samples.get(k, 0), self.samples.get(0, 0)) < 3:
             return prior
-        return min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior)
+        # clamped: one noisy timing cannot swing it, and more rows never cost less than
+        # one step (a loaded box's wall clock can say so; a zero-gain pass must lose)
+        return max(min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior), 1.0 + MIN_ROW_COST * k)
 
     def record(self, k: int, seconds: float) -> None:
         """The forward time of a pass with k draft tokens (k = 0: a plain step). The
