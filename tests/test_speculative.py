@@ -162,6 +162,17 @@ def test_cost_gate_rescales_by_measured_times():
     assert g.cost(8) == pytest.approx(2 * table_cost(DEFAULT_COST_TABLE, 8))
 
 
+def test_cost_gate_never_counts_a_verify_row_as_free():
+    g = CostGate(max_draft=4)
+    for _ in range(4):                     # a loaded box's wall clock: 2 rows "cheaper" than 1
+        g.record(0, 0.010)
+        g.record(1, 0.008)
+    assert g.cost(1) > 1.0
+    for _ in range(4):                     # so zero-acceptance passes switch speculation off
+        g.settle(1, 0, 1)
+    assert not g.on
+
+
 # -- the decoder: speculative == plain ------------------------------------------------
 
 class OracleSource(DraftSource):
