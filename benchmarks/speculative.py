@@ -5,9 +5,10 @@
 
 Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
 about a given document, a multi-turn chat whose last turn quotes the first, a free-form
-story. Greedy decoding. For each: decode tokens/s (first streamed piece to the end, so
-the identical prefill is left out) plain and speculative, their ratio (median over
-reps), draft acceptance, tokens per forward pass, and whether the two token streams
+story, and a JSON-schema-constrained answer about the document (grammar-aware drafting).
+Greedy decoding. For each: decode tokens/s (first streamed piece to the end, so
+the identical prefill is left out; on one thread in process CPU time) plain and
+speculative, their ratio (median over reps), draft acceptance, tokens per forward pass, and whether the two token streams
 were identical. `--exact` verifies row by row (bitwise single steps on any kernels: the
 streams must be identical; no speedup expected). `--costs` prints the measured cost of a
 verify pass of 1 + k rows in plain steps (the CostGate's table).
@@ -58,18 +59,35 @@ WORKLOADS = {
     "multiturn": ["Here is a short poem:\n\n" + POEM + "\n\nPlease remember it.",
                   "Now quote the poem back to me exactly, line by line."],
     "story": ["Write a short story about a lighthouse keeper who befriends a seagull."],
+    "json": [DOC + "\n\nDescribe the --cache-type flag as JSON: its name, its values, the default "
+             "and one sentence quoted from the text."],
 }
+# a workload's constraint (grammar-aware drafting: forced spans, drafts cut by the grammar)
+CACHE_FLAG_SCHEMA = {"type": "object", "properties": {
+    "flag": {"type": "string", "maxLength": 24},
+    "values": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    "default": {"type": "string", "maxLength": 12}, "quote": {"type": "string", "maxLength": 240}},
+    "required": ["flag", "values", "default", "quote"], "additionalProperties": False}
+OPTIONS = {"json": {"json_schema": CACHE_FLAG_SCHEMA}}
 
 
-def one_run(llm, turns, spec: bool, max_tokens: int):
-    conv = llm.chat(speculative=spec, max_tokens=max_tokens)
+def decode_clock():
+    """Wall clock; on one thread the process's CPU time (a shared box's waits for a core
+    are left out, so paired ratios survive a loaded machine)."""
+    return time.process_time if kernels.get_threads() == 1 else time.perf_counter
+
+
+def one_run(llm, turns, spec: bool, max_tokens: int, options=None):
+    clock = decode_clock()
+    conv = llm.chat(speculative=spec, max_tokens=max_tokens, temperature=0,   # greedy: comparable streams
+                    **(options or {}))
     for t in turns[:-1]:
         conv.send(t)
     before = dict(conv.spec.stats.__dict__) if spec else None
     first = []
-    t0 = time.perf_counter()
-    conv.send(turns[-1], on_piece=lambda p: first or first.append(time.perf_counter()))
-    t1 = time.perf_counter()
+    t0 = clock()
+    conv.send(turns[-1], on_piece=lambda p: first or first.append(clock()))
+    t1 = clock()
     n = len(conv.last.tokens)
     row = {"tokens": n, "total_s": t1 - t0,
            "decode_tok_s": (n - 1) / (t1 - first[0]) if first and n > 1 and t1 > first[0] else 0.0,
@@ -90,7 +108,7 @@ def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
         runs = {False: [], True: []}
         for _ in range(reps):
             for spec in (False, True):       # A B A B
-                runs[spec].append(one_run(llm, WORKLOADS[name], spec, max_tokens))
+                runs[spec].append(one_run(llm, WORKLOADS[name], spec, max_tokens, OPTIONS.get(name)))
         p, s = runs[False], runs[True]
         ratio = statistics.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(p, s)
                                   if a["decode_tok_s"])
@@ -109,8 +127,10 @@ def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
     return out
 
 
-def costs(path: str, ks=(1, 2, 4, 8, 12, 16), reps: int = 7) -> dict:
-    """Median time of a verify pass of 1 + k rows over a plain step, paired per rep."""
+def costs(path: str, ks=(1, 2, 3, 4, 6, 8, 12, 16), reps: int = 9) -> dict:
+    """Median time of a verify pass of 1 + k rows over a plain step, paired per rep. On one
+    thread the clock is the process's CPU time (a shared box's waits for a core left out)."""
+    clock = time.process_time if kernels.get_threads() == 1 else time.perf_counter
     llm = fucina.load(path)
     m = llm.model
     cache = m.init_cache(1024)
@@ -119,23 +139,32 @@ def costs(path: str, ks=(1, 2, 4, 8, 12, 16), reps: int = 7) -> dict:
     ratios = {k: [] for k in ks}
     for _ in range(reps):
         for k in ks:
-            t = time.perf_counter()
+            t = clock()
             m.forward_step(cache, [5], base)
-            plain = time.perf_counter() - t
+            plain = clock() - t
             cache.truncate(base)
-            t = time.perf_counter()
+            t = clock()
             m.forward_step_all_logits(cache, list(range(5, 6 + k)), base)
-            ratios[k].append((time.perf_counter() - t) / plain)
+            ratios[k].append((clock() - t) / plain)
             cache.truncate(base)
     res = {k: round(statistics.median(v), 2) for k, v in ratios.items()}
     print(os.path.basename(path), "verify cost (plain steps) by draft length:", res, flush=True)
     return res
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def llama_server(bin_dir: str, path: str, threads: int, max_tokens: int, names,
                  types=("none", "ngram-simple", "ngram-mod")) -> list[dict]:
     """llama.cpp's own draft-free speculation on the same prompts: llama-server per
-    --spec-type, greedy; decode tok/s is the server's `timings.predicted_per_second`."""
+    --spec-type, greedy; decode tok/s is the server's `timings.predicted_per_second`
+    (wall), and per CPU-second: the server process's CPU time over the request, times
+    the decode's share of the request's wall time (comparable to our one-thread figure)."""
     import socket
     import subprocess
 
@@ -148,7 +177,7 @@ def llama_server(bin_dir: str, path: str, threads: int, max_tokens: int, names,
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
         cmd = [os.path.join(bin_dir, "llama-server"), "-m", path, "-t", str(threads), "--port", str(port),
-               "-c", "4096", "--spec-type", kind, "--log-disable"]
+               "-tb", str(threads), "-c", "4096", "--spec-type", kind, "--log-disable"]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
@@ -163,17 +192,27 @@ def llama_server(bin_dir: str, path: str, threads: int, max_tokens: int, names,
                 msgs = []
                 for turn in WORKLOADS[name]:
                     msgs.append({"role": "user", "content": turn})
-                    r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-                        "messages": msgs, "temperature": 0, "max_tokens": max_tokens}).json()
+                    cpu0 = proc_cpu_seconds(proc.pid)
+                    body = {"messages": msgs, "temperature": 0, "max_tokens": max_tokens}
+                    if "json_schema" in OPTIONS.get(name, {}):
+                        body["response_format"] = {"type": "json_schema", "json_schema": {
+                            "name": name, "schema": OPTIONS[name]["json_schema"]}}
+                    r = httpx.post(url + "/v1/chat/completions", timeout=600, json=body).json()
+                    cpu = proc_cpu_seconds(proc.pid) - cpu0
                     msgs.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
                 t = r.get("timings", {})
                 drafted, acc = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+                n, pred_ms, prompt_ms = t.get("predicted_n", 0), t.get("predicted_ms", 0.0), t.get("prompt_ms", 0.0)
+                # the decode's share of the request's CPU time, by its share of the wall time
+                dec_cpu = cpu * pred_ms / (pred_ms + prompt_ms) if pred_ms + prompt_ms else 0.0
                 out.append({"model": os.path.basename(path), "workload": name, "llama_spec": kind,
-                            "tokens": t.get("predicted_n"), "tok_s": t.get("predicted_per_second"),
+                            "tokens": n, "tok_s": t.get("predicted_per_second"),
+                            "cpu_tok_s": (n - 1) / dec_cpu if dec_cpu and n > 1 else 0.0,
                             "acceptance": acc / drafted if drafted else 0.0})
                 r = out[-1]
                 print(f"llama.cpp {kind:<13} {r['model']:<34} {name:<10} {r['tokens']} tok "
-                      f"{r['tok_s']:.1f} tok/s accept {r['acceptance']:.0%}", flush=True)
+                      f"{r['tok_s']:.1f} tok/s (per CPU-second {r['cpu_tok_s']:.1f}) "
+                      f"accept {r['acceptance']:.0%}", flush=True)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -195,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", metavar="DIR", help="instead: llama.cpp's llama-server from DIR "
                     "(runnable copy, e.g. tests/oracle.py's oracle_dir()) with --spec-type none / "
                     "ngram-simple / ngram-mod on the same prompts")
+    ap.add_argument("--llama-types", default="none,ngram-simple,ngram-mod",
+                    help="the --spec-type values to run with --llama-server (comma-separated)")
     a = ap.parse_args(argv)
     kernels.set_threads(a.threads)
     if a.costs:
@@ -204,7 +245,8 @@ def main(argv=None) -> int:
     if a.llama_server:
         rows = []
         for path in a.models:
-            rows += llama_server(a.llama_server, path, a.threads, a.max_tokens, a.workloads.split(","))
+            rows += llama_server(a.llama_server, path, a.threads, a.max_tokens, a.workloads.split(","),
+                                 tuple(a.llama_types.split(",")))
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(rows, fh, indent=1)

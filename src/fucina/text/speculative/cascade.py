@@ -7,10 +7,11 @@ top-k. The source with the longest current match drafts (ties go to the conversa
 then to the first-added reference), with a budget of min(n, beta * (1 + match)); a match
 shorter than min_match falls back to the recycling top-1 chain.
 
-Each source keeps a rolling acceptance gate over its last `gate_window` verified draft
-tokens, settled at the suggest -> observe seam (longest common prefix of the draft and
-what was committed next). Below `mute_acceptance` a source is muted for `mute_commits`
-committed tokens, then re-probed; a muted source keeps observing so it stays in sync.
+Each source keeps a rolling acceptance gate over its last GATE_WINDOW verified draft
+tokens (judged from GATE_DECIDE_AFTER on), settled at the suggest -> observe seam
+(longest common prefix of the draft and what was committed next). Below
+`mute_acceptance` a source is muted for `mute_commits` committed tokens, then
+re-probed; a muted source keeps observing so it stays in sync.
 """
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ from fucina.text.speculative.sam import Cursor, SamIndex, frozen_index
 from fucina.text.speculative.source import DraftSource
 
 GATE_WINDOW = 64
+GATE_DECIDE_AFTER = 16
 
 
 class Gate:
-    """Rolling acceptance of one source; muted for a while when it stops paying."""
+    """Rolling acceptance of one source over its last `window` drafted tokens; muted for
+    a while when it stops paying, judged from `decide_after` drafted tokens on (a source
+    drafting at ~10% costs more verify rows than it saves, and a 160-token reply cannot
+    wait a 64-token window for the verdict)."""
 
-    def __init__(self, mute_acceptance: float, mute_commits: int, window: int = GATE_WINDOW):
+    def __init__(self, mute_acceptance: float, mute_commits: int, window: int = GATE_WINDOW,
+                 decide_after: int = GATE_DECIDE_AFTER):
         self.mute_acceptance, self.mute_commits = mute_acceptance, mute_commits
-        self.window = window
+        self.window, self.decide_after = window, decide_after
         self.outcomes: deque[tuple[int, int]] = deque()   # (drafted, accepted) per draft
         self.drafted = self.accepted = 0
         self.muted_for = 0
@@ -49,7 +55,7 @@ class Gate:
             d, a = self.outcomes.popleft()
             self.drafted -= d
             self.accepted -= a
-        if self.drafted >= self.window and self.accepted < self.mute_acceptance * self.drafted:
+        if self.drafted >= self.decide_after and self.accepted < self.mute_acceptance * self.drafted:
             self.muted_for = self.mute_commits
             self.outcomes.clear()
             self.drafted = self.accepted = 0
@@ -163,8 +169,6 @@ class SpeculationIndex(DraftSource):
         """Mirror `history`: append what is new, or rebuild when history was rewound or
         edited (a suffix automaton cannot forget)."""
         self._pending = None
-        for ref in self.refs:
-            ref.anchor = 0 if ref.anchored else None
         seen = self.conv.tokens
         if self.conv.poisoned or len(seen) > len(history) or common_prefix(seen, history) != len(seen):
             self.conv = SamIndex(min_match=self.min_match)
@@ -174,6 +178,8 @@ class SpeculationIndex(DraftSource):
             if self.recycling is not None:
                 self.recycling.sync(history[:0])
         self._append([int(t) for t in history[len(seen):]])
+        for ref in self.refs:     # after the catch-up: an anchored document is the reply to come
+            ref.anchor = 0 if ref.anchored else None
 
     def _append(self, tokens: list[int]) -> None:
         if not tokens:

@@ -10,15 +10,18 @@ probabilities. Each row goes through the very `ReplyDecoder.step` the plain loop
 so stop ids, stop strings, the token budget and the context limit end the row walk
 exactly where the plain run would stop, and the sampler makes exactly one draw per
 committed token (greedy makes none). Given verify rows bitwise equal to single steps,
-the stream equals the plain run's; whether the kernels give that is
-`fucina.text.speculative.verify_is_exact()` (until then: same distribution, near-ties
-may flip). `pin_rows=True` verifies row by row: exact on any kernels, no speedup (the
-reference the tests compare against).
+the stream equals the plain run's: the batched verify runs only where `rows_invariant`
+says the kernels give that (the native batch-invariant route, the default); elsewhere
+it verifies row by row. `pin_rows=True` always verifies row by row (exact on any
+kernels, no speedup: the reference the tests compare against).
 
-State between steps: the last committed token is "carried" (in history, not yet in
-the cache): len(history) == cache.len + 1. A step forwards [carried, draft...] in one
-`forward_step_all_logits`, walks the rows, and `cache.truncate` drops the rows of
-rejected drafts; on any error the cache is rewound to its length before the step.
+State between steps: the last sampled token, and the span a grammar forced after it,
+are "carried" (in history, not yet in the cache). A step forwards [carried..., draft...]
+in one `forward_step_all_logits`, walks the rows, and `cache.truncate` drops the rows
+of rejected drafts; on any error the cache is rewound to its length before the step.
+Grammar-aware drafting: a draft is cut at its first token the grammar state forbids,
+and after each accepted token the forced span is committed without a draw (as the plain
+loop does) and accepted against the draft while the draft spells it.
 At the end of a reply len(history) == cache.len, as after the plain loop.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Generator, Sequence
 import torch
 
 from fucina.errors import FucinaError
-from fucina.text.generate import Reply, ReplyDecoder, drive
+from fucina.text.generate import Reply, ReplyDecoder
 from fucina.text.speculative.gate import CostGate
 from fucina.text.speculative.source import DraftSource
 
@@ -95,76 +98,111 @@ class SpeculativeDecoder:
 
     def drive(self, model, rd: ReplyDecoder, logits: torch.Tensor) -> Generator[str, None, Reply]:
         """The speculative counterpart of `generate.drive`: same ReplyDecoder, same
-        pieces, same Reply, same final cache/history state. A grammar that fast-forwards
-        forced spans (`rd.forced()`) keeps the plain loop: grammar-aware drafting is not
-        built yet, and the plain loop commits forced tokens without a draw."""
-        if getattr(rd.sampler.processor, "fast_forward", None) is not None:
-            return (yield from drive(model, rd, logits))
+        pieces, same Reply, same final cache/history state. A grammar's forced spans
+        (`rd.forced()`) are committed without a draw where the plain loop commits them,
+        and a draft that spells them out is accepted through them."""
         self.source.sync(rd.history)
         try:
             tok, piece = rd.step(logits)
             if piece:
                 yield piece
             if tok is not None:
-                self.stats.committed += 1
-                self._observe([tok])
-            while tok is not None:
-                tok = yield from self._step(model, rd)
+                committed, ended = yield from self._forced(rd, [tok])
+                self.stats.committed += len(committed)
+                self._observe(committed)
+                live = not ended
+                while live:
+                    live = yield from self._step(model, rd)
+                self._cache_the_rest(model, rd)
         finally:
             rd.close()
         return rd.reply
 
+    @staticmethod
+    def _forced(rd: ReplyDecoder, committed: list[int]):
+        """After a sampled token: commit the span the grammar forces (no draw), as the
+        plain loop does. Returns (committed, whether the reply ended inside the span)."""
+        for f in rd.forced():
+            ftok, piece = rd.accept(f)
+            if piece:
+                yield piece
+            if ftok is None:
+                return committed, True
+            committed.append(ftok)
+        return committed, rd.done
+
+    @staticmethod
+    def _cache_the_rest(model, rd: ReplyDecoder) -> None:
+        # a reply that ended inside a forced span: the plain loop forwarded the span's
+        # committed tokens, so the cache holds every committed token there too
+        rest = rd.history[rd.cache.len:]
+        if rest:
+            model.forward_step(rd.cache, rest, rd.cache.len)
+
     def _step(self, model, rd: ReplyDecoder):
-        """One verify (or plain) pass from the carried token; returns the new carried
-        token, or None when the reply ended (the cache then holds every committed token)."""
+        """One verify (or plain) pass from the carried tokens (committed, not yet cached:
+        the last sampled token and the span forced after it); False when the reply ended."""
         cache, history = rd.cache, rd.history
         base = cache.len
-        if len(history) != base + 1:
+        carried = [int(t) for t in history[base:]]
+        if not carried:
             raise FucinaError(f"speculative decode state broken: {len(history)} committed tokens, "
-                              f"{base} cached (expected one carried token)")
-        draft = self._draft(rd, model.config.n_vocab)
+                              f"{base} cached (expected a carried token)")
+        draft = self._draft(rd, model.config.n_vocab, len(carried))
+        inputs, c = carried + draft, len(carried)
         t0 = time.perf_counter()
         try:
-            rows = self._verify(model, cache, [history[-1]] + draft, base)
+            rows = self._verify(model, cache, inputs, base)
         except BaseException:
             cache.truncate(base)
             raise
-        self.gate.record(len(draft), time.perf_counter() - t0)
-        if draft and self.source.wants_topk:     # verify passes only: a plain step stays plain
-            self._feedback(history[-1], draft, rows)
+        if c == 1:                                # the gate's costs are of 1 + k rows
+            self.gate.record(len(draft), time.perf_counter() - t0)
         committed: list[int] = []
-        carried, n_acc = None, 0
+        n_acc, ended, bonus = 0, False, False
         try:
-            for i in range(len(rows)):
-                tok, piece = rd.step(rows[i])
-                if tok is not None:
-                    committed.append(tok)
-                    if i < len(draft) and tok == draft[i]:
-                        n_acc += 1
-                    else:
-                        carried = tok    # the correction, or the bonus after a full accept
+            while True:
+                # sample at the row after the last input that was committed
+                tok, piece = rd.step(rows[c + n_acc - 1])
                 if piece:
                     yield piece
-                if tok is None or carried is not None:
+                if tok is None:
+                    ended = True
+                    break
+                bonus = n_acc == len(draft) and bool(draft)
+                span, ended = yield from self._forced(rd, [tok])
+                committed += span
+                follows = True
+                for t in span:
+                    if follows and n_acc < len(draft) and t == draft[n_acc]:
+                        n_acc += 1
+                    else:
+                        follows = False
+                if ended or not follows:
                     break
         finally:
-            # keep the rows whose input was committed: the carried token and accepted drafts
-            cache.truncate(base + 1 + n_acc)
-        self._account(draft, committed, n_acc)
-        return carried
+            # keep the rows whose input was committed: the carried tokens and accepted drafts
+            cache.truncate(base + c + n_acc)
+        if draft and self.source.wants_topk:     # verify passes only: a plain step stays plain
+            self._feedback(inputs[:c + n_acc], rows[:c + n_acc])
+        self._account(draft, committed, n_acc, bonus)
+        return not ended
 
-    def _draft(self, rd: ReplyDecoder, n_vocab: int) -> list[int]:
+    def _draft(self, rd: ReplyDecoder, n_vocab: int, n_carried: int = 1) -> list[int]:
         s, history, cache = self.stats, rd.history, rd.cache
         s.steps += 1
-        room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - 1,
-                   rd.max_tokens - len(rd.reply.tokens) - 1,
-                   cache.rewind_reach() - 1)   # a recurrent state rewinds only within its snapshots
-        if not self.enabled or room < self.min_draft:
+        if not self.enabled:
             s.fallback_steps += 1
             return []
-        if not self.gate.active():
+        if not self.gate.active():     # checked first: a gated-off step stays cheap
             s.disabled_steps += 1
             self.gate.tick(self.source.match_len() >= self.strong_match)
+            return []
+        room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - n_carried,
+                   rd.max_tokens - len(rd.reply.tokens) - 1,
+                   cache.rewind_reach() - n_carried)   # a recurrent state rewinds only within its snapshots
+        if room < self.min_draft:
+            s.fallback_steps += 1
             return []
         draft = [int(t) for t in self.source.suggest(history, room)][:room]   # clamp a liar
         draft = self._shape(rd, draft)
@@ -189,25 +227,27 @@ class SpeculativeDecoder:
                 self.source.truncate_pending(len(draft))
         return draft
 
-    def _verify(self, model, cache, tokens: list[int], pos0: int) -> list[torch.Tensor]:
+    def _verify(self, model, cache, tokens: list[int], pos0: int) -> torch.Tensor:
+        """[len(tokens), n_vocab] logits, row i after tokens[:i + 1]."""
         # lossless first: a batched verify only where its rows are the single steps' bits
         if len(tokens) == 1:
-            return [model.forward_step(cache, tokens, pos0)]   # the plain step, call for call
+            return model.forward_step(cache, tokens, pos0)[None]   # the plain step, call for call
         if self.pin_rows or not rows_invariant(model, cache):
-            return [model.forward_step(cache, [t], pos0 + i) for i, t in enumerate(tokens)]
-        return list(model.forward_step_all_logits(cache, tokens, pos0))
+            return torch.stack([model.forward_step(cache, [t], pos0 + i) for i, t in enumerate(tokens)])
+        return model.forward_step_all_logits(cache, tokens, pos0)
 
-    def _feedback(self, carried: int, draft: list[int], rows: list[torch.Tensor]) -> None:
-        k = min(self.topk_feedback, rows[0].shape[-1])
-        top = torch.topk(torch.stack(rows).float(), k, dim=-1).indices.tolist()
-        self.source.observe_topk([carried] + draft, top)
+    def _feedback(self, inputs: list[int], rows: torch.Tensor) -> None:
+        """Top-k of the rows whose input was committed (a row after a rejected draft
+        token speaks of a context that never happened)."""
+        k = min(self.topk_feedback, rows.shape[-1])
+        self.source.observe_topk(inputs, torch.topk(rows.float(), k, dim=-1).indices.tolist())
 
-    def _account(self, draft: list[int], committed: list[int], n_acc: int) -> None:
+    def _account(self, draft: list[int], committed: list[int], n_acc: int, bonus: bool) -> None:
         s = self.stats
         s.committed += len(committed)
         if draft:
             s.accepted += n_acc
-            if len(committed) > len(draft):
+            if bonus:
                 s.bonus += 1
             elif n_acc < len(committed):
                 s.rejected_steps += 1

@@ -16,13 +16,18 @@ from collections import deque
 
 from fucina.errors import FucinaError
 
-# (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured with the native
-# step on SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this project's Zen 5 box (best of 9,
-# benchmarks/speculative.py --costs; roughly the mean of the two models). These small models
-# are compute-bound on CPU, so rows are far from free: m <= 4 rows share the fused GEMV,
-# more rows cost nearly linearly. Interpolated between points, extrapolated past the last.
+# (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured on the
+# batch-invariant native kernels with SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this
+# project's Zen 5 box (median of 9 paired, process CPU time, 1 thread; 2 threads on a quiet
+# box agreed within ~0.1: benchmarks/speculative.py --costs), the mean of the two models.
+# Up to 4 rows share one pass over the weights (the m <= 4 GEMV); from 5 rows the GEMM
+# route costs a step more, then grows slowly. Interpolated between points, extrapolated
+# past the last.
 DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
-    (0, 1.0), (1, 1.2), (2, 1.6), (3, 1.7), (4, 3.0), (8, 5.5), (16, 8.0))
+    (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 2.3), (6, 2.8), (8, 3.0), (12, 3.75), (16, 4.45))
+
+
+MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
 
 
 def table_cost(table, k: int) -> float:
@@ -38,7 +43,7 @@ def table_cost(table, k: int) -> float:
 
 class CostGate:
     def __init__(self, *, max_draft: int = 16, min_draft: int = 2, rate_window: int = 16,
-                 min_window_drafted: int = 8, min_speedup: float = 1.0, probe_margin: float = 0.10,
+                 min_window_drafted: int = 4, min_speedup: float = 1.0, probe_margin: float = 0.10,
                  reprobe_after: int = 128, reprobe_max: int = 1024, probe_steps: int = 4,
                  cost_table=DEFAULT_COST_TABLE, adapt_budget: bool = True, timed: bool = True):
         if rate_window < 2 or probe_steps < 1 or reprobe_after < 1 or not cost_table:
@@ -49,6 +54,7 @@ class CostGate:
         self.min_speedup, self.probe_margin = min_speedup, probe_margin
         self.reprobe_after, self.reprobe_max, self.probe_steps = reprobe_after, reprobe_max, probe_steps
         self.table = tuple(cost_table)
+        self._prior = [table_cost(self.table, k) for k in range(max_draft + 1)]
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.plain_time: float | None = None
@@ -63,12 +69,14 @@ class CostGate:
     # -- costs --------------------------------------------------------------------------
 
     def cost(self, k: int) -> float:
-        prior = table_cost(self.table, k)
+        prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
         t = self.verify_time.get(k)
         if not self.timed or k == 0 or t is None or not self.plain_time \
                 or min(self.samples.get(k, 0), self.samples.get(0, 0)) < 3:
             return prior
-        return min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior)
+        # clamped: one noisy timing cannot swing it, and more rows never cost less than
+        # one step (a loaded box's wall clock can say so; a zero-gain pass must lose)
+        return max(min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior), 1.0 + MIN_ROW_COST * k)
 
     def record(self, k: int, seconds: float) -> None:
         """The forward time of a pass with k draft tokens (k = 0: a plain step). The

@@ -30,22 +30,17 @@ class TokenRecycling(DraftSource):
     def update(self, token: int, topk: Sequence[int]) -> None:
         if not 0 <= token < self.table.shape[0]:
             return
-        row = np.full(self.k, SENTINEL, dtype=np.int32)
         ids = [int(t) for t in topk[:self.k]]
-        row[:len(ids)] = ids
-        self.table[token] = row
+        self.table[token] = ids + [SENTINEL] * (self.k - len(ids))
 
     def promote(self, a: int, b: int) -> None:
         n = self.table.shape[0]
         if not (0 <= a < n and 0 <= b < n):
             return
         row = self.table[a]
-        if row[0] == b:
-            return
-        rest = [int(t) for t in row if t != b][:self.k - 1]
-        row[0] = b
-        row[1:1 + len(rest)] = rest
-        row[1 + len(rest):] = SENTINEL
+        old = row.tolist()
+        if old[0] != b:      # b first, the rest in order (sentinels stay at the tail)
+            row[:] = ([b] + [t for t in old if t != b])[:self.k]
 
     def draft_chain(self, last_token: int, n: int) -> list[int]:
         out: list[int] = []
