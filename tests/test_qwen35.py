@@ -171,7 +171,7 @@ def test_q8_0_weights_and_cache(tmp_path):
     path = write_model(tmp_path / "q.gguf", "qwen35", layers=2, hidden=64, heads=4, kv_heads=2,
                        head_dim=32, ffn=128, qtype=Q.Q8_0, seed=9)
     m = load_model(path)
-    assert m.layers[0].attn_qkv.qtype is Q.Q8_0 and m.layers[0].conv.dtype is torch.float32
+    assert m.layers[0].attn_qkv.qtype == Q.Q8_0 and m.layers[0].conv.dtype is torch.float32
     a = m.forward_step(m.init_cache(32, cache_type="q8_0"), IDS[:20], 0)
     b = m.forward_last_logits(IDS[:20])
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
