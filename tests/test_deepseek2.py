@@ -143,6 +143,43 @@ def test_missing_tensors_raise(tmp_path):
             deepseek2.Model(f)
 
 
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_batch_rows_equal_rows_alone(tmp_path, qtype):
+    """forward_step_batch: each stream's logits bitwise equal to its own decode step."""
+    before = K.prefill_route()
+    K.set_prefill_route("canon")
+    try:
+        m = load_model(write_deepseek2(tmp_path / "m.gguf", seed=5, qtype=qtype, rope=32))
+        prompts = [[5, 17, 99, 3], [250, 42], [7, 8, 120, 64, 33]]
+        caches = [m.init_cache(32) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            m.forward_step(c, p, 0)
+        alone = []
+        for c in caches:
+            d = m.init_cache(32)
+            d.copy_rows(c, 0, c.len)
+            alone.append(m.forward_step(d, [11], d.len))
+        batch = m.forward_step_batch(caches, [11, 11, 11])
+        assert all(torch.equal(batch[i], alone[i]) for i in range(3))
+    finally:
+        K.set_prefill_route(before)
+
+
+def test_prefix_reuse(pair):
+    """A second prompt sharing a prefix rewinds the latent cache and forwards only the rest."""
+    from fucina.text.generate import prefill
+    m = pair[0]
+    c, hist = m.init_cache(32), []
+    prefill(m, c, hist, IDS)
+    assert hist == IDS
+    prompt = IDS[:9] + [77, 78]
+    logits, keep = prefill(m, c, hist, prompt)
+    assert keep == 9 and c.len == len(prompt)
+    fresh = m.forward_step(m.init_cache(32), prompt, 0)
+    assert (logits - fresh).abs().max() < 1e-4 * fresh.abs().max()
+
+
 @pytest.mark.slow
 @pytest.mark.oracle
 @pytest.mark.parametrize("name", sorted(DEEPSEEK2))

@@ -142,24 +142,18 @@ def mla_attention(w: MLAWeights, x: torch.Tensor, cache: KVCache | Ragged, layer
                   rope: Rope, scale: float, eps: float) -> torch.Tensor:
     """Attention of the normed residual x [m, n_embd] -> [m, n_embd]; appends this step's
     latent and rope key to the layer's LatentKV."""
+    if isinstance(cache, Ragged):   # each stream's row alone: the same ops as its own decode step
+        return torch.cat([mla_attention(w, x[r:r + 1], c, layer, p, rope, scale, eps)
+                          for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
     g, m = w.g, x.shape[0]
     q = w.query(x, eps).reshape(m, g.n_head, g.nope + g.rope)
     q_nope, q_pe = q.split([g.nope, g.rope], dim=-1)
     kv = w.kv_a(x)
     latent = rms_norm(kv[:, :g.kv_lora], w.kv_a_norm, eps)[:, None, :]    # [m, 1, rank]
-    k_pe = kv[:, None, g.kv_lora:]                                        # [m, 1, rope]
+    q_pe, k_pe = rope(q_pe.contiguous(), pos0), rope(kv[:, None, g.kv_lora:].contiguous(), pos0)
+    cache.append(layer, latent, k_pe)
     q_abs = torch.einsum("mhd,hrd->mhr", q_nope, w.k_b)                   # [m, H, rank]
-    if isinstance(cache, Ragged):
-        q_pe, k_pe = rope.at(q_pe.contiguous(), cache.positions), rope.at(k_pe.contiguous(), cache.positions)
-        out = []
-        for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s)):
-            c.append(layer, latent[r:r + 1], k_pe[r:r + 1])
-            out.append(_latent_attention(q_abs[r:r + 1], q_pe[r:r + 1], c, layer, p, scale))
-        o = torch.cat(out)
-    else:
-        q_pe, k_pe = rope(q_pe.contiguous(), pos0), rope(k_pe.contiguous(), pos0)
-        cache.append(layer, latent, k_pe)
-        o = _latent_attention(q_abs, q_pe, cache, layer, pos0, scale)
+    o = _latent_attention(q_abs, q_pe, cache, layer, pos0, scale)
     v = torch.einsum("mhr,hvr->mhv", o, w.v_b)                            # [m, H, v]
     return w.wo(v.reshape(m, g.n_head * g.v_dim))
 
