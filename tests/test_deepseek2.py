@@ -133,6 +133,17 @@ def test_yarn_deepseek_v2_scales():
     assert torch.allclose(rope.inv_freq[-4:], plain[-4:] / 40)     # low ones interpolate
 
 
+def test_yarn_metadata_changes_the_model(tmp_path):
+    """rope.scaling.* is read: the same weights with YaRN (factor 4, mscale_all_dim 0.707)
+    score differently (the parity case deepseek2-kvb-qlora pins the values to llama.cpp's)."""
+    plain = load_model(write_deepseek2(tmp_path / "a.gguf", layers=2, seed=2))
+    yarn = load_model(write_deepseek2(tmp_path / "b.gguf", layers=2, seed=2, yarn=(4.0, 0.707, 512)))
+    assert yarn.scale == pytest.approx((1 + 0.1 * 0.707 * math.log(4)) ** 2 / math.sqrt(48))
+    a = plain.forward_step_all_logits(plain.init_cache(16), IDS, 0)
+    b = yarn.forward_step_all_logits(yarn.init_cache(16), IDS, 0)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() < 0.999
+
+
 def test_missing_tensors_raise(tmp_path):
     p = write_deepseek2(tmp_path / "m.gguf", layers=2, dense_lead=1)
     for name, match in (("blk.0.attn_k_b.weight", "attn_k_b"), ("blk.1.ffn_up_exps.weight", "ffn_up_exps"),
