@@ -46,11 +46,30 @@ def qwen35_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                        ffn=256, vocab=str(vocab), qtype=qtype, seed=17)
 
 
+def deepseek2_synth(generation, q_lora, **kw):
+    """A random-weight deepseek2 (MLA + MoE: 1 dense layer, then 8 experts, 2 used, 1 shared)
+    in one GGUF generation, with (q_lora > 0) or without q-LoRA (tests/synth_deepseek2.py)."""
+    def write(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+        from synth_deepseek2 import write_deepseek2
+        return write_deepseek2(path, generation=generation, q_lora=q_lora, vocab=str(vocab), qtype=qtype,
+                               seed=17, **kw)
+    return write
+
+
+DEEPSEEK2 = {
+    "deepseek2-mla-qlora": deepseek2_synth("split", 64),
+    "deepseek2-mla-lite": deepseek2_synth("split", 0, gating=2, probs_bias=True, groups=4, group_used=2,
+                                          norm_topk=True, routed_scale=2.5),
+    "deepseek2-kvb-qlora": deepseek2_synth("kv_b", 64, yarn=(4.0, 0.707, 512)),
+    "deepseek2-kvb-lite": deepseek2_synth("kv_b", 0, fused_gate_up=True),
+}
+
+
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
 SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
-         "qwen35-synth": qwen35_synth}
+         "qwen35-synth": qwen35_synth, **DEEPSEEK2}
 
 
 # name -> (model source, prompt text, positions scored: "all" or last N)
@@ -62,4 +81,5 @@ CASES = {
     "phi3-synth": ("phi3-synth", TEXT, "all"),
     "qwen35-synth": ("qwen35-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
+    **{name: (name, TEXT, "all") for name in DEEPSEEK2},
 }

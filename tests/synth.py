@@ -56,6 +56,24 @@ def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
     return len(tokens)
 
 
+def quantized_adder(w: gguf.GGUFWriter, qtype: gguf.GGMLQuantizationType):
+    """add(name, array, quantize=True): matrices in `qtype`, vectors (and quantize=False) F32."""
+    def add(name, a, quantize=True):
+        a = a.astype(np.float32)
+        if not quantize or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            try:
+                q = gguf.quants.quantize(a, qtype)
+            except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
+                from fucina.quant import quantize
+                q = quantize(a, int(qtype))
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    return add
+
+
 def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, head_dim: int = 16, ffn: int = 128, vocab: str | None = None,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
@@ -67,6 +85,10 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     model (no template); `extra` adds metadata (float values as f32, ints as i32), e.g.
     general.sampling.* recommendations."""
     assert arch in ARCHS
+    if arch == "deepseek2":   # MLA + MoE tensors: its own writer (tests/synth_deepseek2.py)
+        from synth_deepseek2 import write_deepseek2
+        return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
+                               seed=seed, ctx=ctx)
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     for key, v in (extra or {}).items():
@@ -101,20 +123,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_float32(f"{arch}.rope.scaling.attn_factor", attn_factor)
 
     rng = np.random.default_rng(seed)
-
-    def add(name, a, quantize=True):
-        a = a.astype(np.float32)
-        if not quantize or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, a)
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            try:
-                q = gguf.quants.quantize(a, qtype)
-            except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
-                from fucina.quant import quantize
-                q = quantize(a, int(qtype))
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    add = quantized_adder(w, qtype)
 
     def mat(out_f, in_f, scale=None):
         s = scale if scale is not None else 1.0 / np.sqrt(in_f)

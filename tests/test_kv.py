@@ -247,7 +247,7 @@ def test_q8_cache_tracks_f16_on_smollm2(smollm2_path):
 
 # -- the cache protocol: every memory kind --------------------------------------------
 
-from fucina.models.cache import AliasKV, KVMemory, RecurrentState, WindowKV  # noqa: E402
+from fucina.models.cache import AliasKV, KVMemory, LatentKV, RecurrentState, WindowKV  # noqa: E402
 
 CAP = 64
 
@@ -263,6 +263,8 @@ def _kinds():
         "window-f16": lambda: KVCache.of([WindowKV(CAP, 2, 32, window=4, slack=15) for _ in range(2)], CAP),
         "window-q8_0": lambda: KVCache.of([WindowKV(CAP, 2, 32, storage="q8_0", window=4, slack=15)], CAP),
         "mixed-alias": mixed,
+        "latent-f16": lambda: KVCache.of([LatentKV(CAP, 32, 16) for _ in range(2)], CAP),
+        "latent-q8_0": lambda: KVCache.of([LatentKV(CAP, 64, 32, storage="q8_0")], CAP),
     }
 
 

@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "fucina.models.qwen2",
     "phi3": "fucina.models.phi3",
     "qwen35": "fucina.models.qwen35",
+    "deepseek2": "fucina.models.deepseek2",
 }
 
 

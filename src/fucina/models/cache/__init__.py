@@ -28,10 +28,10 @@ from typing import Sequence
 import torch
 
 from fucina.errors import ContextFull, KVCacheError
-from fucina.models.cache.memory import AliasKV, KVMemory, RecurrentState, WindowKV
+from fucina.models.cache.memory import AliasKV, KVMemory, LatentKV, RecurrentState, WindowKV
 from fucina.models.cache.rows import dequantize_q8_0, quantize_q8_0
 
-__all__ = ["KVCache", "Q8Cache", "KVMemory", "WindowKV", "AliasKV", "RecurrentState",
+__all__ = ["KVCache", "Q8Cache", "KVMemory", "WindowKV", "LatentKV", "AliasKV", "RecurrentState",
            "quantize_q8_0", "dequantize_q8_0"]
 
 

@@ -9,6 +9,8 @@ Kinds:
   KVMemory       every position's K and V (K and V widths may differ)
   WindowKV       only the last `window` positions (plus `slack` rows so one step of up
                  to slack + 1 rows fits): local sliding-window layers
+  LatentKV       MLA's per-position latent and rope key, shared by every head (the K and
+                 V of all heads are derived from them at read time)
   AliasKV        another layer's K/V (layers that share KV): nothing of its own
   RecurrentState a fixed-size state (conv window + state matrices) with per-position
                  snapshots over a bounded horizon, so it rewinds within that horizon
@@ -272,6 +274,24 @@ class WindowKV(KVMemory):
 
     def _restore_from(self, n: int) -> int:
         return self._need_from(n)
+
+
+class LatentKV(KVMemory):
+    """Multi-head latent attention (DeepSeek-V2): per position one normed KV latent
+    [kv_lora_rank] and one RoPE'd key [n_rot], shared by every head; heads read keys and
+    values through absorbed projections, so nothing per head is stored (llama.cpp's MLA
+    cache keeps the same two rows). `write(pos, latent, rope_key)` with rows
+    [m, 1, rank] / [m, 1, n_rot]; `span` returns them. Every position is kept, so any
+    rewind works; no native route (the torch mixer reads it)."""
+
+    kind = "latent"
+
+    def __init__(self, capacity: int, rank: int, n_rot: int, storage: str = "f16",
+                 dtype: torch.dtype = torch.float16):
+        super().__init__(capacity, 1, rank, n_rot, storage, dtype)
+
+    def native_entry(self):
+        return None
 
 
 class AliasKV:

@@ -1,0 +1,173 @@
+"""Multi-head latent attention (DeepSeek-V2's MLA), as llama.cpp b11434 computes it.
+
+Per token: q from an optional low-rank path (attn_q_a -> RMSNorm -> attn_q_b) or one
+attn_q, [n_head, nope + rope] per head; attn_kv_a_mqa gives a KV latent [rank] (then
+RMSNorm'd) and one rope key [rope] shared by all heads. Keys and values of head h are
+    k_h = [k_b[h]^T c ; rope(k_pe)]     v_h = v_b[h] c
+so attention runs on the latent directly (the absorbed form): the query's nope part
+becomes q_abs[h] = k_b[h] q_nope[h] in latent space, scores are q_abs . c + q_pe . k_pe,
+the value read is the softmax-weighted latent, mapped to each head's value by v_b[h].
+The cache keeps only c and rope(k_pe) per position (a `LatentKV`), llama.cpp's MLA rows.
+
+RoPE is GGML's NORM mode (adjacent pairs) on the last `rope` dims, with YaRN: the
+frequencies blend interpolated and extrapolated by a ramp over the correction dims,
+cos/sin carry ggml's magnitude, and the score scale is mscale^2 / sqrt(nope + rope)
+with llama.cpp's pre-scaling (`yarn_scales`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fucina.errors import GGUFError
+from fucina.models.base import Ragged, Rope, rms_norm
+from fucina.models.cache import KVCache
+from fucina.weights import LinearWeight
+
+
+# -- YaRN ---------------------------------------------------------------------------
+
+@dataclass
+class YarnParams:
+    """What llama.cpp's context derives from the rope.scaling.* keys."""
+    freq_scale: float = 1.0     # 1 / rope.scaling.factor (1 when the type is "none")
+    ext_factor: float = 0.0     # 1 for YaRN, else 0
+    log_mul: float = 0.0        # rope.scaling.yarn_log_multiplier / 0.1 (deepseek2's converter fix)
+    attn_factor: float = 1.0    # rope.scaling.attn_factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 4096
+
+
+def _get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_scales(y: YarnParams, head_k: int) -> tuple[float, float]:
+    """(the RoPE attn_factor ggml is called with, the attention's kq_scale)."""
+    attn = 1.0
+    if y.ext_factor != 0:   # llama_context: the YaRN magnitude, then cancel ggml's own factor
+        factor = 1.0 / y.freq_scale
+        if y.log_mul != 0:   # deepseek2 takes mscale = mscale_all_dim: the ratio is 1
+            attn = _get_mscale(factor, y.log_mul) / _get_mscale(factor, y.log_mul)
+        else:
+            attn = _get_mscale(factor, 1.0)
+        attn *= 1.0 / (1.0 + 0.1 * math.log(factor))
+    attn *= y.attn_factor
+    # deepseek2.cpp: undo the adjustment to recover the original factor, pre-scale kq_scale
+    lg = math.log(1.0 / y.freq_scale)
+    mscale = attn * (1.0 + 0.1 * lg) * (1.0 + 0.1 * y.log_mul * lg)
+    return attn, mscale * mscale / math.sqrt(head_k)
+
+
+def yarn_rope(n_rot: int, base: float, y: YarnParams, attn_factor: float) -> Rope:
+    """A NORM-mode Rope with ggml's rope_yarn: per pair i the angle pos * inv_i * (fs (1 -
+    mix_i) + mix_i), mix the ramp over the correction dims times ext_factor; cos/sin scaled
+    by attn_factor (times 1 + 0.1 ln(1/fs) when ext_factor != 0)."""
+    rope = Rope(n_rot, base, False)
+    fs, ext = y.freq_scale, y.ext_factor
+    mag = attn_factor
+    if ext != 0:
+        def corr(beta: float) -> float:
+            return n_rot * math.log(y.n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+        lo = max(0.0, math.floor(corr(y.beta_fast)))
+        hi = min(n_rot - 1.0, math.ceil(corr(y.beta_slow)))
+        i = torch.arange(n_rot // 2, dtype=torch.float64)
+        ramp = 1 - ((i - lo) / max(0.001, hi - lo)).clamp(0, 1)
+        mix = ramp * ext
+        rope.inv_freq = rope.inv_freq * (fs * (1 - mix) + mix)
+        mag *= 1.0 + 0.1 * math.log(1.0 / fs)
+    else:
+        rope.inv_freq = rope.inv_freq * fs
+    rope.mscale = mag
+    return rope
+
+
+# -- the weights --------------------------------------------------------------------
+
+@dataclass
+class MLAGeometry:
+    n_head: int
+    q_lora: int      # 0: one attn_q
+    kv_lora: int     # the latent's width
+    nope: int        # per-head key dims without RoPE
+    rope: int        # the rope key's dims (shared by all heads)
+    v_dim: int       # per-head value dims
+
+
+def split_kv_b(kv_b: torch.Tensor, g: MLAGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """The older GGUFs' attn_kv_b [n_head * (nope + v), rank] (per head nope key rows then
+    v value rows) as the split the newer ones store: k_b [n_head, rank, nope] (transposed,
+    as the converter writes attn_k_b) and v_b [n_head, v, rank]."""
+    kv = kv_b.reshape(g.n_head, g.nope + g.v_dim, g.kv_lora)
+    k_b, v_b = kv.split([g.nope, g.v_dim], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+
+
+class MLAWeights:
+    """One layer's attention tensors. k_b/v_b are small (n_head x rank x head dims) and
+    are read per head in batched matmuls, so they are kept dequantized (f32)."""
+
+    def __init__(self, t: dict, g: MLAGeometry, where: str):
+        self.g = g
+        self.q_a, self.q_a_norm, self.q_b, self.q = t.get("attn_q_a"), t.get("attn_q_a_norm"), t.get("attn_q_b"), t.get("attn_q")
+        if (self.q is None) == (self.q_a is None or self.q_b is None or self.q_a_norm is None):
+            raise GGUFError(f"{where}: needs attn_q, or attn_q_a + attn_q_a_norm + attn_q_b")
+        self.kv_a, self.kv_a_norm, self.wo = t["attn_kv_a_mqa"], t["attn_kv_a_norm"], t["attn_output"]
+        if t.get("attn_k_b") is not None and t.get("attn_v_b") is not None:
+            self.k_b = _stack(t["attn_k_b"], g.n_head, g.kv_lora, g.nope, where)
+            self.v_b = _stack(t["attn_v_b"], g.n_head, g.v_dim, g.kv_lora, where)
+        elif t.get("attn_kv_b") is not None:
+            self.k_b, self.v_b = split_kv_b(t["attn_kv_b"].dequantize(), g)
+        else:
+            raise GGUFError(f"{where}: needs attn_k_b + attn_v_b or attn_kv_b")
+
+    def query(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.q is not None:
+            return self.q(x)
+        return self.q_b(rms_norm(self.q_a(x), self.q_a_norm, eps))
+
+
+def _stack(w: LinearWeight, heads: int, rows: int, cols: int, where: str) -> torch.Tensor:
+    if w.shape != (heads * rows, cols):
+        raise GGUFError(f"{where}: {w.name} is {w.shape}, expected {heads} x [{rows}, {cols}]")
+    return w.dequantize().reshape(heads, rows, cols)
+
+
+# -- the mixer ----------------------------------------------------------------------
+
+def mla_attention(w: MLAWeights, x: torch.Tensor, cache: KVCache | Ragged, layer: int, pos0: int,
+                  rope: Rope, scale: float, eps: float) -> torch.Tensor:
+    """Attention of the normed residual x [m, n_embd] -> [m, n_embd]; appends this step's
+    latent and rope key to the layer's LatentKV."""
+    if isinstance(cache, Ragged):   # each stream's row alone: the same ops as its own decode step
+        return torch.cat([mla_attention(w, x[r:r + 1], c, layer, p, rope, scale, eps)
+                          for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
+    g, m = w.g, x.shape[0]
+    q = w.query(x, eps).reshape(m, g.n_head, g.nope + g.rope)
+    q_nope, q_pe = q.split([g.nope, g.rope], dim=-1)
+    kv = w.kv_a(x)
+    latent = rms_norm(kv[:, :g.kv_lora], w.kv_a_norm, eps)[:, None, :]    # [m, 1, rank]
+    q_pe, k_pe = rope(q_pe.contiguous(), pos0), rope(kv[:, None, g.kv_lora:].contiguous(), pos0)
+    cache.append(layer, latent, k_pe)
+    q_abs = torch.einsum("mhd,hrd->mhr", q_nope, w.k_b)                   # [m, H, rank]
+    o = _latent_attention(q_abs, q_pe, cache, layer, pos0, scale)
+    v = torch.einsum("mhr,hvr->mhv", o, w.v_b)                            # [m, H, v]
+    return w.wo(v.reshape(m, g.n_head * g.v_dim))
+
+
+def _latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, pos0: int,
+                      scale: float) -> torch.Tensor:
+    """MQA over the cached rows [0, pos0 + m): one latent key/value for every head.
+    q_abs [m, H, rank], q_pe [m, H, rope] -> the weighted latent [m, H, rank]."""
+    m = q_abs.shape[0]
+    n = pos0 + m
+    c, k_pe = cache.span(layer, 0, n)
+    c, k_pe = c[:, 0].float(), k_pe[:, 0].float()                         # [n, rank], [n, rope]
+    s = (q_abs @ c.T + q_pe @ k_pe.T) * scale                             # [m, H, n]
+    if m > 1:
+        qpos = torch.arange(pos0, n)[:, None, None]
+        s = s.masked_fill(torch.arange(n)[None, None, :] > qpos, float("-inf"))
+    return torch.softmax(s, dim=-1) @ c

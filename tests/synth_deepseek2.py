@@ -1,0 +1,127 @@
+"""Random-weight deepseek2 GGUFs, with the tensor names, shapes and keys llama.cpp b11434
+reads (src/models/deepseek2.cpp, conversion/deepseek.py).
+
+`generation="split"` writes what the current converter writes (attn_k_b / attn_v_b,
+key_length = kv_lora_rank + rope, value_length = kv_lora_rank, key/value_length_mla,
+head_count_kv 1: llama.cpp runs MLA); `"kv_b"` the older files (one attn_kv_b,
+key_length = nope + rope, value_length = v: llama.cpp runs plain multi-head attention).
+`q_lora=0` writes one attn_q (V2-Lite's shape) with q_lora_rank 0. The router is F32
+(as converters keep it) and scaled so its logits spread widely.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from synth import _byte_vocab, _copy_tokenizer, quantized_adder
+
+
+def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, q_lora: int = 64,
+                    kv_lora: int = 64, nope: int = 32, rope: int = 16, v_head: int = 32, ffn: int = 128,
+                    ffn_exp: int = 64, experts: int = 8, used: int = 2, shared: int = 1, dense_lead: int = 1,
+                    generation: str = "split", gating: int = 1, probs_bias: bool = False, groups: int = 0,
+                    group_used: int = 0, norm_topk: bool = False, routed_scale: float = 0.0,
+                    yarn: tuple[float, float, int] | None = None, fused_gate_up: bool = False,
+                    vocab: str | None = None, qtype=gguf.GGMLQuantizationType.F32, seed: int = 0,
+                    ctx: int = 2048, router_scale: float = 4.0, **_ignored) -> str:
+    """`yarn` = (factor, mscale_all_dim, original context); `gating` 1 softmax, 2 sigmoid."""
+    assert generation in ("split", "kv_b")
+    arch = "deepseek2"
+    w = gguf.GGUFWriter(str(path), arch)
+    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
+    w.add_name("synthetic-deepseek2")
+    w.add_context_length(ctx)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(rope)
+    w.add_leading_dense_block_count(dense_lead)
+    w.add_vocab_size(n_vocab)
+    w.add_q_lora_rank(q_lora)
+    w.add_kv_lora_rank(kv_lora)
+    if generation == "split":
+        w.add_head_count_kv(1)
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v_head)
+    else:
+        w.add_head_count_kv(heads)
+        w.add_key_length(nope + rope)
+        w.add_value_length(v_head)
+    w.add_expert_feed_forward_length(ffn_exp)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_expert_shared_count(shared)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    if groups:
+        w.add_expert_group_count(groups)
+        w.add_expert_group_used_count(group_used)
+    if routed_scale:
+        w.add_expert_weights_scale(routed_scale)
+    if norm_topk:
+        w.add_expert_weights_norm(True)
+    if yarn:
+        factor, mscale_all, orig = yarn
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all)
+
+    rng = np.random.default_rng(seed)
+    add = quantized_adder(w, qtype)
+
+    def mat(*shape, scale=None):
+        return rng.standard_normal(shape, dtype=np.float32) * (scale if scale is not None else 1.0 / np.sqrt(shape[-1]))
+
+    def norm(n):
+        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+
+    add("token_embd.weight", mat(n_vocab, hidden, scale=0.5))
+    add("output_norm.weight", norm(hidden))
+    for i in range(layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", norm(hidden))
+        if q_lora:
+            add(b + "attn_q_a.weight", mat(q_lora, hidden))
+            add(b + "attn_q_a_norm.weight", norm(q_lora))
+            add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
+        else:
+            add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
+        add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
+        add(b + "attn_kv_a_norm.weight", norm(kv_lora))
+        kv_b = mat(heads * (nope + v_head), kv_lora)
+        if generation == "split":   # the converter's split: k_b transposed per head
+            per = kv_b.reshape(heads, nope + v_head, kv_lora)
+            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
+            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
+        else:
+            add(b + "attn_kv_b.weight", kv_b)
+        add(b + "attn_output.weight", mat(hidden, heads * v_head))
+        add(b + "ffn_norm.weight", norm(hidden))
+        if i < dense_lead:
+            add(b + "ffn_gate.weight", mat(ffn, hidden))
+            add(b + "ffn_up.weight", mat(ffn, hidden))
+            add(b + "ffn_down.weight", mat(hidden, ffn))
+            continue
+        add(b + "ffn_gate_inp.weight", mat(experts, hidden, scale=router_scale / np.sqrt(hidden)), quantize=False)
+        if probs_bias:
+            add(b + "exp_probs_b.bias", 0.3 * rng.standard_normal(experts, dtype=np.float32))
+        if fused_gate_up:
+            add(b + "ffn_gate_up_exps.weight", mat(experts, 2 * ffn_exp, hidden))
+        else:
+            add(b + "ffn_gate_exps.weight", mat(experts, ffn_exp, hidden))
+            add(b + "ffn_up_exps.weight", mat(experts, ffn_exp, hidden))
+        add(b + "ffn_down_exps.weight", mat(experts, hidden, ffn_exp))
+        if shared:
+            add(b + "ffn_gate_shexp.weight", mat(ffn_exp * shared, hidden))
+            add(b + "ffn_up_shexp.weight", mat(ffn_exp * shared, hidden))
+            add(b + "ffn_down_shexp.weight", mat(hidden, ffn_exp * shared))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
