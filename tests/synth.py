@@ -56,6 +56,24 @@ def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
     return len(tokens)
 
 
+def tensor_adder(w: gguf.GGUFWriter, qtype: gguf.GGMLQuantizationType):
+    """add(name, array): matrices stored as `qtype`, vectors as F32."""
+    def add(name, a, quantize=True):
+        a = a.astype(np.float32)
+        if not quantize or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            try:
+                q = gguf.quants.quantize(a, qtype)
+            except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
+                from fucina.quant import quantize
+                q = quantize(a, int(qtype))
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    return add
+
+
 def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, head_dim: int = 16, ffn: int = 128, vocab: str | None = None,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
@@ -67,6 +85,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     model (no template); `extra` adds metadata (float values as f32, ints as i32), e.g.
     general.sampling.* recommendations."""
     assert arch in ARCHS
+    if arch == "gemma4":   # per-layer geometry: its own writer (defaults exercise every feature)
+        from synth_gemma4 import write_gemma4
+        return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, ffn=ffn, vocab=vocab, qtype=qtype, window=sliding_window,
+                            seed=seed, ctx=ctx, chat_template=chat_template, extra=extra)
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     for key, v in (extra or {}).items():
@@ -95,20 +118,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_float32(f"{arch}.rope.scaling.attn_factor", attn_factor)
 
     rng = np.random.default_rng(seed)
-
-    def add(name, a, quantize=True):
-        a = a.astype(np.float32)
-        if not quantize or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, a)
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            try:
-                q = gguf.quants.quantize(a, qtype)
-            except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
-                from fucina.quant import quantize
-                q = quantize(a, int(qtype))
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    add = tensor_adder(w, qtype)
 
     def mat(out_f, in_f, scale=None):
         s = scale if scale is not None else 1.0 / np.sqrt(in_f)
