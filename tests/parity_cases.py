@@ -38,10 +38,20 @@ def phi3_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                        attn_factor=1.19)
 
 
+def gemma4_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Gemma 4 (tests/synth_gemma4.py): per-layer head dims, KV heads and
+    FFN widths, two shared-KV layers, per-layer embeddings, a 32-token window."""
+    from synth_gemma4 import write_gemma4
+    return write_gemma4(path, layers=6, hidden=128, heads=4, kv_heads=[2, 1, 2, 1, 2, 1], head_dim=64,
+                        head_dim_swa=32, ffn=[128, 128, 128, 256, 256, 256], window=32, shared=2,
+                        vocab=str(vocab), qtype=qtype, seed=17)
+
+
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
-SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth}
+SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
+         "gemma4-synth": gemma4_synth}
 
 
 # name -> (model source, prompt text, positions scored: "all" or last N)
@@ -51,5 +61,6 @@ CASES = {
     "qwen3-synth": ("qwen3-synth", TEXT, "all"),
     "qwen2-synth": ("qwen2-synth", TEXT, "all"),
     "phi3-synth": ("phi3-synth", TEXT, "all"),
+    "gemma4-synth": ("gemma4-synth", TEXT + LONG_TEXT[:400], "all"),   # past the 32-token window
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
 }
