@@ -113,6 +113,33 @@ def test_moe_layers_refused(tmp_path):
         load_model(p)
 
 
+# the dense geometry the native step runs (no per-layer inputs, no shared KV)
+DENSE = dict(GEOMETRY, ffn=128, shared=0, ple=0)
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+@pytest.mark.parametrize("v_proj", [True, False])
+def test_native_step_equals_torch_blocks(tmp_path, v_proj):
+    model = load_model(write_gemma4(tmp_path / "dense.gguf", **DENSE, v_proj=v_proj))
+    assert model.native_plan is not None
+    ids = IDS + IDS[:16]                          # 40 positions: past the 16-token window
+    native = teacher_forced_logits(model, ids).numpy()
+    cache = model.init_cache(64)
+    model.forward_step(cache, ids[:30], 0)
+    steps = [model.forward_step(cache, [t], 30 + j).numpy() for j, t in enumerate(ids[30:])]
+    model.use_native_step = False
+    try:
+        torch_path = teacher_forced_logits(model, ids).numpy()
+    finally:
+        model.use_native_step = True
+    assert _cos(native, torch_path).min() > 0.999
+    assert _cos(np.stack(steps), torch_path[30:]).min() > 0.999
+
+
+def test_plan_only_for_the_dense_geometry(model):
+    assert model.native_plan is None              # per-layer inputs and shared KV: torch blocks
+
+
 # -- llama.cpp ------------------------------------------------------------------------------
 
 def _oracle_model(tmp_path, qtype=Q.F32, **kw):

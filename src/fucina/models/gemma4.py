@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from fucina import kernels
 from fucina.errors import GGUFError, UnsupportedArchitecture
 from fucina.gguf import GGUFFile
 from fucina.models import llama
@@ -174,6 +175,25 @@ class Model(llama.Model):
 
     def plan_scale(self) -> float:
         return 1.0   # q and k are RMS-normed; Gemma 4 attends unscaled
+
+    # -- the native step: the dense geometry (no per-layer inputs, no shared KV) -----------
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.n_embd_per_layer or c.n_kv_shared or len(set(c.ffs)) > 1:
+            return None   # per-layer inputs, shared KV, per-layer FFN widths: the torch blocks
+        if any(s.head_dim % 16 or (c.n_rot_swa if s.window else c.n_rot) > s.head_dim for s in c.layers):
+            return None
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act=self.act, eps=c.rms_eps, scale=1.0,
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_layer(self, i: int, L: Layer) -> dict:
+        s, d = self.config.layers[i], super().plan_layer(i, L)
+        if L.wqkv is None and L.wv is None:
+            d["wv"] = L.wk                       # V is K's projection (normed apart)
+        d.update(layer_rot=self.config.n_rot_swa if s.window else 0, v_norm=torch.ones(s.head_dim),
+                 out_scale=float(L.out_scale) if L.out_scale is not None else 0.0)
+        return d
 
     # -- the cache: shared-KV layers alias their source ------------------------------
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
