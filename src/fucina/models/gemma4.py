@@ -16,7 +16,10 @@ What differs from Gemma 3, as llama.cpp b11434 runs it (src/models/gemma4.cpp):
 The per-layer inputs ride along the residual as trailing columns (embed appends them,
 each block reads its slice and passes them on, head drops them), so the generic
 prefill chunking and batched decode carry them without knowing about them.
-The MoE variant (26B-A4B: ffn_gate_inp) is not implemented: loading one raises.
+The native layer step covers the dense geometry (per-layer head dims, KV heads and
+rotary widths, V norm, output scale); per-layer inputs, shared KV and per-layer FFN
+widths keep the torch blocks. The MoE variant (26B-A4B: ffn_gate_inp) is not
+implemented: loading one raises UnsupportedArchitecture.
 """
 from __future__ import annotations
 
