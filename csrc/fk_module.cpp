@@ -272,7 +272,8 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = p->n_ff;
     if (y->mixer != FK_MIXER_ATTENTION || y->ffn != FK_FFN_DENSE || H < 1 || KV < 1 || H % KV ||
-        H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || p->n_rot > D ||
+        H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
+        y->layer_rot < 0 || y->layer_rot % 2 ||
         (y->rope != 0 && y->rope != 1) || y->window < 0 || y->window > (1LL << 30) || !y->attn_norm || !y->ffn_norm)
         return 0;
     const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv}, *gu[2] = {&y->gate, &y->up};

@@ -26,7 +26,8 @@ typedef struct {
     X(I, mixer) X(I, ffn) X(I, n_head) X(I, n_kv) X(I, head_dim) X(I, window) X(I, rope)      \
     X(V, attn_norm) X(V, q_norm) X(V, k_norm) X(V, post_attn_norm) X(V, ffn_norm)             \
     X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
-    X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)
+    X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
+    X(I, layer_rot) X(V, v_norm) X(F, out_scale) /* gemma4: own rotary width (0: n_rot), V norm, x *= s */
 
 enum { FK_MIXER_ATTENTION = 0 };
 enum { FK_FFN_DENSE = 0 };

@@ -64,12 +64,20 @@ DEEPSEEK2 = {
     "deepseek2-kvb-lite": deepseek2_synth("kv_b", 0, fused_gate_up=True),
 }
 
+def gemma4_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Gemma 4 (tests/synth_gemma4.py): per-layer head dims, KV heads and
+    FFN widths, two shared-KV layers, per-layer embeddings, a 32-token window."""
+    from synth_gemma4 import write_gemma4
+    return write_gemma4(path, layers=6, hidden=128, heads=4, kv_heads=[2, 1, 2, 1, 2, 1], head_dim=64,
+                        head_dim_swa=32, ffn=[128, 128, 128, 256, 256, 256], window=32, shared=2,
+                        vocab=str(vocab), qtype=qtype, seed=17)
+
 
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
 SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
-         "qwen35-synth": qwen35_synth, **DEEPSEEK2}
+         "qwen35-synth": qwen35_synth, "gemma4-synth": gemma4_synth, **DEEPSEEK2}
 
 
 # name -> (model source, prompt text, positions scored: "all" or last N)
@@ -80,6 +88,7 @@ CASES = {
     "qwen2-synth": ("qwen2-synth", TEXT, "all"),
     "phi3-synth": ("phi3-synth", TEXT, "all"),
     "qwen35-synth": ("qwen35-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
+    "gemma4-synth": ("gemma4-synth", TEXT + LONG_TEXT[:400], "all"),   # past the 32-token window
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
     **{name: (name, TEXT, "all") for name in DEEPSEEK2},
 }

@@ -89,6 +89,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         from synth_deepseek2 import write_deepseek2
         return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
                                seed=seed, ctx=ctx)
+    if arch == "gemma4":   # per-layer geometry: its own writer (defaults exercise every feature)
+        from synth_gemma4 import write_gemma4
+        return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, ffn=ffn, vocab=vocab, qtype=qtype, window=sliding_window,
+                            seed=seed, ctx=ctx, chat_template=chat_template, extra=extra)
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     for key, v in (extra or {}).items():

@@ -370,6 +370,10 @@ class DecoderPlan:
     def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list):
         self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
         self.geometry = [(L["n_kv"], L["head_dim"]) for L in layers]
+        widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width
+        if len({t for t, _ in widths}) != len(widths):
+            raise KernelError("plan: layers sharing a RoPE table rotate different widths")
+        self.table_rot = [dict(widths).get(t) for t in (0, 1)]   # None: no layer reads it
         self._keep = keep
 
     @classmethod
@@ -387,7 +391,8 @@ class DecoderPlan:
                     act=_ACTS[act], eps=eps, scale=scale)
         slots, keep, full = cls._fill(plan_fields, head, keep=None), [], []
         for L in layers:
-            L = dict(dict(n_head=n_head, n_kv=n_kv, head_dim=head_dim, window=0, rope=0), **L)
+            L = dict(dict(n_head=n_head, n_kv=n_kv, head_dim=head_dim, window=0, rope=0, layer_rot=0, out_scale=0.0),
+                     **L)
             L["mixer"], L["ffn"] = _MIXERS.get(L.get("mixer", "attention"), -1), _FFNS.get(L.get("ffn", "dense"), -1)
             cls._check_vectors(L, n_embd)
             row = cls._fill(layer_fields, L, keep)
@@ -404,8 +409,9 @@ class DecoderPlan:
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
-        sizes = dict(q_norm=d, k_norm=d, qkv_bias=nq + 2 * nkv)
-        for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "qkv_bias"):
+        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv)
+        for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
+                     "qkv_bias"):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):
@@ -483,8 +489,8 @@ class DecoderPlan:
     def _tables(self, tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = tables[0]
         t1 = tables[1] if len(tables) > 1 else t0
-        for t in (t0, t1):
+        for t, rot in zip((t0, t1), self.table_rot):
             if (t.dtype is not torch.float32 or t.dim() != 3 or not t.is_contiguous()
-                    or t.shape[1] * 2 != self.n_rot or t.shape[2] != 2):
+                    or (rot is not None and t.shape[1] * 2 != rot) or t.shape[2] != 2):
                 raise KernelError("plan: RoPE tables must be contiguous f32 [len, n_rot/2, 2]")
         return t0, t1

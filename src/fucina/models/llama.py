@@ -113,6 +113,7 @@ class Model(DecoderBase):
     supports_batch = True
     config_class = Config
     tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
+    layer_class = Layer     # a family whose layers hold more than the schema's core (gemma4)
     act = "silu"            # the ffn's activation (ACTS)
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
@@ -123,7 +124,7 @@ class Model(DecoderBase):
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
         self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd  # tied
-        self.layers = [Layer(f, i, c, self.tensors) for i in range(c.n_layer)]
+        self.layers = [self.layer_class(f, i, c, self.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
         freqs = self.rope_factors(f)
         if freqs is not None:  # long-context factors divide the frequencies

@@ -15,6 +15,7 @@ FAMILIES: dict[str, str] = {
     "phi3": "fucina.models.phi3",
     "qwen35": "fucina.models.qwen35",
     "deepseek2": "fucina.models.deepseek2",
+    "gemma4": "fucina.models.gemma4",
 }
 
 

@@ -6,9 +6,9 @@
     text = tok.decode(ids)
     sd = StreamDecoder(tok); text = sd.push(id) ... + sd.flush()
 
-Byte-level BPE (`tokenizer.ggml.model = gpt2`, pretokenizer by `tokenizer.ggml.pre`)
-and SentencePiece (`llama`, e.g. Gemma) are supported; other models (bert, t5, rwkv,
-plamo2, gemma4) raise TokenizerError.
+Byte-level BPE (`tokenizer.ggml.model = gpt2`, pretokenizer by `tokenizer.ggml.pre`),
+SentencePiece (`llama`, e.g. Gemma 3) and Gemma 4's SentencePiece-style BPE (`gemma4`)
+are supported; other models (bert, t5, rwkv, plamo2) raise TokenizerError.
 
 Where we differ from llama.cpp, on purpose:
 - An unimplemented `tokenizer.ggml.pre` encodes with the qwen2 rules, warns once and

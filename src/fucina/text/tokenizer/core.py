@@ -29,6 +29,9 @@ class Tokenizer:
         if vocab.kind == "bpe":
             from fucina.text.tokenizer.bpe import ByteBPE
             self._engine: Any = ByteBPE(vocab)
+        elif vocab.kind == "gemma4":
+            from fucina.text.tokenizer.gemma4 import Gemma4BPE
+            self._engine = Gemma4BPE(vocab)
         else:
             from fucina.text.tokenizer.spm import SentencePiece
             self._engine = SentencePiece(vocab)
@@ -192,7 +195,7 @@ class Tokenizer:
         if attr & _RENDERED:
             return text.encode("utf-8", "surrogatepass")
         if attr & ATTR_NORMAL:
-            if self.kind == "spm":
+            if self.vocab.escape_whitespaces:   # SentencePiece and Gemma 4: U+2581 is a space
                 return text.replace("\u2581", " ").encode("utf-8", "surrogatepass")
             out = bytearray()
             for ch in text:

@@ -66,6 +66,13 @@ _EOG_TEXTS = (
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
+def _merges(meta: Mapping[str, Any]) -> list[str]:
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise TokenizerError("BPE vocabulary without tokenizer.ggml.merges")
+    return merges
+
+
 class Vocab:
     """Tokens, attributes, special ids and flags, decided the way llama.cpp decides them."""
 
@@ -77,8 +84,10 @@ class Vocab:
             self.kind = "spm"
         elif model == "gpt2":
             self.kind = "bpe"
+        elif model == "gemma4":
+            self.kind = "gemma4"   # SentencePiece-style BPE (text/tokenizer/gemma4.py)
         else:
-            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
+            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: gpt2, llama, gemma4)")
         self.model = str(model)
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:8]):
@@ -98,10 +107,7 @@ class Vocab:
         ids = {k: None for k in _ID_KEYS}
         ids.update(bos=1, eos=2, unk=0)
         if self.kind == "bpe":
-            merges = meta.get("tokenizer.ggml.merges")
-            if not isinstance(merges, list):
-                raise TokenizerError("byte-level BPE vocabulary without tokenizer.ggml.merges")
-            self.merges: list[str] = merges
+            self.merges: list[str] = _merges(meta)
             ids.update(bos=11, eos=11, unk=None)
             self.escape_whitespaces = False
             self.clean_spaces = True
@@ -119,6 +125,9 @@ class Vocab:
                 self.add_bos = spec.add_bos
             if spec.bos_null:
                 ids["bos"] = None
+        elif self.kind == "gemma4":   # merges required, no default special ids, BOS always (below)
+            self.merges = _merges(meta)
+            ids.update(bos=None, eos=None, unk=None)
         else:
             self.merges = []
             self.add_space_prefix = True
@@ -176,6 +185,8 @@ class Vocab:
             val = meta.get("tokenizer.ggml." + flag)
             if val is not None:
                 setattr(self, k, bool(val))
+        if self.kind == "gemma4":
+            self.add_bos = True   # llama.cpp overrides add_bos_token = false for Gemma 4
 
         # --- tokens recognised by text when the metadata is silent ---
         control_texts = []
