@@ -61,11 +61,14 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                 sliding_window: int = 8, seed: int = 0, tied: bool = True, ctx: int = 2048,
                 rope_factors: bool = False, attn_factor: float = 0.0,
-                chat_template: bool = True, extra: dict | None = None) -> str:
+                chat_template: bool = True, extra: dict | None = None, experts: int = 8,
+                experts_used: int = 2, moe_ffn: int = 32, router_scale: float = 4.0) -> str:
     """`rope_factors` (phi3): LongRoPE short/long factor tensors (original context ctx/2);
     `attn_factor` (phi3): rope.scaling.attn_factor; `chat_template=False` writes a base
     model (no template); `extra` adds metadata (float values as f32, ints as i32), e.g.
-    general.sampling.* recommendations."""
+    general.sampling.* recommendations. MoE families (a schema with expert stacks):
+    `experts` of `moe_ffn` rows, `experts_used` per token, router weights `router_scale`
+    times the usual (peaked routing: well-separated top-k choices)."""
     assert arch in ARCHS
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
@@ -89,6 +92,12 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_rope_freq_base(1_000_000.0)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
+    schema = family(arch).Model.tensors
+    moe = any("n_expert" in t.shape for t in schema)
+    if moe:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(moe_ffn)
     if rope_factors:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", ctx // 2)
     if attn_factor:
@@ -103,24 +112,27 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
         else:
+            rows = a.reshape(-1, a.shape[-1])   # an expert stack quantizes as its rows
             try:
-                q = gguf.quants.quantize(a, qtype)
+                q = gguf.quants.quantize(rows, qtype)
             except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
                 from fucina.quant import quantize
-                q = quantize(a, int(qtype))
+                q = quantize(rows, int(qtype))
+            q = q.reshape(a.shape[:-1] + (-1,))
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
-    def mat(out_f, in_f, scale=None):
-        s = scale if scale is not None else 1.0 / np.sqrt(in_f)
-        return rng.standard_normal((out_f, in_f), dtype=np.float32) * s
+    def mat(*shape, scale=None):
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return rng.standard_normal(shape, dtype=np.float32) * s
 
     def norm(n):
         return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
 
     H, D = hidden, head_dim
     q, kv = heads * D, kv_heads * D
-    dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D)
-    add("token_embd.weight", mat(n_vocab, H, 0.5 if arch != "gemma3" else 0.05))
+    dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
+                n_expert=experts, n_ff_exp=moe_ffn)
+    add("token_embd.weight", mat(n_vocab, H, scale=0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:
         add("output.weight", mat(n_vocab, H))
@@ -128,12 +140,15 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         add("rope_factors_short.weight", 1.0 + rng.random(D // 2, dtype=np.float32))
         add("rope_factors_long.weight", 1.0 + 4.0 * rng.random(D // 2, dtype=np.float32))
     for i in range(layers):
-        for t in family(arch).Model.tensors:
+        for t in schema:
             shape = [dims[d] for d in t.shape]
             if t.role == "norm":
                 value = norm(shape[0])
             elif t.role == "bias":
                 value = 0.5 * rng.standard_normal(shape[0], dtype=np.float32)
+            elif t.role == "router":   # kept f32, as llama-quantize keeps ffn_gate_inp
+                add(t.gguf_name(i), mat(*shape, scale=router_scale / np.sqrt(shape[-1])), quantize=False)
+                continue
             else:
                 value = mat(*shape)
             add(t.gguf_name(i), value)

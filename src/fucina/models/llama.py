@@ -63,7 +63,7 @@ class Layer:
         self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
         self.q_norm, self.k_norm = t.get("attn_q_norm"), t.get("attn_k_norm")
         self.post_attn_norm, self.post_ffn_norm = t.get("post_attention_norm"), t.get("post_ffw_norm")
-        self.wo, self.down = t["attn_output"], t["ffn_down"]
+        self.wo, self.down = t["attn_output"], t.get("ffn_down")   # None: a MoE layer
         dims = tensor_dims(c)
         self.split_qkv = [dims["q_out"], dims["kv_out"], dims["v_out"]]
         self.wq, self.wk, self.wv = t.get("attn_q"), t.get("attn_k"), t.get("attn_v")
@@ -73,9 +73,9 @@ class Layer:
         if "ffn_gate" in t:
             self.gate, self.up = t["ffn_gate"], t["ffn_up"]
             self.w_gate_up = fuse(f, [self.gate, self.up])
-        else:   # the checkpoint stores [gate | up] as one ffn_up of 2 * n_ff rows
+        else:   # the checkpoint stores [gate | up] as one ffn_up of 2 * n_ff rows (or none: MoE)
             self.gate = self.up = None
-            self.w_gate_up = t["ffn_up"]
+            self.w_gate_up = t.get("ffn_up")
 
     def qkv(self, x: torch.Tensor):
         if self.wqkv is not None:
@@ -113,6 +113,7 @@ class Model(DecoderBase):
     supports_batch = True
     config_class = Config
     tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
+    layer_class = Layer     # what loads one layer's tensors (a MoE family adds its experts)
     act = "silu"            # the ffn's activation (ACTS)
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
@@ -123,7 +124,7 @@ class Model(DecoderBase):
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
         self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd  # tied
-        self.layers = [Layer(f, i, c, self.tensors) for i in range(c.n_layer)]
+        self.layers = [self.layer_class(f, i, c, self.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
         freqs = self.rope_factors(f)
         if freqs is not None:  # long-context factors divide the frequencies

@@ -13,6 +13,7 @@ FAMILIES: dict[str, str] = {
     "gemma3": "fucina.models.gemma3",
     "qwen2": "fucina.models.qwen2",
     "phi3": "fucina.models.phi3",
+    "qwen3moe": "fucina.models.qwen3moe",
 }
 
 
