@@ -14,7 +14,7 @@ from synth import write_model
 
 Q = gguf.GGMLQuantizationType
 GEOMETRY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=8, experts_used=3, moe_ffn=64)
-IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(40)]
+IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(60)]
 _MODELS: dict = {}
 
 
@@ -106,8 +106,8 @@ def test_native_moe_matches_torch(tmp_path_factory, qtype):
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
 def test_moe_prefill_split_any_way_equals_token_by_token(tmp_path_factory, qtype, isa):
     model = _model(tmp_path_factory, qtype)
-    whole = _prefill(model, [40])
-    for chunks in ([1] * 40, [9, 1, 1, 6, 2, 21], [3, 37]):
+    whole = _prefill(model, [60])   # 60 rows: the experts in turn; <= 42: one thread per expert
+    for chunks in ([1] * 60, [9, 1, 1, 6, 2, 41], [3, 57]):
         assert torch.equal(_prefill(model, chunks), whole), f"{chunks} on {isa}"
 
 
