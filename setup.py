@@ -18,7 +18,7 @@ if x86:
 ext = Extension(
     "fucina.kernels._native",
     sources=sources,
-    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_impl.inc", "csrc/fk_decode_avx2.inc", "csrc/fk_gemv_avx2.inc", "csrc/fk_cbgemv_avx512.inc", "csrc/fk_cbgemv_avx2.inc", "csrc/fk_attn_impl.inc", "csrc/fk_step_impl.inc", "csrc/fk_delta.h"],
+    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_impl.inc", "csrc/fk_decode_avx2.inc", "csrc/fk_gemv_avx2.inc", "csrc/fk_cbgemv_avx512.inc", "csrc/fk_cbgemv_avx2.inc", "csrc/fk_attn_impl.inc", "csrc/fk_step_impl.inc", "csrc/fk_delta.h", "csrc/fk_moe_impl.inc"],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],
     extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",

@@ -269,9 +269,17 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
     return 1;
 }
 
+/* a MoE ffn's settings and weights (fk_moe_impl.inc) */
+static int moe_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
+    return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
+           y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
+           lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M);
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = p->n_ff;
-    if (y->mixer != FK_MIXER_ATTENTION || y->ffn != FK_FFN_DENSE || H < 1 || KV < 1 || H % KV ||
+    if (y->mixer != FK_MIXER_ATTENTION || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
         H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
         y->layer_rot < 0 || y->layer_rot % 2 ||
         (y->rope != 0 && y->rope != 1) || y->window < 0 || y->window > (1LL << 30) || !y->attn_norm || !y->ffn_norm)
@@ -279,7 +287,8 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv}, *gu[2] = {&y->gate, &y->up};
     const int64_t nqkv[3] = {H * D, KV * D, KV * D}, ngu[2] = {F, F};
     return fused_or_parts(&y->wqkv, qkv, nqkv, 3, E) && lin_ok(&y->wo, E, H * D) &&
-           fused_or_parts(&y->gate_up, gu, ngu, 2, E) && lin_ok(&y->down, E, F);
+           (y->ffn == FK_FFN_MOE ? moe_ok(p, y)
+                                 : fused_or_parts(&y->gate_up, gu, ngu, 2, E) && lin_ok(&y->down, E, F));
 }
 
 static void plan_free(PyObject *cap) {

@@ -27,10 +27,20 @@ typedef struct {
     X(V, attn_norm) X(V, q_norm) X(V, k_norm) X(V, post_attn_norm) X(V, ffn_norm)             \
     X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
     X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
-    X(I, layer_rot) X(V, v_norm) X(F, out_scale) /* gemma4: own rotary width (0: n_rot), V norm, x *= s */
+    X(I, layer_rot) X(V, v_norm) X(F, out_scale)                                                  \
+    FK_MOE_FIELDS(X)
+/* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
+
+/* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
+ * weight each, expert e's rows at e * rows-per-expert: gate_exps/up_exps [n_expert * n_ff_exp,
+ * n_embd], down_exps [n_expert * n_embd, n_ff_exp]; moe_norm renormalises the chosen weights,
+ * moe_scale (0 or 1: none) scales them */
+#define FK_MOE_FIELDS(X)                                                                      \
+    X(I, n_expert) X(I, n_expert_used) X(I, n_ff_exp) X(I, moe_norm) X(F, moe_scale)          \
+    X(W, gate_inp) X(W, gate_exps) X(W, up_exps) X(W, down_exps)
 
 enum { FK_MIXER_ATTENTION = 0 };
-enum { FK_FFN_DENSE = 0 };
+enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
 enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
 
 #define FK_FIELD_I(name) int64_t name;

@@ -64,6 +64,7 @@ DEEPSEEK2 = {
     "deepseek2-kvb-lite": deepseek2_synth("kv_b", 0, fused_gate_up=True),
 }
 
+
 def gemma4_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
     """A random-weight Gemma 4 (tests/synth_gemma4.py): per-layer head dims, KV heads and
     FFN widths, two shared-KV layers, per-layer embeddings, a 32-token window."""
@@ -73,11 +74,23 @@ def gemma4_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                         vocab=str(vocab), qtype=qtype, seed=17)
 
 
+def qwen3moe_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """A random-weight Qwen3-MoE at Qwen3-30B-A3B's proportions scaled down (16 experts per
+    expert used: 32 of which 2; GQA 2:1). Seed 30's routing is well separated on TEXT: the
+    k-th and (k+1)-th router logits differ by >= 5e-3 of the logits' spread at every
+    position and layer (the spread of reassociation noise is ~1e-6 of it), so both sides
+    choose the same experts; test_parity checks that margin on the exact model."""
+    return write_model(path, "qwen3moe", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
+                       ffn=256, experts=32, experts_used=2, moe_ffn=64, vocab=str(vocab), qtype=qtype,
+                       seed=30)
+
+
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
 SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
-         "qwen35-synth": qwen35_synth, "gemma4-synth": gemma4_synth, **DEEPSEEK2}
+         "qwen35-synth": qwen35_synth, "gemma4-synth": gemma4_synth, "qwen3moe-synth": qwen3moe_synth,
+         **DEEPSEEK2}
 
 
 # name -> (model source, prompt text, positions scored: "all" or last N)
@@ -89,6 +102,7 @@ CASES = {
     "phi3-synth": ("phi3-synth", TEXT, "all"),
     "qwen35-synth": ("qwen35-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "gemma4-synth": ("gemma4-synth", TEXT + LONG_TEXT[:400], "all"),   # past the 32-token window
+    "qwen3moe-synth": ("qwen3moe-synth", TEXT, "all"),
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
     **{name: (name, TEXT, "all") for name in DEEPSEEK2},
 }

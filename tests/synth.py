@@ -65,11 +65,13 @@ def quantized_adder(w: gguf.GGUFWriter, qtype: gguf.GGMLQuantizationType):
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
         else:
+            rows = a.reshape(-1, a.shape[-1])   # an expert stack quantizes as its rows
             try:
-                q = gguf.quants.quantize(a, qtype)
+                q = gguf.quants.quantize(rows, qtype)
             except NotImplementedError:  # gguf-py lacks the K-quant encoders: use ours
                 from fucina.quant import quantize
-                q = quantize(a, int(qtype))
+                q = quantize(rows, int(qtype))
+            q = q.reshape(a.shape[:-1] + (-1,))
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     return add
 
@@ -79,11 +81,14 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                 qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                 sliding_window: int = 8, seed: int = 0, tied: bool = True, ctx: int = 2048,
                 rope_factors: bool = False, attn_factor: float = 0.0,
-                chat_template: bool = True, extra: dict | None = None) -> str:
+                chat_template: bool = True, extra: dict | None = None, experts: int = 8,
+                experts_used: int = 2, moe_ffn: int = 32, router_scale: float = 4.0) -> str:
     """`rope_factors` (phi3): LongRoPE short/long factor tensors (original context ctx/2);
     `attn_factor` (phi3): rope.scaling.attn_factor; `chat_template=False` writes a base
     model (no template); `extra` adds metadata (float values as f32, ints as i32), e.g.
-    general.sampling.* recommendations."""
+    general.sampling.* recommendations. MoE families (a schema with expert stacks):
+    `experts` of `moe_ffn` rows, `experts_used` per token, router weights `router_scale`
+    times the usual (peaked routing: well-separated top-k choices)."""
     assert arch in ARCHS
     if arch == "deepseek2":   # MLA + MoE tensors: its own writer (tests/synth_deepseek2.py)
         from synth_deepseek2 import write_deepseek2
@@ -122,6 +127,10 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
             w.add_uint32(f"{arch}.{key}", v)
         w.add_rope_dimension_count(head_dim // 2)
         w.add_array(f"{arch}.rope.dimension_sections", [3, 1, 1, 1] if head_dim == 32 else [head_dim // 4 - 2 * (head_dim // 12), head_dim // 12, head_dim // 12, 0])
+    if any("n_expert" in t.shape for t in family(arch).Model.tensors):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(moe_ffn)
     if rope_factors:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", ctx // 2)
     if attn_factor:
@@ -130,9 +139,9 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     rng = np.random.default_rng(seed)
     add = quantized_adder(w, qtype)
 
-    def mat(out_f, in_f, scale=None):
-        s = scale if scale is not None else 1.0 / np.sqrt(in_f)
-        return rng.standard_normal((out_f, in_f), dtype=np.float32) * s
+    def mat(*shape, scale=None):
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return rng.standard_normal(shape, dtype=np.float32) * s
 
     def norm(n):
         return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
@@ -140,8 +149,9 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     H, D = hidden, head_dim
     q, kv = heads * D, kv_heads * D
     dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
-                qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4)
-    add("token_embd.weight", mat(n_vocab, H, 0.5 if arch != "gemma3" else 0.05))
+                qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4,
+                n_expert=experts, n_ff_exp=moe_ffn)
+    add("token_embd.weight", mat(n_vocab, H, scale=0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:
         add("output.weight", mat(n_vocab, H))
@@ -161,6 +171,9 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                 value = -np.exp(0.5 * rng.standard_normal(shape[0], dtype=np.float32))
             elif t.role == "conv":    # small f32 conv taps, never quantized (as llama-quantize keeps them)
                 value = 0.5 * rng.standard_normal(shape, dtype=np.float32)
+            elif t.role == "router":   # kept f32, as llama-quantize keeps ffn_gate_inp
+                add(t.gguf_name(i), mat(*shape, scale=router_scale / np.sqrt(shape[-1])), quantize=False)
+                continue
             else:
                 value = mat(*shape)
             add(t.gguf_name(i), value, quantize=t.role != "conv")

@@ -130,7 +130,7 @@ def _live(path, ids, tmp_path, *extra):
 
 @pytest.mark.slow
 @pytest.mark.oracle
-@pytest.mark.parametrize("name", ["qwen2-synth", "phi3-synth", "qwen35-synth"])
+@pytest.mark.parametrize("name", ["qwen2-synth", "phi3-synth", "qwen35-synth", "qwen3moe-synth"])
 def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, tmp_path, name):
     """Q8_0 random weights: ours and llama.cpp's logits against the exact model (the same
     weights in f32 arithmetic, our reference path); ours must be at least as close. Measured
@@ -192,3 +192,28 @@ def test_qwen25_perplexity_matches_llama_cpp():
                      parse_special=False)
     ppl, chunks = perplexity(model, ids, 512, tok.bos_id if tok.add_bos else None)
     assert abs(ppl / 6.1751 - 1) < 0.01, ppl
+
+
+@pytest.mark.slow
+def test_qwen3moe_synth_routing_is_well_separated(models):
+    """The MoE parity case's precondition: on the exact model every row's k-th and
+    (k+1)-th router logits differ by >= 2e-3 of the logits' spread, far above the
+    reassociation noise of two implementations (~1e-6 of it on F32 weights)."""
+    from fucina.models import moe
+    _, model = models("qwen3moe-synth")
+    g = json.loads((GOLDENS / "qwen3moe-synth.json").read_text())
+    margins, route = [], moe.Routing.__call__
+
+    def spy(self, logits):
+        top = logits.sort(-1, descending=True).values
+        margins.append(((top[:, self.k - 1] - top[:, self.k]) / logits.std()).min().item())
+        return route(self, logits)
+
+    K.set_enabled(False)
+    moe.Routing.__call__ = spy
+    try:
+        teacher_forced_logits(load_model(model.gguf.path), g["ids"])
+    finally:
+        moe.Routing.__call__ = route
+        K.set_enabled(True)
+    assert len(margins) == model.config.n_layer and min(margins) >= 2e-3, margins

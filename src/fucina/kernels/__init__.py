@@ -337,7 +337,7 @@ def attach(weight) -> None:
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 _MIXERS = {"attention": 0}
-_FFNS = {"dense": 0}
+_FFNS = {"dense": 0, "moe": 1}
 _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 5}
 
 
@@ -423,10 +423,10 @@ class DecoderPlan:
         out = []
         for name, kind in schema:
             v = values.get(name)
-            if kind == "F":
-                out.append(int(np.float64(v).view(np.int64)))
+            if kind == "F":   # an absent setting is 0 (a field of another layer kind)
+                out.append(int(np.float64(v or 0).view(np.int64)))
             elif kind == "I":
-                out.append(int(v))
+                out.append(int(v or 0))
             elif kind == "V":
                 out.append(0 if v is None else v.data_ptr())
                 if v is not None:

@@ -19,7 +19,7 @@ from fucina import kernels
 from fucina.errors import FucinaError, GGUFError, KVCacheError
 from fucina.gguf import GGUFFile, Zero, meta_float_opt, meta_int_opt
 from fucina.models.cache import KVCache, KVMemory, WindowKV
-from fucina.weights import LinearWeight
+from fucina.weights import ExpertStack, LinearWeight
 
 Tokens = Sequence[int] | torch.Tensor
 
@@ -127,6 +127,10 @@ class BaseConfig:
         return LayerSpec(n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=self.head_dim,
                          v_dim=self.v_dim)
 
+    def extra_dims(self) -> dict[str, int]:
+        """Named dims a family's schema adds (MoE: n_expert, n_ff_exp)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -150,7 +154,7 @@ def tensor_dims(c: BaseConfig) -> dict[str, int]:
     """The named dims a schema's shapes use."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     return dict(n_embd=c.n_embd, q_out=q, kv_out=kv, v_out=c.n_head_kv * c.v_dim, qkv_out=q + kv + c.n_head_kv * c.v_dim,
-                n_ff=c.n_ff, gu_out=2 * c.n_ff, head_dim=c.head_dim)
+                n_ff=c.n_ff, gu_out=2 * c.n_ff, head_dim=c.head_dim, **c.extra_dims())
 
 
 def load_layer_tensors(f: GGUFFile, i: int, schema: Sequence[TensorSpec], dims: dict[str, int]) -> dict:
@@ -160,6 +164,8 @@ def load_layer_tensors(f: GGUFFile, i: int, schema: Sequence[TensorSpec], dims: 
         shape = tuple(dims[d] for d in t.shape)
         if len(shape) == 1:
             out[t.key] = load_vector(f, t.gguf_name(i), shape[0], t.required)
+        elif len(shape) == 3:   # an expert stack [n_expert, out, in]
+            out[t.key] = load_experts(f, t.gguf_name(i), shape, t.required)
         else:
             w = load_linear(f, t.gguf_name(i), t.required)
             out[t.key] = check_shape(w, *shape) if w is not None else None
@@ -301,6 +307,17 @@ def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight |
             raise GGUFError(f"{f.path}: missing tensor {name!r}")
         return None
     return LinearWeight.from_tensor(t)
+
+
+def load_experts(f: GGUFFile, name: str, shape: tuple[int, ...], required: bool = True) -> ExpertStack | None:
+    t = f.tensors.get(name)
+    if t is None:
+        if required:
+            raise GGUFError(f"{f.path}: missing tensor {name!r}")
+        return None
+    if tuple(t.shape) != tuple(shape):
+        raise GGUFError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return ExpertStack.from_tensor(t)
 
 
 def load_vector(f: GGUFFile, name: str, size: int, required: bool = True) -> torch.Tensor | None:

@@ -63,7 +63,7 @@ class Layer:
         self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
         self.q_norm, self.k_norm = t.get("attn_q_norm"), t.get("attn_k_norm")
         self.post_attn_norm, self.post_ffn_norm = t.get("post_attention_norm"), t.get("post_ffw_norm")
-        self.wo, self.down = t["attn_output"], t["ffn_down"]
+        self.wo, self.down = t["attn_output"], t.get("ffn_down")   # None: a MoE layer
         dims = tensor_dims(c)
         self.split_qkv = [dims["q_out"], dims["kv_out"], dims["v_out"]]
         self.wq, self.wk, self.wv = t.get("attn_q"), t.get("attn_k"), t.get("attn_v")
@@ -73,9 +73,9 @@ class Layer:
         if "ffn_gate" in t:
             self.gate, self.up = t["ffn_gate"], t["ffn_up"]
             self.w_gate_up = fuse(f, [self.gate, self.up])
-        else:   # the checkpoint stores [gate | up] as one ffn_up of 2 * n_ff rows
+        else:   # the checkpoint stores [gate | up] as one ffn_up of 2 * n_ff rows (or none: MoE)
             self.gate = self.up = None
-            self.w_gate_up = t["ffn_up"]
+            self.w_gate_up = t.get("ffn_up")
 
     def qkv(self, x: torch.Tensor):
         if self.wqkv is not None:
@@ -113,7 +113,7 @@ class Model(DecoderBase):
     supports_batch = True
     config_class = Config
     tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
-    layer_class = Layer     # a family whose layers hold more than the schema's core (gemma4)
+    layer_class = Layer     # what loads one layer's tensors (gemma4 adds its own, a MoE family its experts)
     act = "silu"            # the ffn's activation (ACTS)
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0

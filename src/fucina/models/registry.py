@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "qwen35": "fucina.models.qwen35",
     "deepseek2": "fucina.models.deepseek2",
     "gemma4": "fucina.models.gemma4",
+    "qwen3moe": "fucina.models.qwen3moe",
 }
 
 

@@ -1,4 +1,5 @@
-"""fucina.weights: weights kept in their GGUF type (`LinearWeight`)."""
+"""fucina.weights: weights kept in their GGUF type (`LinearWeight`, `ExpertStack`)."""
+from fucina.weights.experts import ExpertStack
 from fucina.weights.linear import LinearWeight, bytes_view
 
-__all__ = ["LinearWeight", "bytes_view"]
+__all__ = ["ExpertStack", "LinearWeight", "bytes_view"]

@@ -1,0 +1,93 @@
+"""Mixture-of-experts feed-forward math shared by the MoE families (qwen3moe; deepseek2's
+variants plug in here).
+
+Two pieces, separate so a family can change one without the other:
+- `Routing` turns router logits [m, n_expert] into each row's chosen experts and their
+  weights [m, k]: a gating function (softmax today) over the logits, top-k, then the
+  optional normalisation of the chosen weights (`norm_topk_prob`) and a scale (the
+  routed scaling factor). Variants (sigmoid gating, a selection-only expert bias,
+  grouped top-k) are more gating/selection functions here.
+- `mix` runs the chosen experts with the rows grouped by expert, so each expert's
+  weights are read once per call whatever the batch, and sums each row's experts in
+  ascending expert order: a row's result does not depend on the rows it was computed
+  with (the matmuls are batch-invariant per row, and so is this order).
+The math follows llama.cpp's build_moe_ffn (b11434); the native layer step has the same
+in csrc/fk_moe_impl.inc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fucina.errors import FucinaError
+from fucina.weights import ExpertStack
+
+# smallest weight sum the normalisation divides by (llama.cpp clamps to f16's min normal)
+NORM_MIN = 6.103515625e-05
+
+GATINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda logits: torch.softmax(logits, dim=-1),
+}
+
+
+@dataclass(frozen=True)
+class Routing:
+    n_expert: int
+    k: int                       # experts used per row
+    gating: str = "softmax"
+    norm: bool = True            # renormalise the chosen weights to sum to 1
+    scale: float = 1.0           # chosen weights times this (0 or 1: unscaled)
+
+    def __post_init__(self):
+        if not 0 < self.k <= self.n_expert:
+            raise FucinaError(f"moe: {self.k} experts used of {self.n_expert}")
+        if self.gating not in GATINGS:
+            raise FucinaError(f"moe: gating {self.gating!r} is not supported (have {', '.join(GATINGS)})")
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [m, n_expert] -> (expert ids [m, k] int64, weights [m, k] f32)."""
+        probs = GATINGS[self.gating](logits.float())
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.norm:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=NORM_MIN)
+        if self.scale not in (0.0, 1.0):
+            weights = weights * self.scale
+        return ids, weights
+
+
+@dataclass
+class Experts:
+    """One layer's expert stacks (SwiGLU-style: down(act(gate(x)) * up(x)))."""
+    gate: ExpertStack
+    up: ExpertStack
+    down: ExpertStack
+
+    @property
+    def n_expert(self) -> int:
+        return self.gate.n_expert
+
+
+def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+        act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each row's chosen experts e of weight * down_e(act(gate_e(x)) * up_e(x)):
+    x [m, n_embd], ids/weights [m, k] -> [m, n_embd]."""
+    m, k = ids.shape
+    out = torch.zeros(m, experts.down.out_features, dtype=torch.float32)
+    flat = ids.reshape(-1)
+    if int(flat.min()) < 0 or int(flat.max()) >= experts.n_expert:
+        raise FucinaError(f"moe: expert id out of range [0, {experts.n_expert})")
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.n_expert).tolist()
+    rows_of, w_of = order // k, weights.reshape(-1)[order]
+    at = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows, w = rows_of[at:at + n], w_of[at:at + n]
+        at += n
+        xs = x[rows]
+        h = act(experts.gate.expert(e)(xs)) * experts.up.expert(e)(xs)
+        out.index_add_(0, rows, experts.down.expert(e)(h) * w[:, None])
+    return out
