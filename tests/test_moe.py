@@ -76,7 +76,7 @@ def test_expert_stacks_are_views_of_the_mapping(tmp_path_factory):
     model = _model(tmp_path_factory, Q.Q8_0)
     stack = model.layers[1].experts.down
     t = model.gguf.tensors["blk.1.ffn_down_exps.weight"]
-    assert stack.shape == (8, 64, 64) and stack.qtype is gguf.GGMLQuantizationType.Q8_0
+    assert stack.shape == (8, 64, 64) and stack.qtype == gguf.GGMLQuantizationType.Q8_0
     base = np.asarray(t.data).ctypes.data
     assert stack.whole.raw.data_ptr() == base                 # no copy of the stack
     assert stack.expert(3).raw.data_ptr() == base + 3 * 64 * stack.whole.raw.shape[1]
