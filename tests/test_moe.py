@@ -11,6 +11,7 @@ from fucina.errors import FucinaError, GGUFError
 from fucina.kernels import KernelError
 from fucina.models import load_model, moe
 from synth import write_model
+from test_batch_invariance import check_batch_rows_equal_alone
 
 Q = gguf.GGMLQuantizationType
 GEOMETRY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=8, experts_used=3, moe_ffn=64)
@@ -114,16 +115,7 @@ def test_moe_prefill_split_any_way_equals_token_by_token(tmp_path_factory, qtype
 @pytest.mark.skipif(not K.available(), reason="native kernels not built")
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
 def test_moe_decode_in_batch_equals_alone(tmp_path_factory, qtype, isa):
-    model = _model(tmp_path_factory, qtype)
-    lens, nxt = (3, 11, 1, 6), [9, 17, 33, 65]
-    batch = [model.init_cache(32) for _ in lens]
-    alone = [model.init_cache(32) for _ in lens]
-    for caches in (batch, alone):
-        for c, n in zip(caches, lens):
-            model.forward_step(c, IDS[:n], 0)
-    got = model.forward_step_batch(batch, nxt)
-    for s, (c, t) in enumerate(zip(alone, nxt)):
-        assert torch.equal(got[s], model.forward_step(c, [t], c.len)), f"stream {s} on {isa}"
+    check_batch_rows_equal_alone(_model(tmp_path_factory, qtype), IDS, isa)
 
 
 @pytest.mark.skipif(not K.available(), reason="native kernels not built")

@@ -77,7 +77,33 @@ class LayerMemory(Protocol):
     def native_entry(self) -> tuple[int, int, int, int] | None: ...
 
 
-class KVMemory:
+class RowMemory:
+    """What a memory whose rows are independent does by default: no reservation or step
+    limit, truncation to any length, no snapshots (KVMemory, AliasKV; WindowKV overrides)."""
+
+    def reserve(self, pos: int, m: int) -> None:
+        pass
+
+    def step_limit(self) -> int:
+        return NO_LIMIT
+
+    def can_truncate(self, keep: int, length: int) -> bool:
+        return True
+
+    def rewind_points(self) -> tuple[int, ...]:
+        return ()
+
+    def rewind_reach(self) -> int:
+        return NO_LIMIT
+
+    def truncate(self, keep: int) -> None:
+        pass
+
+    def commit(self, length: int) -> None:
+        pass
+
+
+class KVMemory(RowMemory):
     """K and V rows for positions [base, base + rows): base stays 0 here (every position
     is kept, so any rewind is just a shorter length)."""
 
@@ -122,27 +148,6 @@ class KVMemory:
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self._slot(start, end - start)
         return self.k.get(s, s + end - start), self.v.get(s, s + end - start)
-
-    def reserve(self, pos: int, m: int) -> None:
-        pass
-
-    def step_limit(self) -> int:
-        return NO_LIMIT
-
-    def can_truncate(self, keep: int, length: int) -> bool:
-        return True
-
-    def rewind_points(self) -> tuple[int, ...]:
-        return ()
-
-    def rewind_reach(self) -> int:
-        return NO_LIMIT
-
-    def truncate(self, keep: int) -> None:
-        pass
-
-    def commit(self, length: int) -> None:
-        pass
 
     def _same(self, src) -> None:
         if type(src) is not type(self) or src.descriptor() != self.descriptor() or src.storage != self.storage:
@@ -294,9 +299,9 @@ class LatentKV(KVMemory):
         return None
 
 
-class AliasKV:
+class AliasKV(RowMemory):
     """A layer that reads another layer's K/V (cross-layer KV sharing): it writes and
-    stores nothing; reads go to the target."""
+    stores nothing; reads go to the target (which also answers for truncation)."""
 
     kind = "alias"
 
@@ -313,27 +318,6 @@ class AliasKV:
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.target.span(start, end)
-
-    def reserve(self, pos: int, m: int) -> None:
-        pass
-
-    def step_limit(self) -> int:
-        return NO_LIMIT
-
-    def can_truncate(self, keep: int, length: int) -> bool:
-        return True    # the target answers for the rows
-
-    def rewind_points(self) -> tuple[int, ...]:
-        return ()
-
-    def rewind_reach(self) -> int:
-        return NO_LIMIT
-
-    def truncate(self, keep: int) -> None:
-        pass
-
-    def commit(self, length: int) -> None:
-        pass
 
     def copy_from(self, src: "AliasKV", start: int, end: int) -> None:
         if not isinstance(src, AliasKV) or src.target_layer != self.target_layer:
