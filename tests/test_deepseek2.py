@@ -16,7 +16,7 @@ from fucina.models import load_model
 from fucina.models.base import Rope, rms_norm
 from fucina.gguf import GGUFFile
 from fucina.models import deepseek2
-from fucina.models.deepseek2 import Routing, route
+from fucina.models.moe import Routing
 from fucina.models.mla import YarnParams, yarn_rope, yarn_scales
 from fucina.text.evaluate import teacher_forced_logits
 from parity_cases import DEEPSEEK2, TEXT
@@ -87,18 +87,18 @@ def test_latent_cache_bytes_per_position(pair):
 
 def test_route_softmax_topk_norm_scale():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [4.0, 0.0, 0.0, 1.0]])
-    ids, w = route(logits, Routing(4, 2, "softmax"))
+    ids, w = Routing(4, 2, "softmax", norm=False)(logits)
     p = torch.softmax(logits, -1)
     assert ids.tolist() == [[1, 3], [0, 3]]
     assert torch.allclose(w, p.gather(1, ids))
-    ids, w = route(logits, Routing(4, 2, "softmax", norm_weights=True, scale=2.5))
+    ids, w = Routing(4, 2, "softmax", norm=True, scale=2.5)(logits)
     assert torch.allclose(w.sum(-1), torch.full((2,), 2.5))
 
 
 def test_route_sigmoid_bias_steers_selection_only():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
-    ids, w = route(logits, Routing(4, 2, "sigmoid"), bias)
+    ids, w = Routing(4, 2, "sigmoid", norm=False)(logits, bias)
     assert ids.tolist() == [[3, 0]]                          # the bias picks expert 3 ...
     assert torch.allclose(w, torch.sigmoid(logits)[:, [3, 0]])  # ... its weight is unbiased
 
@@ -107,9 +107,9 @@ def test_route_groups_keep_the_best_groups():
     # 3 groups of 2: group scores (sum of its top 2) 1.1, 1.0, 0.95 -> keep groups 0 and 1;
     # expert 4 has the best single score but lies in the dropped group 2
     probs = torch.tensor([[0.55, 0.55, 0.5, 0.5, 0.9, 0.05]])
-    ids, w = route(probs.log(), Routing(6, 2, "softmax", n_groups=3, n_group_used=2))
+    ids, w = Routing(6, 2, "softmax", norm=False, groups=3, groups_used=2)(probs.log())
     assert sorted(ids[0].tolist()) == [0, 1]
-    ids, _ = route(probs.log(), Routing(6, 2, "softmax"))
+    ids, _ = Routing(6, 2, "softmax", norm=False)(probs.log())
     assert 4 in ids[0].tolist()
 
 

@@ -252,7 +252,7 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
         s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~mask, float("-inf"))
         out = torch.softmax(s, dim=-1) @ v
-    elif getattr(cache, "training", False):   # 4-D: torch's flash kernel, which has a backward
+    elif cache.training:   # the training stand-in cache (train.forward): 4-D: torch's flash kernel, which has a backward
         out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
@@ -300,20 +300,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | R
     return torch.cat(out)
 
 
-def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight | None:
+def find_tensor(f: GGUFFile, name: str, required: bool = True):
+    """The file's tensor `name`; None when absent and optional, a GGUFError when required."""
     t = f.tensors.get(name)
-    if t is None:
-        if required:
-            raise GGUFError(f"{f.path}: missing tensor {name!r}")
-        return None
-    return LinearWeight.from_tensor(t)
+    if t is None and required:
+        raise GGUFError(f"{f.path}: missing tensor {name!r}")
+    return t
+
+
+def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight | None:
+    t = find_tensor(f, name, required)
+    return LinearWeight.from_tensor(t) if t is not None else None
 
 
 def load_experts(f: GGUFFile, name: str, shape: tuple[int, ...], required: bool = True) -> ExpertStack | None:
-    t = f.tensors.get(name)
+    t = find_tensor(f, name, required)
     if t is None:
-        if required:
-            raise GGUFError(f"{f.path}: missing tensor {name!r}")
         return None
     if tuple(t.shape) != tuple(shape):
         raise GGUFError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")

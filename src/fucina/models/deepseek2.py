@@ -8,11 +8,11 @@ attention.key_length_mla / value_length_mla); the older one only attn_kv_b, spli
 here at load (llama.cpp runs those without MLA, as full multi-head attention; the
 math is the same, the cache here is the latent either way).
 
-The MoE is written as two separable halves (for models/moe.py to take over):
-`route` (router probabilities by softmax or sigmoid, the `exp_probs_b` selection bias,
-grouped selection n_group/topk_group, top-k, normalised weights, the routed scaling
-factor; llama.cpp's build_moe_ffn) and `experts_ffn` (a per-expert loop over the
-selected experts' SwiGLU). RoPE is GGML's NORM mode with YaRN (mla.yarn_rope).
+The MoE routes through models/moe.py's `Routing` (softmax or sigmoid gate, the
+`exp_probs_b` selection bias, grouped selection n_group/topk_group, top-k, normalised
+weights, the routed scaling factor; llama.cpp's build_moe_ffn); the experts run in
+`experts_ffn` here (a per-expert loop, fused gate_up_exps included; moe.mix does not
+take a fused stack yet). RoPE is GGML's NORM mode with YaRN (mla.yarn_rope).
 No native layer step: the torch blocks serve every call.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fucina.models.base import (LayerSpec, Ragged, TensorSpec, check_shape, load
                                 load_vector, meta_field)
 from fucina.models.cache import KVCache, LatentKV, Q8Cache
 from fucina.models.mla import MLAGeometry, MLAWeights, YarnParams, mla_attention, yarn_rope, yarn_scales
+from fucina.models.moe import Routing
 from fucina.weights import LinearWeight
 from fucina import kernels
 
@@ -144,43 +145,6 @@ def tensor_dims(c: Config) -> dict[str, int]:
                 n_ff_sh=c.n_ff_exp * c.n_expert_shared)
 
 
-# -- the MoE: routing ---------------------------------------------------------------
-
-@dataclass
-class Routing:
-    n_expert: int
-    n_used: int
-    gating: str = "softmax"      # "softmax" or "sigmoid"
-    norm_weights: bool = False   # divide the top-k weights by their sum
-    scale: float = 0.0           # the routed scaling factor (0 or 1: none)
-    n_groups: int = 0            # > 1: grouped routing
-    n_group_used: int = 0
-
-
-def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [m, n_expert] -> (expert ids [m, n_used], weights [m, n_used]), as
-    llama.cpp's build_moe_ffn: the bias steers selection only (the weights are the
-    unbiased probabilities); grouped routing keeps the n_group_used groups whose two best
-    biased scores sum highest."""
-    logits = logits.float()
-    probs = torch.softmax(logits, -1) if r.gating == "softmax" else torch.sigmoid(logits)
-    sel = probs + bias if bias is not None else probs
-    if r.n_groups > 1:
-        m = sel.shape[0]
-        groups = sel.view(m, r.n_groups, -1)
-        best = groups.topk(2, dim=-1).values.sum(-1)                       # [m, n_groups]
-        keep = best.topk(r.n_group_used, dim=-1).indices
-        mask = torch.ones_like(best, dtype=torch.bool).scatter_(1, keep, False)
-        sel = groups.masked_fill(mask[..., None], float("-inf")).view(m, -1)
-    ids = sel.topk(r.n_used, dim=-1).indices
-    w = probs.gather(1, ids)
-    if r.norm_weights:
-        w = w / w.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
-    if r.scale not in (0.0, 1.0):
-        w = w * r.scale
-    return ids, w
-
-
 # -- the MoE: expert compute --------------------------------------------------------
 
 class Experts:
@@ -288,7 +252,7 @@ class Model(llama.Model):
     def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
         if not L.moe:
             return L.down(F.silu(L.gate(x)) * L.up(x))
-        ids, w = route(L.router(x), self.routing, L.exp_bias)
+        ids, w = self.routing(L.router(x), L.exp_bias)
         out = experts_ffn(x, ids, w, L.experts)
         if L.shared is not None:
             g, u, d = L.shared

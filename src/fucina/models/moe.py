@@ -5,8 +5,8 @@ Two pieces, separate so a family can change one without the other:
 - `Routing` turns router logits [m, n_expert] into each row's chosen experts and their
   weights [m, k]: a gating function (softmax today) over the logits, top-k, then the
   optional normalisation of the chosen weights (`norm_topk_prob`) and a scale (the
-  routed scaling factor). Variants (sigmoid gating, a selection-only expert bias,
-  grouped top-k) are more gating/selection functions here.
+  routed scaling factor); deepseek2's variants too: sigmoid gating, a selection-only
+  expert bias, grouped top-k.
 - `mix` runs the chosen experts with the rows grouped by expert, so each expert's
   weights are read once per call whatever the batch, and sums each row's experts in
   ascending expert order: a row's result does not depend on the rows it was computed
@@ -29,6 +29,7 @@ NORM_MIN = 6.103515625e-05
 
 GATINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "softmax": lambda logits: torch.softmax(logits, dim=-1),
+    "sigmoid": torch.sigmoid,
 }
 
 
@@ -39,17 +40,32 @@ class Routing:
     gating: str = "softmax"
     norm: bool = True            # renormalise the chosen weights to sum to 1
     scale: float = 1.0           # chosen weights times this (0 or 1: unscaled)
+    groups: int = 0              # > 1: grouped routing, rows choose within `groups_used` groups
+    groups_used: int = 0
 
     def __post_init__(self):
         if not 0 < self.k <= self.n_expert:
             raise FucinaError(f"moe: {self.k} experts used of {self.n_expert}")
         if self.gating not in GATINGS:
             raise FucinaError(f"moe: gating {self.gating!r} is not supported (have {', '.join(GATINGS)})")
+        if self.groups > 1 and (self.n_expert % self.groups or not 0 < self.groups_used <= self.groups):
+            raise FucinaError(f"moe: {self.n_expert} experts in {self.groups} groups, {self.groups_used} used")
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [m, n_expert] -> (expert ids [m, k] int64, weights [m, k] f32)."""
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [m, n_expert] -> (expert ids [m, k] int64, weights [m, k] f32), as llama.cpp's
+        build_moe_ffn: `bias` steers the selection only (the weights are the unbiased gate
+        values); grouped routing keeps the groups_used groups whose two best scores sum highest."""
         probs = GATINGS[self.gating](logits.float())
-        weights, ids = torch.topk(probs, self.k, dim=-1)
+        sel = probs + bias if bias is not None else probs
+        if self.groups > 1:
+            m = sel.shape[0]
+            grouped = sel.view(m, self.groups, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1)                      # [m, groups]
+            keep = best.topk(self.groups_used, dim=-1).indices
+            dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, keep, False)
+            sel = grouped.masked_fill(dropped[..., None], float("-inf")).view(m, -1)
+        ids = sel.topk(self.k, dim=-1).indices
+        weights = probs.gather(1, ids)
         if self.norm:
             weights = weights / weights.sum(-1, keepdim=True).clamp(min=NORM_MIN)
         if self.scale not in (0.0, 1.0):
