@@ -61,7 +61,7 @@ DEEPSEEK2 = {
     "deepseek2-mla-lite": deepseek2_synth("split", 0, gating=2, probs_bias=True, groups=4, group_used=2,
                                           norm_topk=True, routed_scale=2.5),
     "deepseek2-kvb-qlora": deepseek2_synth("kv_b", 64, yarn=(4.0, 0.707, 512)),
-    "deepseek2-kvb-lite": deepseek2_synth("kv_b", 0, fused_gate_up=True),
+    "deepseek2-kvb-lite": deepseek2_synth("kv_b", 0, fused_gate_up=True, router_scale=12.0),
 }
 
 

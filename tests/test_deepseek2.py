@@ -191,10 +191,13 @@ def test_prefix_reuse(pair):
     assert (logits - fresh).abs().max() < 1e-4 * fresh.abs().max()
 
 
-# the two cases without q-LoRA still flip an expert or two between the Q8_0 and exact runs
-# (2 and 5 of 110 token-layer decisions when measured): the random router's top-k margins
-# are not yet wide enough there, and a flipped expert dominates the distance
-ROUTER_FLIPS = {"deepseek2-kvb-lite", "deepseek2-mla-lite"}
+# deepseek2-mla-lite (sigmoid gating, expert bias, grouped top-k) flips expert choices between
+# the Q8_0 and the exact runs on both sides: on the parity text one flip of ours (position 17,
+# 1 - cos 0.34) and three of llama.cpp's (positions 3, 28, 43) dominate the mean distance (ours
+# 0.0069, llama.cpp's 0.0050; medians 4.0e-4 vs 3.5e-4). Across writer seeds 1-6 ours flips 1-4
+# of 110 token-layer decisions, and a wider router does not help: sigmoid saturates. The
+# softmax case without q-LoRA (kvb-lite) draws its router 12x wide, which separates its top-k.
+ROUTER_FLIPS = {"deepseek2-mla-lite"}
 
 
 @pytest.mark.slow
