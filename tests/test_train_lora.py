@@ -356,3 +356,17 @@ def test_written_adapter_merged_equals_training_forward(tmp_path, arch, torch_on
     assert effect > 0.1
     # the f16 KV cache rounds the two routes' (f32-equal) keys apart by ~1e-3 at most
     assert float((got - want).abs().max()) < 0.01 * effect, (float((got - want).abs().max()), effect)
+
+
+@pytest.mark.parametrize("arch", TRAINABLE)
+def test_training_forward_equals_inference(tmp_path, arch, torch_only):
+    """The training forward (TrainCache: flash attention, causal or windowed, GQA unrepeated;
+    shared-KV and recurrent layers from the model's own layout) computes inference's loss."""
+    model = _model(tmp_path, arch, Q.Q8_0, native=False)
+    ids, labels = _batch()
+    with torch.no_grad():
+        loss, n = loss_sum(model, ids, labels, "off")
+        logits = model.forward_step_all_logits(model.init_cache(32), ids.tolist(), 0)
+    keep = labels >= 0
+    ref = torch.nn.functional.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+    assert n == int(keep.sum()) and abs(float(loss) - float(ref)) < 1e-3 * float(ref), (float(loss), float(ref))
