@@ -7,7 +7,7 @@ import torch
 import fucina.kernels as K
 from fucina.models import load_model
 from fucina.train.forward import loss_sum
-from fucina.train.lora import _STEM_TARGET, TARGETS, TRAINABLE, LoRAConfig, LoRAError, LoRAModel, input_grad, parse_targets
+from fucina.train.lora import _STEM_TARGET, TARGETS, Adapted, TRAINABLE, LoRAConfig, LoRAError, LoRAModel, input_grad, parse_targets
 from synth import ARCHS, write_model
 
 Q = gguf.GGMLQuantizationType
@@ -326,6 +326,14 @@ def test_untrained_families_are_refused(tmp_path, monkeypatch):
     model = _model(tmp_path, "qwen3", Q.Q8_0, native=False)
     with pytest.raises(LoRAError, match="not supported yet"):
         LoRAModel(model, LoRAConfig(rank=2, alpha=4))
+
+
+def test_targets_the_model_lacks_are_an_error(tmp_path):
+    model = _model(tmp_path, "qwen3moe", Q.Q8_0, native=False)
+    before = model.use_native_step
+    with pytest.raises(LoRAError, match="routed experts stay frozen"):
+        LoRAModel(model, LoRAConfig(rank=2, targets="gate,up,down"))
+    assert model.use_native_step is before and not isinstance(model.output, Adapted)   # restored
 
 
 def test_every_loaded_family_trains():

@@ -384,6 +384,10 @@ class LoRAModel:
             self._attach_layer(i, L, g, dense)
         head = model.output
         self._swap(model, "output", self._frozen(head, dense))
+        if not self.pairs:
+            self.detach()
+            raise LoRAError(f"no weight of this {arch} model is a {','.join(config.targets)} projection "
+                            "(MoE layers' routed experts stay frozen: target the attention)")
 
     def _attach_layer(self, i: int, L, g: torch.Generator, dense: bool) -> None:
         slots = _slots(L)
