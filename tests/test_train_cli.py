@@ -69,3 +69,24 @@ def test_finetune_phi3_fused_targets_and_checkpoint_modes(tmp_path):
     assert "blk.0.attn_qkv.weight.lora_a" in f.tensors and "blk.0.attn_q.weight.lora_a" not in f.tensors
     assert main(["run", model, "--tokens", "1,2,3", "-n", "2", "--lora", str(out / "adapter.gguf"),
                  "-t", "1"]) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "gemma4", "qwen3moe", "deepseek2"])
+def test_finetune_then_run_the_newer_families(tmp_path, arch):
+    """finetune -> adapter.gguf -> run --lora on each family the second wave added (all targets,
+    the auto checkpoint mode on a tiny model: off; full: one recompute per layer)."""
+    model = write_model(tmp_path / "m.gguf", arch, qtype=gguf.GGMLQuantizationType.Q8_0, ffn=64)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i % 2}"}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    for mode in ("auto", "full"):
+        assert main(["finetune", model, "--data", str(data), "--out", str(out), "--steps", "2",
+                     "--targets", "all", "--rank", "2", "--ctx", "32", "--threads", "1",
+                     "--no-progress", "--grad-checkpoint", mode]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert all(h["loss"] == h["loss"] for h in summary["history"])   # finite, not NaN
+    f = GGUFFile(out / "adapter.gguf")
+    assert f.architecture == arch and any(n.startswith("blk.0.") for n in f.tensors)
+    assert main(["run", model, "--tokens", "1,2,3", "-n", "2", "--lora", str(out / "adapter.gguf"),
+                 "-t", "1"]) == 0

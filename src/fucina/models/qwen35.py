@@ -198,7 +198,7 @@ class Model(llama.Model):
         mem = cache.memories[i]
         window, state = mem.span(pos0, pos0)
         qkv, z, b, a = self._project(L, x, [L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha])
-        if m == 1 and kernels.delta_step_ok():   # decode: one native call, the state updated in place
+        if m == 1 and not cache.training and kernels.delta_step_ok():   # decode: one native call, in place
             o = kernels.delta_step(*(t.float().contiguous() for t in (qkv, z, b, a)), window, L.conv,
                                    L.ssm_dt_bias, L.ssm_a, state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps)
             mem.write(pos0, window, state)

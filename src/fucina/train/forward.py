@@ -1,9 +1,9 @@
 """The training forward: the family's own torch blocks, one checkpointed segment per layer,
 and cross-entropy on the supervised positions only.
 
-Blocks write K/V into a cache object; during training a `_LayerKV` stands in for it and
-just hands the layer's (differentiable) K/V back to the attention, so every family that
-routes attention through `models.base.attend` trains with no change to its code.
+Blocks write K/V into a cache object; during training a `TrainCache` stands in for it and
+hands the layers' (differentiable) K/V back to their attention (shared-KV layers: their
+source's; recurrent layers: a zero state), so the families train with no change to their code.
 
 Memory vs speed (`checkpoint`, one of CHECKPOINT_MODES; "auto", the default, is "off"
 while a row's estimated activations fit AUTO_BUDGET_BYTES, else "keep-matmul"):
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from fucina.errors import FucinaError
+from fucina.models.cache import AliasKV, RecurrentState
 from fucina.train.lora import MatmulMemo, recording
 
 CHECKPOINT_MODES = ("auto", "full", "keep-matmul", "off")
@@ -35,22 +36,68 @@ AUTO_BUDGET_BYTES = int(float(os.environ.get("FUCINA_TRAIN_ACT_BUDGET_MB", "1024
 HEAD_CHUNK = 256   # supervised rows per LM-head chunk ([256, 49152] f32 logits = 50 MB)
 
 
-class _LayerKV:
-    """Duck-typed KV cache for one block call at pos0 = 0: keeps what the block appends.
+class TrainCache:
+    """Duck-typed KV cache for one training sequence at pos0 = 0, shared by its layers: it
+    keeps what each block appends (the differentiable K/V, or MLA's latent) and hands it
+    back to the attention, so every family routes its mixers through it unchanged. Its
+    layout mirrors the model's own cache (`model.init_cache`, read once per model): a
+    layer whose memory aliases another (gemma4's shared-KV layers) reads that layer's
+    rows; a recurrent layer (qwen35's DeltaNet) starts from a zero state each sequence
+    and keeps no snapshots (horizon 0: the whole row runs the chunked scan).
     `capacity` (the sequence length) is what a family reads to pick a context-dependent
     RoPE variant (phi3's LongRoPE factors)."""
 
     len = 0
-    training = True   # models.base.attention: the flash SDPA (no [heads, T, T] probabilities kept)
+    training = True   # models.base.attention: flash SDPA; qwen35: no native decode step
 
-    def __init__(self, capacity: int):
+    def __init__(self, model, capacity: int):
         self.capacity = capacity
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        layout = _cache_layout(model)
+        self.source = [kind[1] if kind[0] == "alias" else i for i, kind in enumerate(layout)]
+        self.memories = [_ZeroState(*kind[1:]) if kind[0] == "recur" else None for kind in layout]
+        self.shared = {src for i, src in enumerate(self.source) if src != i}   # rows read later
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
+        for done in [n for n in self.rows if n not in self.shared]:   # read by their own layer only
+            del self.rows[done]
+        self.rows[layer] = (k, v)
 
     def span(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[start:end], self.v[start:end]
+        k, v = self.rows[self.source[layer]]
+        return k[start:end], v[start:end]
+
+
+class _ZeroState:
+    """A recurrent layer's memory during training: a zero conv window and state in, nothing kept."""
+
+    horizon = 0
+
+    def __init__(self, conv: tuple[int, ...], state: tuple[int, ...]):
+        self.conv, self.state = conv, state
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(self.conv), torch.zeros(self.state)
+
+    def write(self, *args) -> None:
+        pass
+
+
+def _cache_layout(model) -> list[tuple]:
+    """Per layer ("rows",), ("alias", source layer) or ("recur", conv shape, state shape),
+    read from a small cache of the model's own (memoized on the model)."""
+    layout = getattr(model, "_train_cache_layout", None)
+    if layout is None:
+        layout = []
+        for i, mem in enumerate(model.init_cache(64).memories):
+            if isinstance(mem, AliasKV):
+                layout.append(("alias", mem.target_layer))
+            elif isinstance(mem, RecurrentState):
+                layout.append(("recur", tuple(mem.conv.shape), tuple(mem.state.shape)))
+            else:
+                layout.append(("rows",))
+        model._train_cache_layout = layout
+    return layout
 
 
 def checkpoint_mode(mode: bool | str, model=None, rows: int = 0) -> str:
@@ -80,15 +127,11 @@ def activation_bytes(model, rows: int) -> int:
             seen[st.data_ptr()] = st.nbytes()
             return t
 
-        x = torch.zeros(64, model.config.n_embd, requires_grad=True)
+        x = model.embed(torch.zeros(64, dtype=torch.long)).float().requires_grad_()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _block(model, 0, x)
+            model.block(0, x, TrainCache(model, 64), 0)
         per_token = model._train_act_bytes_per_token = sum(seen.values()) / 64
     return int((per_token * rows + rows * rows) * model.config.n_layer)
-
-
-def _block(model, i: int, x: torch.Tensor) -> torch.Tensor:
-    return model.block(i, x, _LayerKV(x.shape[0]), 0)
 
 
 def _run_memo(memo: MatmulMemo, fn, *args):
@@ -109,11 +152,12 @@ def hidden(model, ids: torch.Tensor, use_checkpoint: bool | str = True) -> torch
     mode = checkpoint_mode(use_checkpoint, model, ids.numel())
     x = model.embed(ids).float()
     grad = torch.is_grad_enabled()
+    cache = TrainCache(model, ids.numel())
     for i in range(model.config.n_layer):
         if mode != "off" and grad:
-            x = _segment(mode, _block, model, i, x)
+            x = _segment(mode, model.block, i, x, cache, 0)
         else:
-            x = _block(model, i, x)
+            x = model.block(i, x, cache, 0)
     return x
 
 

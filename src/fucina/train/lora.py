@@ -23,13 +23,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fucina.weights import LinearWeight
-from fucina.weights.lora import LoRAError, layer_weights
+from fucina.weights import ExpertStack, LinearWeight
+from fucina.weights.lora import LoRAError, weight_owners
 
 #: short target name -> the GGUF tensor stem inside "blk.N.<stem>.weight"
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
-_STEM_TARGET = {v: k for k, v in TARGETS.items()}
+#: the other families' projections each target also covers: MLA's low-rank q path and the
+#: joint K/V latent (deepseek2; its k_b/v_b head maps are small f32 tensors, not adapted),
+#: DeltaNet's output projection (qwen35; its attn_qkv is split into q/k/v like phi3's).
+#: Routed experts (and deepseek2's shared experts) stay frozen: a pair per expert would
+#: multiply the adapter by n_expert, and routing already specializes them.
+EXTRA_STEMS = {"attn_q_a": "q", "attn_q_b": "q", "attn_kv_a_mqa": "k", "ssm_out": "o"}
+_STEM_TARGET = {**{v: k for k, v in TARGETS.items()}, **EXTRA_STEMS}
 _ROW_CHUNK_BYTES = 4 << 20   # f32 rows decoded per backward chunk
 
 
@@ -260,15 +266,23 @@ class Adapted:
         if (self.state.training and any(p.dropout for p in live)) or \
                 any(p.scale != live[0].scale for p in live):   # per-part masks or strengths
             return self._per_part(x, y)
-        # every part's delta at once: x @ [A_1; A_2; ...]^T, then one block-diagonal B
-        # (zero columns where a part is not adapted): no split/cat of y, two GEMMs in all
+        # x @ [A_1; A_2; ...]^T in one GEMM; then each part's B on its r columns (a
+        # block-diagonal B would multiply its zero blocks too: 2-3x the FLOPs on the fused
+        # qkv and gate_up), the parts' deltas side by side, added to y in one pass
+        lead, x2, y2 = y.shape[:-1], x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
         a = live[0].a if len(live) == 1 else torch.cat([p.a for p in live])
-        b = live[0].b if len(self.pairs) == 1 else torch.block_diag(
-            *[p.b if p is not None else y.new_zeros(n, 0) for p, n in zip(self.pairs, self.sizes)])
-        lead = y.shape[:-1]
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]) @ a.T, b.T,
-                          alpha=live[0].scale)
-        return out.reshape(*lead, y.shape[-1])
+        xa = x2 @ a.T
+        if len(self.pairs) == 1:
+            return torch.addmm(y2, xa, live[0].b.T, alpha=live[0].scale).reshape(*lead, y.shape[-1])
+        parts, at = [], 0
+        for p, n in zip(self.pairs, self.sizes):
+            if p is None:
+                parts.append(y2.new_zeros(y2.shape[0], n))
+                continue
+            r = p.a.shape[0]
+            parts.append(xa[:, at:at + r] @ p.b.T)
+            at += r
+        return torch.add(y2, torch.cat(parts, dim=-1), alpha=live[0].scale).reshape(*lead, y.shape[-1])
 
     def _per_part(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if len(self.pairs) == 1:
@@ -290,24 +304,60 @@ def _stem(tensor_name: str) -> str:
     return parts[2] if len(parts) == 4 and parts[0] == "blk" else ""
 
 
-def _file_parts(L, attr: str, w: LinearWeight, layer: int) -> list[tuple[str, int]] | None:
+def _file_parts(L, w: LinearWeight, layer: int) -> list[tuple[str, int]] | None:
     """The projections inside a weight the file stores fused, named as if separate
-    ("blk.N.attn_q.weight", ...), with their output sizes; None for a plain weight."""
+    ("blk.N.attn_q.weight", ...), with their output sizes; None for a plain weight:
+    phi3's attn_qkv (split_qkv) and [gate | up] ffn_up, qwen35 DeltaNet's attn_qkv
+    ([q | k | v] before the conv: q and k of equal width, v as wide as attn_gate)."""
     stem = _stem(w.name)
-    if stem == "attn_qkv" and attr == "wqkv" and sum(getattr(L, "split_qkv", [])) == w.out_features:
+    qkv = None
+    if stem == "attn_qkv" and sum(getattr(L, "split_qkv", [])) == w.out_features:
+        qkv = L.split_qkv
+    elif stem == "attn_qkv" and isinstance(getattr(L, "attn_gate", None), LinearWeight):
+        v = L.attn_gate.out_features
+        qkv = [(w.out_features - v) // 2] * 2 + [v]
+    if qkv is not None and min(qkv) > 0 and sum(qkv) == w.out_features:
         stems = ("attn_q", "attn_k", "attn_v")
-        return [(f"blk.{layer}.{st}.weight", n) for st, n in zip(stems, L.split_qkv)]
-    if stem == "ffn_up" and attr == "w_gate_up" and getattr(L, "gate", 0) is None \
+        return [(f"blk.{layer}.{st}.weight", n) for st, n in zip(stems, qkv)]
+    if stem == "ffn_up" and getattr(L, "gate", 0) is None and getattr(L, "w_gate_up", None) is w \
             and w.out_features % 2 == 0:   # [gate | up] in one ffn_up
         half = w.out_features // 2
         return [(f"blk.{layer}.ffn_gate.weight", half), (f"blk.{layer}.ffn_up.weight", half)]
     return None
 
 
-# the families whose torch blocks the trainer's gradient tests verify (tests/test_train_lora.py);
-# the second wave's (qwen35's recurrent state, gemma4's per-layer inputs, MoE routing, MLA)
-# are not wired into the training forward yet and are refused rather than trained wrong
-TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+def _slots(L) -> list[tuple[object, str, object]]:
+    """Every frozen weight a layer's block calls, as (owner, attribute, value): the
+    LinearWeights, lists of them (deepseek2's per-expert views, shared experts) and expert
+    stacks of the layer and of the objects one attribute down (MLA's weights, Experts)."""
+    out = []
+    for owner in weight_owners(L):
+        for attr, v in vars(owner).items():
+            if isinstance(v, (LinearWeight, ExpertStack)) or \
+                    (isinstance(v, list) and v and all(isinstance(x, LinearWeight) for x in v)):
+                out.append((owner, attr, v))
+    return out
+
+
+class _TrainStack:
+    """An ExpertStack as training sees it: each expert's view wrapped (Frozen or dense)."""
+
+    def __init__(self, stack: ExpertStack, wrap):
+        self.stack, self.wrap = stack, wrap
+        self.n_expert, self.whole, self.name = stack.n_expert, stack.whole, stack.name
+        self.out_features, self.in_features = stack.out_features, stack.in_features
+        self._experts: dict[int, object] = {}
+
+    def expert(self, e: int):
+        if e not in self._experts:
+            self._experts[e] = self.wrap(self.stack.expert(e))
+        return self._experts[e]
+
+
+# the families whose torch blocks the trainer's gradient tests verify (tests/test_train_lora.py:
+# autograd on the dequantized model and finite differences, every target); a family outside
+# it is refused rather than trained wrong
+TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "gemma4", "qwen3moe", "deepseek2")
 
 
 class LoRAModel:
@@ -333,26 +383,43 @@ class LoRAModel:
         for i, L in enumerate(model.layers):
             self._attach_layer(i, L, g, dense)
         head = model.output
-        wrapped = Adapted(DenseBase(head) if dense else Frozen(head, backward), [head.out_features],
-                          [None], self.state)
-        self._swap(model, "output", wrapped)
+        self._swap(model, "output", self._frozen(head, dense))
+        if not self.pairs:
+            self.detach()
+            raise LoRAError(f"no weight of this {arch} model is a {','.join(config.targets)} projection "
+                            "(MoE layers' routed experts stay frozen: target the attention)")
 
     def _attach_layer(self, i: int, L, g: torch.Generator, dense: bool) -> None:
-        ws = layer_weights(L)
-        by_name = {w.name: w for w in ws.values()}
-        for attr, w in ws.items():
-            names = w.name.split("+")
-            if any(n not in by_name and len(names) > 1 for n in names):
-                raise LoRAError(f"{w.name}: fused weight whose parts are not on the layer")
-            if len(names) > 1:     # fused by the loader from separate tensors
-                parts = [(n, by_name[n].out_features) for n in names]
-            else:                  # one tensor, or one the file itself stores fused (phi3)
-                parts = _file_parts(L, attr, w, i) or [(w.name, w.out_features)]
-                if len(parts) > 1:
-                    self.file_parts[w.name] = parts
-            pairs = [self._pair(n, w.in_features, size, i, g) for n, size in parts]
-            base = DenseBase(w) if dense else Frozen(w, self.backward)
-            self._swap(L, attr, Adapted(base, [size for _, size in parts], pairs, self.state))
+        slots = _slots(L)
+        by_name = {v.name: v for _, _, v in slots if isinstance(v, LinearWeight)}
+        new = []   # every wrapper made before any is swapped in: _file_parts reads the originals
+        for owner, attr, w in slots:
+            if isinstance(w, ExpertStack):
+                new.append(_TrainStack(w, lambda e: self._frozen(e, dense)))
+            elif isinstance(w, list):
+                new.append([self._frozen(e, dense) for e in w])
+            else:
+                new.append(self._adapted(L, w, by_name, i, g, dense))
+        for (owner, attr, _), wrapped in zip(slots, new):
+            self._swap(owner, attr, wrapped)
+
+    def _frozen(self, w: LinearWeight, dense: bool):
+        return Adapted(DenseBase(w) if dense else Frozen(w, self.backward), [w.out_features], [None],
+                       self.state)
+
+    def _adapted(self, L, w: LinearWeight, by_name: dict, i: int, g: torch.Generator, dense: bool) -> "Adapted":
+        names = w.name.split("+")
+        if len(names) > 1 and any(n not in by_name for n in names):
+            raise LoRAError(f"{w.name}: fused weight whose parts are not on the layer")
+        parts = []
+        for part in [by_name[n] for n in names] if len(names) > 1 else [w]:
+            inner = _file_parts(L, part, i)   # one the file itself stores fused (phi3, qwen35)
+            if inner:
+                self.file_parts[part.name] = inner
+            parts += inner or [(part.name, part.out_features)]
+        pairs = [self._pair(n, w.in_features, size, i, g) for n, size in parts]
+        base = DenseBase(w) if dense else Frozen(w, self.backward)
+        return Adapted(base, [size for _, size in parts], pairs, self.state)
 
     def _pair(self, tensor_name: str, n_in: int, n_out: int, layer: int, g: torch.Generator
               ) -> LoRAPair | None:

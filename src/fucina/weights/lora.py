@@ -38,6 +38,18 @@ def layer_weights(layer) -> dict[str, LinearWeight]:
     return {k: v for k, v in vars(layer).items() if isinstance(v, LinearWeight)}
 
 
+def weight_owners(layer) -> list[object]:
+    """The layer and the objects one attribute down that hold its weights (deepseek2's MLA
+    weights sit in `layer.attn`, a MoE layer's expert stacks in `layer.experts`)."""
+    return [layer] + [v for v in vars(layer).values()
+                      if hasattr(v, "__dict__") and not isinstance(v, (LinearWeight, torch.Tensor, type))]
+
+
+def weight_slots(layer) -> list[tuple[object, str, LinearWeight]]:
+    """(owner, attribute, weight) for every LinearWeight of the layer's `weight_owners`."""
+    return [(o, k, v) for o in weight_owners(layer) for k, v in vars(o).items() if isinstance(v, LinearWeight)]
+
+
 @dataclass
 class Adapter:
     arch: str
@@ -98,7 +110,7 @@ def model_weights(model) -> dict[str, LinearWeight]:
     """Every unfused per-layer LinearWeight of the model by GGUF tensor name."""
     out = {}
     for L in model.layers:
-        for w in layer_weights(L).values():
+        for _, _, w in weight_slots(L):
             if "+" not in w.name:
                 out[w.name] = w
     return out
@@ -150,23 +162,23 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType
     if not deltas:
         return 0
     for L in model.layers:
-        ws = layer_weights(L)
+        slots = weight_slots(L)
         changed = {}
-        for attr, w in ws.items():
+        for owner, attr, w in slots:
             if w.name in deltas:
-                qt = qtype or MERGE_TYPE
+                qt = qtype if qtype is not None else MERGE_TYPE   # F32 is 0: not `or`
                 changed[w.name] = merged_weight(w, deltas[w.name], qt if w.in_features % 32 == 0
                                                 else GGMLType.F16)
-                setattr(L, attr, changed[w.name])
+                setattr(owner, attr, changed[w.name])
         if not changed:
             continue
-        by_name = {w.name: w for w in layer_weights(L).values() if "+" not in w.name}
-        for attr, w in ws.items():   # fused weights that contain a changed part
+        by_name = {w.name: w for _, _, w in weight_slots(L) if "+" not in w.name}
+        for owner, attr, w in slots:   # fused weights that contain a changed part
             parts = w.name.split("+")
             if len(parts) > 1 and any(p in changed for p in parts):
                 group = [by_name[p] for p in parts]
                 same = len({g.qtype for g in group}) == 1
-                setattr(L, attr, LinearWeight.fuse(group) if same else None)
+                setattr(owner, attr, LinearWeight.fuse(group) if same else None)
     if getattr(model, "native_plan", None) is not None:
         model.native_plan = model.build_plan()
     return len(deltas)
