@@ -183,3 +183,21 @@ def test_streamed_experts_are_not_read_through_the_mapping(tmp_path):
 
 def store_total(model) -> int:
     return sum(L.experts.nbytes for L in model.layers)
+
+
+def test_cli_and_api_stream_with_the_same_output(tmp_path, capsys):
+    import fucina
+    from fucina.cli.main import main
+
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
+    outs = []
+    for extra in ([], ["--moe-ram", "40%", "--moe-policy", "lru"], ["--moe-cache-mb", "0.5"]):
+        out = tmp_path / f"ids{len(extra)}.txt"
+        assert main(["run", path, "--tokens", "5,9,17,33", "--gen", "12", "--ids-out", str(out), *extra]) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] == outs[2] and len(outs[0].split()) == 12
+    capsys.readouterr()
+    assert main(["run", path, "--tokens", "5,9", "--gen", "2", "--moe-ram", "-3"]) == 1
+    assert "moe_ram" in capsys.readouterr().err
+    llm = fucina.load(path, moe_ram="40%")
+    assert llm.model.expert_store.budget < llm.model.expert_store.total

@@ -199,36 +199,49 @@ class ExpertStore:
     def use(self, layer: int, experts: list[int]) -> dict[int, tuple[LinearWeight, ...]]:
         """Layer `layer` is about to run `experts`: read the missing ones into slots (evicting
         by the policy); their weights, per expert, in the stacks' order."""
+        self.make_resident(layer, experts)
+        return {e: self._views((layer, e)) for e in experts}
+
+    def make_resident(self, layer: int, experts: list[int]) -> None:
+        """The native step's half of `use`: the slots and the pointer table only."""
         loaded, evicted = self.policy.acquire((layer, e) for e in experts)
         self.stats.acquires += 1
         for k in evicted:
             self.free.append(self.slot_of.pop(k))
             self.tables[k[0]][:, k[1]] = 0
-            del self.views[k]
+            self.views.pop(k, None)
         for k in loaded:
             self._read(k, self.free.pop())
         self.last_choice[layer] = experts
         nxt = self._next.get(layer)
         if self.prefetch and nxt is not None and nxt in self.last_choice:
             self._read_ahead(nxt, [e for e in self.last_choice[nxt] if (nxt, e) not in self.slot_of])
-        return {e: self.views[(layer, e)] for e in experts}
 
     def _read(self, key: tuple[int, int], slot: int) -> None:
         layer, e = key
-        at, views = slot * self.slot_bytes, []
+        at = slot * self.slot_bytes
         for j, s in enumerate(self.stacks[layer]):
-            buf = memoryview(self._pool_np[at:at + s.size])
-            got = os.preadv(s.fd, [buf], s.offset + e * s.size)
+            got = os.preadv(s.fd, [memoryview(self._pool_np[at:at + s.size])], s.offset + e * s.size)
             if got != s.size:
                 raise FucinaError(f"expert store: short read of {s.weight.name}[{e}] ({got} of {s.size} bytes)")
-            w = LinearWeight(self.pool[at:at + s.size], s.weight.qtype, s.rows, s.weight.in_features,
-                             f"{s.weight.name}[{e}]")
-            kernels.attach(w)
-            views.append(w)
             self.tables[layer][j, e] = self.pool.data_ptr() + at
             at += _up(s.size)
         self.stats.read_bytes += sum(s.size for s in self.stacks[layer])
-        self.slot_of[key], self.views[key] = slot, tuple(views)
+        self.slot_of[key] = slot
+
+    def _views(self, key: tuple[int, int]) -> tuple[LinearWeight, ...]:
+        """The resident expert's weights over its slot (made on first use, dropped on eviction)."""
+        views = self.views.get(key)
+        if views is None:
+            (layer, e), at, out = key, self.slot_of[key] * self.slot_bytes, []
+            for s in self.stacks[layer]:
+                w = LinearWeight(self.pool[at:at + s.size], s.weight.qtype, s.rows, s.weight.in_features,
+                                 f"{s.weight.name}[{e}]")
+                kernels.attach(w)
+                out.append(w)
+                at += _up(s.size)
+            views = self.views[key] = tuple(out)
+        return views
 
     def _read_ahead(self, layer: int, experts: list[int]) -> None:
         if not experts or not hasattr(os, "posix_fadvise"):
@@ -254,7 +267,7 @@ class ExpertStore:
             experts = [ids[j] for j in range(n)]
             if any(not 0 <= e < n_expert for e in experts):
                 raise FucinaError(f"expert store: layer {layer} chose experts outside [0, {n_expert})")
-            self.use(layer, experts)
+            self.make_resident(layer, experts)
             return 0
         except Exception as e:   # noqa: BLE001 - reported, see above
             if len(self.stats.errors) < 16:
