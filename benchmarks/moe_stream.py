@@ -81,19 +81,20 @@ def main() -> int:
             res = bench(a.model, b, a)
             runs[b].append(res)
             print(json.dumps(res), file=sys.stderr, flush=True)
-    print("| expert budget | slots (MiB) | prefill tok/s | decode tok/s | peak RSS MiB | expert reads MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| expert budget | slots (MiB) | prefill tok/s | decode tok/s | peak RSS MiB | expert reads MiB | hit rate |")
+    print("|---|---|---|---|---|---|---|")
     for b, rs in runs.items():
         ok = [x for x in rs if x["rc"] == 0]
         if not ok:
-            print(f"| {b} | failed rc={rs[0]['rc']} | | | | |")
+            print(f"| {b} | failed rc={rs[0]['rc']} | | | | | |")
             continue
         med = lambda k: statistics.median(x[k] for x in ok)   # noqa: E731
         st = ok[-1].get("moe_store")
         slots = f"{st['budget'] / 2**20:.0f}" if st else "-"
         reads = f"{statistics.median(x['moe_store']['read_bytes'] for x in ok) / 2**20:.0f}" if st else "-"
+        hit = f"{st['hits'] / max(1, st['hits'] + st['misses']):.2f}" if st else "-"
         print(f"| {b if b != 'none' else 'resident (no store)'} | {slots} | {med('prefill_tok_s'):.1f} | "
-              f"{med('decode_tok_s'):.2f} | {med('peak_rss_mb'):.0f} | {reads} |")
+              f"{med('decode_tok_s'):.2f} | {med('peak_rss_mb'):.0f} | {reads} | {hit} |")
     if a.cgroup_mb:
         cg = os.path.join(CGROUP, f"fucina_moe_{os.getpid()}")
         os.mkdir(cg)

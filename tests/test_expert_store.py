@@ -2,6 +2,7 @@
 LRU, never over budget), the budget's parsing and typed errors, and the output of a
 streamed model bitwise equal to the fully resident one's on the native step and the torch
 path, qwen3moe and deepseek2, at budgets that force eviction."""
+import os
 import random
 import sys
 
@@ -131,6 +132,22 @@ def test_deepseek2_streamed_equals_resident(tmp_path):
     want, got, store = _resident_and_streamed(path, f"{100 / moe_layers + 1:.1f}%", native=False)
     assert torch.equal(got, want)
     assert store.report()["evictions"] > 0
+
+
+def test_prefetch_reads_ahead_the_next_layers_last_choice(tmp_path, monkeypatch):
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
+    store = stream_experts(load_model(path), "34%")          # 8 slots: one layer's experts
+    assert store.n_slots == 8
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    store.use(1, [0, 1, 2])
+    store.use(0, [3])            # layer 1's last choice is resident: nothing to read ahead
+    assert calls == []
+    store.use(2, list(range(8)))  # evicts everything else
+    assert set(store.slot_of) == {(2, e) for e in range(8)}
+    store.use(0, [3])
+    want = {(s.offset + e * s.size, s.size, os.POSIX_FADV_WILLNEED) for e in (0, 1, 2) for s in store.stacks[1]}
+    assert set(calls) == want and len(calls) == 9 and store.stats.prefetched == 3
 
 
 def test_budget_errors_are_typed(tmp_path):
