@@ -124,6 +124,25 @@ def test_qwen3moe_streamed_equals_resident(tmp_path, native, policy):
     assert rep["errors"] == [] and rep["read_bytes"] > 0 and store.stats.prefetched > 0
 
 
+def _batch_decode(model) -> torch.Tensor:
+    lens, nxt = (3, 11, 1, 6), [9, 17, 33, 65]
+    caches = [model.init_cache(32) for _ in lens]
+    for c, n in zip(caches, lens):
+        model.forward_step(c, IDS[:n], 0)
+    return model.forward_step_batch(caches, nxt)
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_streamed_batch_decode_equals_resident(tmp_path, isa):
+    """Lockstep decode (the native step_batch) through the store, on every ISA."""
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q4_1, **QWEN)
+    want = _batch_decode(load_model(path))
+    model = load_model(path)
+    store = stream_experts(model, "34%")
+    assert torch.equal(_batch_decode(model), want), isa
+    assert store.report()["evictions"] > 0
+
+
 def test_deepseek2_streamed_equals_resident(tmp_path):
     path = write_model(tmp_path / "d.gguf", "deepseek2", layers=3)
     model = load_model(path)
