@@ -6,14 +6,17 @@ memory cgroup below the file's size, and the logits bitwise against the resident
 
 Each configuration is one `fucina bench --json` process (its own peak RSS), the budgets
 interleaved round by round (A B C A B C ...) so the shared machine's drift hits them alike;
-medians are printed. --cgroup-mb runs the 25% budget and the resident model inside a cgroup v1
-memory child limited to that many MiB (root and a writable /sys/fs/cgroup/memory needed).
+medians are printed, with each process's CPU seconds (user + sys: load, warm-up and reps),
+which a loaded machine disturbs less than tok/s. --cgroup-mb runs the 25% budget and the resident model inside a cgroup v1
+memory child limited to that many MiB (root and a writable /sys/fs/cgroup/memory needed),
+the file's unmapped page cache dropped first so its reads are charged to that cgroup.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,12 +32,18 @@ def bench(model: str, budget: str, a, cgroup: str | None = None) -> dict:
         cmd += ["--moe-ram", budget]
     if cgroup:   # join the cgroup before exec: the whole run is charged to it
         cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] + cmd
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(budget=budget, rc="timeout", wall_s=time.perf_counter() - t)
     if p.returncode:
         return dict(budget=budget, rc=p.returncode, wall_s=time.perf_counter() - t, stderr=p.stderr[-400:])
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    return dict(out, budget=budget, rc=0, wall_s=time.perf_counter() - t)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)   # CPU seconds: steadier than tok/s on a loaded box
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return dict(out, budget=budget, rc=0, wall_s=time.perf_counter() - t, cpu_s=cpu,
+                sys_s=after.ru_stime - before.ru_stime)
 
 
 def bitwise(model: str, budget: str, n: int = 48) -> bool:
@@ -69,6 +78,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cgroup-mb", type=int, default=0)
     p.add_argument("--skip-bitwise", action="store_true")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per bench process")
     a = p.parse_args()
     size = os.path.getsize(a.model)
     print(f"# {os.path.basename(a.model)}: {size / 2**20:.0f} MiB file")
@@ -81,12 +91,13 @@ def main() -> int:
             res = bench(a.model, b, a)
             runs[b].append(res)
             print(json.dumps(res), file=sys.stderr, flush=True)
-    print("| expert budget | slots (MiB) | prefill tok/s | decode tok/s | peak RSS MiB | expert reads MiB | hit rate |")
-    print("|---|---|---|---|---|---|---|")
+    print("| expert budget | slots (MiB) | prefill tok/s | decode tok/s | CPU s (sys) | peak RSS MiB | expert reads MiB "
+          "| hit rate |")
+    print("|---|---|---|---|---|---|---|---|")
     for b, rs in runs.items():
         ok = [x for x in rs if x["rc"] == 0]
         if not ok:
-            print(f"| {b} | failed rc={rs[0]['rc']} | | | | | |")
+            print(f"| {b} | failed rc={rs[0]['rc']} | | | | | | |")
             continue
         med = lambda k: statistics.median(x[k] for x in ok)   # noqa: E731
         st = ok[-1].get("moe_store")
@@ -94,7 +105,8 @@ def main() -> int:
         reads = f"{statistics.median(x['moe_store']['read_bytes'] for x in ok) / 2**20:.0f}" if st else "-"
         hit = f"{st['hits'] / max(1, st['hits'] + st['misses']):.2f}" if st else "-"
         print(f"| {b if b != 'none' else 'resident (no store)'} | {slots} | {med('prefill_tok_s'):.1f} | "
-              f"{med('decode_tok_s'):.2f} | {med('peak_rss_mb'):.0f} | {reads} | {hit} |")
+              f"{med('decode_tok_s'):.2f} | {med('cpu_s'):.1f} ({med('sys_s'):.1f}) | {med('peak_rss_mb'):.0f} | {reads} "
+              f"| {hit} |")
     if a.cgroup_mb:
         cg = os.path.join(CGROUP, f"fucina_moe_{os.getpid()}")
         os.mkdir(cg)
@@ -104,13 +116,17 @@ def main() -> int:
             for b in ("25%", "none"):
                 with open(os.path.join(cg, "memory.max_usage_in_bytes"), "w") as fh:
                     fh.write("0")
+                # drop the file's unmapped page cache, so this run's reads are charged to the cgroup
+                fd = os.open(a.model, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
                 res = bench(a.model, b, a, cgroup=cg)
                 with open(os.path.join(cg, "memory.max_usage_in_bytes")) as fh:
                     peak = int(fh.read()) / 2**20
                 with open(os.path.join(cg, "memory.failcnt")) as fh:
                     fails = fh.read().strip()
-                print(f"# cgroup memory.limit_in_bytes {a.cgroup_mb} MiB < file {size / 2**20:.0f} MiB, budget {b}: "
-                      f"rc {res['rc']}, prefill {res.get('prefill_tok_s', 0):.1f} tok/s, decode "
+                print(f"# cgroup memory.limit_in_bytes {a.cgroup_mb} MiB < file {size / 2**20:.0f} MiB "
+                      f"(page cache of the file dropped first), budget {b}: rc {res['rc']}, prefill {res.get('prefill_tok_s', 0):.1f} tok/s, decode "
                       f"{res.get('decode_tok_s', 0):.2f} tok/s, peak RSS {res.get('peak_rss_mb', 0):.0f} MiB, "
                       f"cgroup peak (RSS + page cache) {peak:.0f} MiB, limit hits {fails}, wall {res['wall_s']:.0f} s")
         finally:
