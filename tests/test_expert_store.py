@@ -169,6 +169,19 @@ def test_prefetch_reads_ahead_the_next_layers_last_choice(tmp_path, monkeypatch)
     assert set(calls) == want and len(calls) == 9 and store.stats.prefetched == 3
 
 
+def test_a_failed_read_is_typed_and_leaves_the_store_consistent(tmp_path, monkeypatch):
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
+    store = stream_experts(load_model(path), "34%")
+    store.use(0, [1])
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real(fd, bufs, off) - 1)
+    with pytest.raises(FucinaError, match="short read"):
+        store.use(0, [2, 3])
+    assert set(store.slot_of) == {(0, 1)} == store.policy.resident and len(store.free) == store.n_slots - 1
+    monkeypatch.setattr(os, "preadv", real)
+    assert set(store.use(0, [2, 3])) == {2, 3} and store.tables[0][:, [1, 2, 3]].ne(0).all()
+
+
 def test_budget_errors_are_typed(tmp_path):
     path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
     with pytest.raises(InvalidArgument, match="below one layer"):

@@ -85,6 +85,12 @@ class Residency:
             self._touch(k)
         return loaded, evicted
 
+    def drop(self, k: Hashable) -> None:
+        """Forget that k is resident (its load failed)."""
+        if k in self.resident:
+            self.resident.discard(k)
+            self.used -= self.sizes[k]
+
     def _size(self, k: Hashable) -> int:
         try:
             return self.sizes[k]
@@ -157,7 +163,11 @@ class ExpertStore:
 
     def __init__(self, f, layers: dict, budget: int, policy: str = "heat", prefetch: bool = True):
         self._fds: dict[str, int] = {}
-        self.stacks = {i: [self._locate(f, s) for s in ex.stacks + (ex.down,)] for i, ex in layers.items()}
+        try:
+            self.stacks = {i: [self._locate(f, s) for s in ex.stacks + (ex.down,)] for i, ex in layers.items()}
+        except FucinaError:
+            self.close()
+            raise
         self.n_expert = {i: ex.n_expert for i, ex in layers.items()}
         self.slot_bytes = max(sum(_up(s.size) for s in st) for st in self.stacks.values())
         self.total = sum(ex.nbytes for ex in layers.values())
@@ -210,8 +220,15 @@ class ExpertStore:
             self.free.append(self.slot_of.pop(k))
             self.tables[k[0]][:, k[1]] = 0
             self.views.pop(k, None)
-        for k in loaded:
-            self._read(k, self.free.pop())
+        for j, k in enumerate(loaded):
+            slot = self.free.pop()
+            try:
+                self._read(k, slot)
+            except (OSError, FucinaError):   # these keys were never read: not resident after all
+                self.free.append(slot)
+                for bad in loaded[j:]:
+                    self.policy.drop(bad)
+                raise
         self.last_choice[layer] = experts
         nxt = self._next.get(layer)
         if self.prefetch and nxt is not None and nxt in self.last_choice:
