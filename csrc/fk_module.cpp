@@ -274,7 +274,8 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
            y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
-           lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M);
+           lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M) &&
+           (y->moe_table == 0 || y->moe_hook != 0);   /* the step checks the table's entries after the hook */
 }
 
 static int layer_ok(const fk_plan *p, const fk_layer *y) {

@@ -34,10 +34,15 @@ typedef struct {
 /* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
  * weight each, expert e's rows at e * rows-per-expert: gate_exps/up_exps [n_expert * n_ff_exp,
  * n_embd], down_exps [n_expert * n_embd, n_ff_exp]; moe_norm renormalises the chosen weights,
- * moe_scale (0 or 1: none) scales them */
+ * moe_scale (0 or 1: none) scales them. The expert store (models/expert_store.py): moe_hook
+ * (0: none) is an fk_moe_hook the layer calls with moe_hook_ctx and its chosen experts before
+ * it reads them; then expert e's rows of gate/up/down are at moe_table (int64 [3, n_expert]),
+ * not in the stacks (an entry 0: not resident, the step fails) */
 #define FK_MOE_FIELDS(X)                                                                      \
     X(I, n_expert) X(I, n_expert_used) X(I, n_ff_exp) X(I, moe_norm) X(F, moe_scale)          \
-    X(W, gate_inp) X(W, gate_exps) X(W, up_exps) X(W, down_exps)
+    X(W, gate_inp) X(W, gate_exps) X(W, up_exps) X(W, down_exps) X(I, moe_hook) X(I, moe_hook_ctx) \
+    X(I, moe_table)
+typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /* 0: go on */
 
 enum { FK_MIXER_ATTENTION = 0 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };

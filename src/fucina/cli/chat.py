@@ -123,7 +123,8 @@ def _split_positionals(args) -> tuple[str | None, str | None]:
     return None, None
 
 
-def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None):
+def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None, moe_ram=None,
+             moe_policy="heat"):
     import fucina.kernels as kernels
     from fucina.text.api import load
 
@@ -133,7 +134,8 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
     else:
         import torch
         torch.set_num_threads(n)
-    llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale)
+    llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
+               moe_policy=moe_policy)
     from fucina.cli.main import resume_gc
     resume_gc()
     return llm
@@ -206,9 +208,12 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
+    from fucina.cli.moe_args import moe_budget
+
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg or CHAT_DEFAULT, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
-                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
+                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
+                   moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"))
     session = ChatSession(llm, args)
     if session.raw:
         print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "

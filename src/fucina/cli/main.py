@@ -55,6 +55,8 @@ def _load(args, *, threads: int | None = None):
     t = time.perf_counter()
     with one_thread():
         model = load_model(path)
+    from fucina.cli.moe_args import apply_moe_args
+    apply_moe_args(model, args)
     model.load_s = time.perf_counter() - t
     resume_gc()
     return model
@@ -265,6 +267,8 @@ def cmd_bench(args) -> int:
         res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
     res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg, depth=args.depth,
                model=os.path.basename(str(model.gguf.path)))
+    if getattr(model, "expert_store", None) is not None:
+        res["moe_store"] = model.expert_store.report()
     try:
         import resource
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -359,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("run", "chat", "serve"):
         if name in sub.choices:
             add_lora_args(sub.choices[name])
+    from fucina.cli.moe_args import add_moe_args
+    for name in ("run", "chat", "serve", "bench"):
+        if name in sub.choices:
+            add_moe_args(sub.choices[name])
     return p
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 
 from fucina.cli.chat import MODEL_HELP, load_llm
+from fucina.cli.moe_args import moe_budget
 
 
 def _port(text: str) -> int:
@@ -89,7 +90,8 @@ def cmd_serve(args) -> int:
             raise FucinaError(f"{name} must be at least 1, got {v}")
     check_bind(args.host, args.port)
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
-                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None))
+                   lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
+                   moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

@@ -8,11 +8,11 @@ attention.key_length_mla / value_length_mla); the older one only attn_kv_b, spli
 here at load (llama.cpp runs those without MLA, as full multi-head attention; the
 math is the same, the cache here is the latent either way).
 
-The MoE routes through models/moe.py's `Routing` (softmax or sigmoid gate, the
+The MoE is models/moe.py's, shared with qwen3moe: `Routing` (softmax or sigmoid gate, the
 `exp_probs_b` selection bias, grouped selection n_group/topk_group, top-k, normalised
-weights, the routed scaling factor; llama.cpp's build_moe_ffn); the experts run in
-`experts_ffn` here (a per-expert loop, fused gate_up_exps included; moe.mix does not
-take a fused stack yet). RoPE is GGML's NORM mode with YaRN (mla.yarn_rope).
+weights, the routed scaling factor; llama.cpp's build_moe_ffn) and `mix` over the
+zero-copy expert stacks (fused gate_up_exps included), so the expert store
+(models/expert_store.py) serves this family too. RoPE is GGML's NORM mode with YaRN (mla.yarn_rope).
 No native layer step: the torch blocks serve every call.
 """
 from __future__ import annotations
@@ -29,9 +29,8 @@ from fucina.models.base import (LayerSpec, Ragged, TensorSpec, check_shape, load
                                 load_vector, meta_field)
 from fucina.models.cache import KVCache, LatentKV, Q8Cache
 from fucina.models.mla import MLAGeometry, MLAWeights, YarnParams, mla_attention, yarn_rope, yarn_scales
-from fucina.models.moe import Routing
-from fucina.weights import LinearWeight
-from fucina import kernels
+from fucina.models.moe import Experts, Routing, mix
+from fucina.weights import ExpertStack
 
 GATING = {1: "softmax", 2: "sigmoid"}   # llama_expert_gating_func_type values this family uses
 
@@ -145,49 +144,6 @@ def tensor_dims(c: Config) -> dict[str, int]:
                 n_ff_sh=c.n_ff_exp * c.n_expert_shared)
 
 
-# -- the MoE: expert compute --------------------------------------------------------
-
-class Experts:
-    """One layer's routed experts as per-expert views of the stacked GGUF tensors (no
-    copies): gate/up [n_ff_exp, n_embd] (or one fused [2 n_ff_exp, n_embd]) and down."""
-
-    def __init__(self, gate: LinearWeight | None, up: LinearWeight | None, gate_up: LinearWeight | None,
-                 down: LinearWeight, n_expert: int):
-        self.n_expert = n_expert
-        self.gate_up = _per_expert(gate_up, n_expert) if gate_up is not None else None
-        self.gate = _per_expert(gate, n_expert) if gate_up is None else None
-        self.up = _per_expert(up, n_expert) if gate_up is None else None
-        self.down = _per_expert(down, n_expert)
-
-    def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            g, u = self.gate_up[e](h).chunk(2, dim=-1)
-        else:
-            g, u = self.gate[e](h), self.up[e](h)
-        return self.down[e](F.silu(g) * u)
-
-
-def _per_expert(w: LinearWeight, n: int) -> list[LinearWeight]:
-    rows = w.out_features // n
-    out = []
-    for e in range(n):
-        part = LinearWeight(w.raw[e * rows:(e + 1) * rows], w.qtype, rows, w.in_features, f"{w.name}[{e}]")
-        kernels.attach(part)
-        out.append(part)
-    return out
-
-
-def experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): one pass per selected expert over the
-    rows that chose it."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-    for e in torch.unique(ids).tolist():
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        y = experts.ffn(e, x[rows])
-        out[rows] += y * weights[rows, slot, None]     # a row picks an expert once: rows are distinct
-    return out
-
-
 # -- the layers ---------------------------------------------------------------------
 
 class Layer:
@@ -203,8 +159,9 @@ class Layer:
         if t["ffn_gate_up_exps"] is None and (t["ffn_gate_exps"] is None or t["ffn_up_exps"] is None):
             raise GGUFError(f"{f.path}: blk.{i} needs ffn_gate_exps + ffn_up_exps or ffn_gate_up_exps")
         self.router, self.exp_bias = t["ffn_gate_inp"], t["exp_probs_b_bias"]
-        self.experts = Experts(t["ffn_gate_exps"], t["ffn_up_exps"], t["ffn_gate_up_exps"], t["ffn_down_exps"],
-                               c.n_expert)
+        stack = lambda w: ExpertStack(w, c.n_expert) if w is not None else None   # noqa: E731
+        self.experts = Experts(stack(t["ffn_gate_exps"]), stack(t["ffn_up_exps"]), stack(t["ffn_down_exps"]),
+                               stack(t["ffn_gate_up_exps"]))
         shared = [t["ffn_gate_shexp"], t["ffn_up_shexp"], t["ffn_down_shexp"]]
         if c.n_expert_shared and any(s is None for s in shared):
             raise GGUFError(f"{f.path}: blk.{i} has {c.n_expert_shared} shared experts but no ffn_*_shexp")
@@ -253,7 +210,7 @@ class Model(llama.Model):
         if not L.moe:
             return L.down(F.silu(L.gate(x)) * L.up(x))
         ids, w = self.routing(L.router(x), L.exp_bias)
-        out = experts_ffn(x, ids, w, L.experts)
+        out = mix(x, ids, w, L.experts, F.silu)
         if L.shared is not None:
             g, u, d = L.shared
             out = out + d(F.silu(g(x)) * u(x))

@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward math shared by the MoE families (qwen3moe; deepseek2's
-variants plug in here).
+"""Mixture-of-experts feed-forward math shared by the MoE families (qwen3moe and deepseek2,
+whose variants plug in here).
 
 Two pieces, separate so a family can change one without the other:
 - `Routing` turns router logits [m, n_expert] into each row's chosen experts and their
@@ -10,7 +10,9 @@ Two pieces, separate so a family can change one without the other:
 - `mix` runs the chosen experts with the rows grouped by expert, so each expert's
   weights are read once per call whatever the batch, and sums each row's experts in
   ascending expert order: a row's result does not depend on the rows it was computed
-  with (the matmuls are batch-invariant per row, and so is this order).
+  with (the matmuls are batch-invariant per row, and so is this order). Before it reads
+  them it tells the layer's `on_use` hook which experts it chose (the expert store,
+  models/expert_store.py, streams them under a RAM budget).
 The math follows llama.cpp's build_moe_ffn (b11434); the native layer step has the same
 in csrc/fk_moe_impl.inc.
 """
@@ -22,7 +24,7 @@ from typing import Callable
 import torch
 
 from fucina.errors import FucinaError
-from fucina.weights import ExpertStack
+from fucina.weights import ExpertStack, LinearWeight
 
 # smallest weight sum the normalisation divides by (llama.cpp clamps to f16's min normal)
 NORM_MIN = 6.103515625e-05
@@ -75,14 +77,36 @@ class Routing:
 
 @dataclass
 class Experts:
-    """One layer's expert stacks (SwiGLU-style: down(act(gate(x)) * up(x)))."""
-    gate: ExpertStack
-    up: ExpertStack
+    """One layer's expert stacks, SwiGLU-style: down(act(gate(x)) * up(x)), gate and up as two
+    stacks or one fused stack (each expert's gate rows then its up rows, deepseek2's
+    ffn_gate_up_exps; used when present). `on_use(experts)`, when set (models/expert_store.py),
+    is told the experts a call chose before it reads them and answers their weights, as
+    `expert` does."""
+    gate: ExpertStack | None
+    up: ExpertStack | None
     down: ExpertStack
+    gate_up: ExpertStack | None = None
+    on_use: Callable[[list[int]], dict[int, tuple[LinearWeight, ...]]] | None = None
+
+    def __post_init__(self):
+        if self.gate_up is None and (self.gate is None or self.up is None):
+            raise FucinaError(f"{self.down.name}: the experts need gate and up stacks, or one fused gate_up")
 
     @property
     def n_expert(self) -> int:
-        return self.gate.n_expert
+        return self.down.n_expert
+
+    @property
+    def stacks(self) -> tuple[ExpertStack, ...]:
+        return (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.stacks + (self.down,))
+
+    def expert(self, e: int) -> tuple[LinearWeight, ...]:
+        """Expert e's weights in the stacks' order, down last: views of the stacks' bytes."""
+        return tuple(s.expert(e) for s in self.stacks + (self.down,))
 
 
 def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
@@ -96,14 +120,15 @@ def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         raise FucinaError(f"moe: expert id out of range [0, {experts.n_expert})")
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts.n_expert).tolist()
+    chosen = [e for e, n in enumerate(counts) if n]
+    held = experts.on_use(chosen) if experts.on_use is not None else {e: experts.expert(e) for e in chosen}
     rows_of, w_of = order // k, weights.reshape(-1)[order]
     at = 0
-    for e, n in enumerate(counts):
-        if not n:
-            continue
+    for e in chosen:
+        n = counts[e]
         rows, w = rows_of[at:at + n], w_of[at:at + n]
         at += n
-        xs = x[rows]
-        h = act(experts.gate.expert(e)(xs)) * experts.up.expert(e)(xs)
-        out.index_add_(0, rows, experts.down.expert(e)(h) * w[:, None])
+        xs, ws = x[rows], held[e]
+        g, u = ws[0](xs).chunk(2, dim=-1) if len(ws) == 2 else (ws[0](xs), ws[1](xs))
+        out.index_add_(0, rows, ws[-1](act(g) * u) * w[:, None])
     return out

@@ -3,7 +3,8 @@ RoPE) with every ffn a routed mixture of SwiGLU experts: softmax over the router
 logits, the top `expert_used_count` experts, their weights renormalised to sum to 1
 (llama.cpp b11434 always normalises for this family, whatever norm_topk_prob was). The
 expert stacks stay zero-copy in the mmap (weights.ExpertStack); the math is models/moe.py,
-the native step's is csrc/fk_moe_impl.inc."""
+the native step's is csrc/fk_moe_impl.inc; `--moe-ram` streams the stacks under a RAM
+budget (models/expert_store.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,4 +74,9 @@ class Model(llama.Model):
         r, ex = self.config.routing, L.experts
         return dict(super().plan_layer(i, L), n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=ex.gate.out_features,
                     moe_norm=int(r.norm), moe_scale=r.scale, gate_inp=L.router, gate_exps=ex.gate.whole,
-                    up_exps=ex.up.whole, down_exps=ex.down.whole)
+                    up_exps=ex.up.whole, down_exps=ex.down.whole, **self.store_hook(i))
+
+    def store_hook(self, i: int) -> dict:
+        """The plan's call into the expert store (models/expert_store.py), when one is attached."""
+        store = getattr(self, "expert_store", None)
+        return store.plan_fields(i) if store is not None else {}

@@ -207,15 +207,22 @@ def one_thread():
 
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
-         lora_scale: float | Sequence[float] | None = None) -> LLM:
+         lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
+         moe_policy: str = "heat") -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
-    more llama.cpp-format LoRA adapters merged in (scaled by `lora_scale`, default 1.0)."""
+    more llama.cpp-format LoRA adapters merged in (scaled by `lora_scale`, default 1.0);
+    `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
+    stream from the file under that RAM budget (models/expert_store.py, `moe_policy` heat
+    or lru), with the same output."""
     from fucina.models import load_model, resolve_model
     from fucina.text.tokenizer import Tokenizer
 
     path = resolve_model(path)
     with one_thread():
         model = load_model(path)
+    if moe_ram is not None:
+        from fucina.models.expert_store import stream_experts
+        stream_experts(model, moe_ram, policy=moe_policy)
     if lora:
         from fucina.weights.lora import load_adapters
         scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
