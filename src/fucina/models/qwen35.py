@@ -17,10 +17,13 @@ The recurrent layers keep a `RecurrentState` (conv window + state matrices, snap
 over `state_horizon` positions, inside a multi-row step too), the attention layers a
 `KVMemory`; so prefix reuse, Conversation and speculation rewind within the horizon and
 fall back to a re-prefill past it (the cache says which through can_truncate).
-Prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
-states are the snapshots); decode runs the recurrence natively (csrc/fk_delta.cpp, one
-call per DeltaNet layer). No native layer plan yet: the blocks are torch around the
-native matmuls.
+The native layer plan (kernels.DecoderPlan, csrc/fk_step_impl.inc) runs every layer of a
+step in one call: a DeltaNet layer is the mixer kind "delta_net" (csrc/fk_delta.cpp: the
+conv, norms and the recurrence over the step's rows, heads in parallel, each head's state
+hot over all rows; it writes the kept snapshots as it goes), a gated attention layer the
+attention mixer with q_gate. The torch blocks stay the reference (FUCINA_NATIVE_STEP=0):
+prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
+states are the snapshots), decode one native call per DeltaNet layer.
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ class Model(llama.Model):
         self.layers = [self._layer(f, i, dims) for i in range(c.n_layer)]
         self.rope = imrope(c.n_rot, c.rope_base, c.rope_sections)
         self.scale = attn_scale(c.head_dim)
-        self.native_plan = None
+        self.native_plan = self.build_plan()
 
     def _layer(self, f: GGUFFile, i: int, dims: dict) -> SimpleNamespace:
         L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i]), dims))
@@ -264,5 +267,25 @@ class Model(llama.Model):
         c = self.config
         return [0 if r else c.n_head_kv for r in c.recurrent], [0 if r else c.head_dim for r in c.recurrent]
 
-    def build_plan(self):
-        return None
+    # -- the native layer step: DeltaNet and gated attention layers in one call ------
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.n_rot % 2 or c.head_dim % 16 or c.n_rot > c.head_dim:
+            return None
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="silu", eps=c.rms_eps, scale=self.scale,
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_layer(self, i: int, L) -> dict:
+        c = self.config
+        common = dict(attn_norm=L.attn_norm, ffn_norm=L.post_attention_norm, down=L.ffn_down,
+                      **(dict(gate_up=L.w_gate_up) if L.w_gate_up is not None else dict(gate=L.ffn_gate, up=L.ffn_up)))
+        if not c.recurrent[i]:
+            qkv = dict(wqkv=L.w_in) if L.w_in is not None else dict(wq=L.attn_q, wk=L.attn_k, wv=L.attn_v)
+            return dict(common, mixer="attention", q_gate=1, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
+                        q_norm=L.attn_q_norm, k_norm=L.attn_k_norm, wo=L.attn_output, **qkv)
+        proj = (dict(ssm_in=L.w_in) if L.w_in is not None else
+                dict(ssm_qkv=L.attn_qkv, ssm_z=L.attn_gate, ssm_beta=L.ssm_beta, ssm_alpha=L.ssm_alpha))
+        return dict(common, mixer="delta_net", n_head=0, n_kv=0, head_dim=0, ssm_hk=c.n_k_heads, ssm_hv=c.n_v_heads,
+                    ssm_dk=c.d_state, ssm_dv=c.d_inner // c.n_v_heads, d_conv=c.d_conv, conv_w=L.conv.reshape(-1),
+                    dt_bias=L.ssm_dt_bias, ssm_a=L.ssm_a, ssm_norm=L.ssm_norm, ssm_out=L.ssm_out, **proj)
