@@ -97,21 +97,23 @@ class BareSpec(TensorSpec):
 
 
 T, norm = llama.T, llama.norm
-COMMON = (norm("attn_norm"), norm("post_attention_norm"),
-          T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"))
-ATTENTION = COMMON + (T("attn_q", "qg_out", "n_embd"), T("attn_k", "kv_out", "n_embd"),
-                      T("attn_v", "kv_out", "n_embd"), T("attn_output", "n_embd", "q_out"),
-                      norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
+NORMS = (norm("attn_norm"), norm("post_attention_norm"))
+DENSE_FFN = (T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"))
+ATTENTION_MIXER = (T("attn_q", "qg_out", "n_embd"), T("attn_k", "kv_out", "n_embd"),
+                   T("attn_v", "kv_out", "n_embd"), T("attn_output", "n_embd", "q_out"),
+                   norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
 # role "conv": a small f32 matrix llama-quantize never quantizes; "decay": -exp(A_log) < 0
-DELTA_NET = COMMON + (T("attn_qkv", "conv_dim", "n_embd"), T("attn_gate", "d_inner", "n_embd"),
-                      T("ssm_conv1d", "conv_dim", "d_conv", role="conv"),
-                      T("ssm_dt", "v_heads", role="bias", suffix="bias"), BareSpec("ssm_a", ("v_heads",), role="decay"),
-                      T("ssm_beta", "v_heads", "n_embd"), T("ssm_alpha", "v_heads", "n_embd"),
-                      norm("ssm_norm", "ssm_v_dim"), T("ssm_out", "n_embd", "d_inner"))
+DELTA_MIXER = (T("attn_qkv", "conv_dim", "n_embd"), T("attn_gate", "d_inner", "n_embd"),
+               T("ssm_conv1d", "conv_dim", "d_conv", role="conv"),
+               T("ssm_dt", "v_heads", role="bias", suffix="bias"), BareSpec("ssm_a", ("v_heads",), role="decay"),
+               T("ssm_beta", "v_heads", "n_embd"), T("ssm_alpha", "v_heads", "n_embd"),
+               norm("ssm_norm", "ssm_v_dim"), T("ssm_out", "n_embd", "d_inner"))
+ATTENTION = NORMS + DENSE_FFN + ATTENTION_MIXER
+DELTA_NET = NORMS + DENSE_FFN + DELTA_MIXER
 
 
-def layer_schema(recurrent: bool) -> tuple[TensorSpec, ...]:
-    return DELTA_NET if recurrent else ATTENTION
+def layer_schema(recurrent: bool, ffn: tuple[TensorSpec, ...] = DENSE_FFN) -> tuple[TensorSpec, ...]:
+    return NORMS + ffn + (DELTA_MIXER if recurrent else ATTENTION_MIXER)
 
 
 def imrope(n_rot: int, base: float, sections: list[int]) -> Rope:
@@ -135,9 +137,10 @@ class Model(llama.Model):
     config_class = Config
     tensors = ATTENTION          # the attention layers' schema; DeltaNet layers use DELTA_NET
     state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
+    ffn_tensors = DENSE_FFN      # qwen35moe: the routed and shared experts
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
-        c = self.config = config or Config.from_gguf(f)
+        c = self.config = config or self.config_class.from_gguf(f)
         self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
@@ -149,8 +152,8 @@ class Model(llama.Model):
         self.native_plan = self.build_plan()
 
     def _layer(self, f: GGUFFile, i: int, dims: dict) -> SimpleNamespace:
-        L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i]), dims))
-        L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
+        L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i], self.ffn_tensors), dims))
+        self._load_ffn(f, L)
         if self.config.recurrent[i]:
             L.conv = L.ssm_conv1d.dequantize().float().reshape(dims["conv_dim"], dims["d_conv"]).contiguous()
             L.ssm_a, L.ssm_dt_bias, L.ssm_norm = (t.float().contiguous() for t in (L.ssm_a, L.ssm_dt_bias, L.ssm_norm))
@@ -160,6 +163,9 @@ class Model(llama.Model):
             L.split = [dims["qg_out"], dims["kv_out"], dims["kv_out"]]
             L.w_in = llama.fuse(f, [L.attn_q, L.attn_k, L.attn_v])
         return L
+
+    def _load_ffn(self, f: GGUFFile, L) -> None:
+        L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
 
     @staticmethod
     def _project(L, x: torch.Tensor, parts: list) -> list[torch.Tensor]:
