@@ -195,7 +195,8 @@ def test_native_decode_step_equals_torch(tmp_path, monkeypatch):
     ref, b = run()
     torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(a.memories[0].state, b.memories[0].state, rtol=1e-5, atol=1e-5)
-    assert sorted(a.memories[0].snaps) == sorted(b.memories[0].snaps) == list(range(1, 19))
+    # every prefill row, then every 4th decoded length (RecurrentState.decode_stride)
+    assert sorted(a.memories[0].snaps) == sorted(b.memories[0].snaps) == list(range(1, 11)) + [12, 16]
     with pytest.raises(K.KernelError):
         K.delta_step(*(torch.zeros(3) for _ in range(10)), 1, 1, 1e-6)
 
@@ -240,7 +241,7 @@ def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
     torch.testing.assert_close(a.memories[0].state, b.memories[0].state, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a.memories[0].conv, b.memories[0].conv)
     sa, sb = _snapshots(a), _snapshots(b)
-    assert sorted(sa) == sorted(sb) == list(range(31, 49))
+    assert sorted(sa) == sorted(sb) == list(range(31, 41)) + [44, 48]
     for n in sa:
         torch.testing.assert_close(sa[n][0], sb[n][0])
         torch.testing.assert_close(sa[n][1], sb[n][1], rtol=1e-4, atol=1e-4)
@@ -257,8 +258,9 @@ def test_native_plan_rows_equal_single_rows(plan_model, isa):
         assert torch.equal(got, whole), f"{chunks} on {isa}"
         _same_cache(c1, c0)
         s0, s1 = _snapshots(c0), _snapshots(c1)
-        assert sorted(s0) == sorted(s1)
-        assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in s0)
+        both = set(s0) & set(s1)     # single-row steps keep every 4th length only
+        assert len(both) >= 5
+        assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in both)
 
 
 def test_native_batch_rows_equal_streams_alone(plan_model, isa):
