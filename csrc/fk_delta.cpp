@@ -1,7 +1,8 @@
 /* The Gated DeltaNet rows (fk_delta.h). Plain loops over contiguous rows the compiler
- * vectorizes (cloned per ISA: no FMA contraction and no reassociation under -std=c++17,
- * so every clone computes the same bits); a head's state row S[i][:] is read and written
- * once per pass, and a head runs all its rows with its 64 KB state matrix hot. */
+ * vectorizes, cloned per x86-64 level (v3 and v4 contract to the same FMAs, and no loop
+ * is reassociated, so both give the same bits; the baseline clone has no FMA); a head's
+ * state row S[i][:] is read and written once per pass, and a head runs all its rows with
+ * its 64 KB state matrix hot. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
