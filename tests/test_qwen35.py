@@ -8,6 +8,7 @@ import torch
 
 import fucina.kernels as K
 from fucina.models import delta_net, load_model
+from fucina.models.cache import RecurrentState
 from synth import write_model
 
 Q = gguf.GGMLQuantizationType
@@ -278,6 +279,10 @@ def test_native_plan_checks_delta_layers_and_snapshot_slots(plan_model):
     cache = m.init_cache(16)
     table = m._native_cache(cache)
     assert table is not None
+    other = m.init_cache(16)             # a state of another shape: not served natively
+    w, s = other.memories[0].conv.shape, other.memories[0].state.shape
+    other.memories[0] = RecurrentState(w[0], w[1], s[0], s[1], s[2] // 2)
+    assert m._native_cache(other) is None
     mem = cache.memories[0]
     mem.reserve(0, 2)                    # two snapshot slots for a step that runs one row
     x = m.embed(torch.tensor([5])).float().contiguous()

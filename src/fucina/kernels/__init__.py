@@ -347,6 +347,12 @@ def _delta_sizes(L: dict) -> dict[str, int]:
     return dict(conv_w=(2 * hk * dk + hv * dv) * int(L.get("d_conv") or 0), dt_bias=hv, ssm_a=hv, ssm_norm=dv)
 
 
+def _delta_geometry(L: dict) -> tuple[str, int, int]:
+    """What a DeltaNet layer's cache entry points at, as KVCache.geometry says it."""
+    return ("recur", (L["d_conv"] - 1) * _delta_sizes(L)["conv_w"] // L["d_conv"],
+            L["ssm_hv"] * L["ssm_dk"] * L["ssm_dv"])
+
+
 class KVPointers:
     """A cache's native table (per layer k, v, base, rows as int64; the cache's memories keep
     `base` current), its capacity and per-layer geometry (kv_heads, head_dim)."""
@@ -375,7 +381,8 @@ class DecoderPlan:
 
     def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list):
         self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
-        self.geometry = [(L["n_kv"], L["head_dim"]) for L in layers]
+        self.geometry = [(L["n_kv"], L["head_dim"]) if L["mixer"] != _MIXERS["delta_net"] else _delta_geometry(L)
+                         for L in layers]
         widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width
         if len({t for t, _ in widths}) != len(widths):
             raise KernelError("plan: layers sharing a RoPE table rotate different widths")
