@@ -288,3 +288,25 @@ def test_native_plan_checks_delta_layers_and_snapshot_slots(plan_model):
     x = m.embed(torch.tensor([5])).float().contiguous()
     with pytest.raises(K.KernelError):
         m.native_plan.run(x, table, 0, [t.table(1) for t in m.rope_tables()])
+
+
+def test_decode_snapshots_are_strided_and_a_rewind_between_reruns(plan_model):
+    """Decode keeps every 4th length; a rewind to a length between lands on the one below
+    (truncate_point), and re-running from there gives the logits of a fresh prefill."""
+    m = plan_model
+    cache = m.init_cache(64)
+    m.forward_step(cache, IDS[:20], 0)
+    for i in range(8):
+        m.forward_step(cache, [IDS[20 + i]], 20 + i)
+    points = cache.memories[0].rewind_points()
+    assert 24 in points and 28 in points and 25 not in points and 27 not in points
+    assert cache.truncate_point(27) == 24
+    cache.truncate(24)
+    again = m.forward_step_all_logits(cache, IDS[24:30], 24)
+    fresh = m.forward_step_all_logits(m.init_cache(64), IDS[:30], 0)[24:]
+    torch.testing.assert_close(again, fresh, rtol=1e-3, atol=1e-3)
+    # a multi-row step after strided decode can still rewind to where it started
+    m.forward_step(cache, [IDS[30]], 30)          # length 31: no snapshot
+    assert 31 not in cache.memories[0].rewind_points()
+    m.forward_step(cache, IDS[31:34], 31)
+    assert cache.can_truncate(31)
