@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fk_common.h"
+#include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
 
 namespace fk_attn_scalar {
 

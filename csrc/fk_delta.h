@@ -1,7 +1,7 @@
-/* One decode token of a Gated DeltaNet layer (qwen35), after its input projections:
- * causal conv (the window shifts in place) -> SiLU -> q, k L2-norm -> gated delta rule on
- * the per-head state (in place) -> RMSNorm(norm_w) * SiLU(z). The math of
- * fucina.models.delta_net (sequential) and ggml's gated_delta_net op; f32 throughout. */
+/* Gated DeltaNet (qwen35) rows after their input projections: causal conv (the window
+ * shifts in place) -> SiLU -> q, k L2-norm -> gated delta rule on the per-head state (in
+ * place) -> RMSNorm(norm_w) * SiLU(z). The math of fucina.models.delta_net (sequential)
+ * and ggml's gated_delta_net op; f32 throughout. */
 #pragma once
 #include <stdint.h>
 
@@ -21,4 +21,21 @@ struct fk_delta_args {
     float eps;
 };
 
+/* one token (the m = 1 case of fk_delta_rows, no snapshots) */
 void fk_delta_step(const fk_delta_args *a);
+
+/* m tokens of one stream in order. Row t of the inputs is at qkv/z/b/a + t * ld; row t of
+ * the output at out + t * ldo. The last `keep` rows also leave a snapshot: slot j
+ * (snaps[j], floats [window (d_conv - 1) * conv_dim | state hv * dk * dv]) holds the
+ * window and state after row m - keep + j. Heads run in parallel, each over all m rows
+ * with its state matrix hot; every row takes the same arithmetic whatever m is (so m rows
+ * equal m single calls bit for bit). Returns 0, or -1 when out of memory. */
+int fk_delta_rows(const fk_delta_args *a, int64_t m, int64_t ld, int64_t ldo, float *const *snaps, int64_t keep);
+
+#include "fk_common.h"   /* fk_layer (fk_plan.h) */
+
+/* A plan's DeltaNet layer (FK_MIXER_DELTA) over m rows of one stream: in [m, ld] the
+ * ssm_in projection, out [m, hv * dv] before ssm_out; entry = the cache's (window, state,
+ * snapshot slot table, keep). fk_module.cpp checked the layer and the entry. */
+int fk_delta_layer(const fk_layer *L, const float *in, int64_t m, int64_t ld, float *out, const int64_t *entry,
+                   int nthreads, float eps);

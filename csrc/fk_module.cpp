@@ -278,18 +278,44 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
            (y->moe_table == 0 || y->moe_hook != 0);   /* the step checks the table's entries after the hook */
 }
 
+/* a DeltaNet mixer's settings and weights (fk_delta.h) */
+static int delta_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t hk = y->ssm_hk, hv = y->ssm_hv, dk = y->ssm_dk, dv = y->ssm_dv, E = p->n_embd;
+    if (hk < 1 || hv < 1 || hv % hk || hv > 4096 || dk < 1 || dk > 1024 || dv < 1 || dv > 1024 || y->d_conv < 2 ||
+        y->d_conv > 64 || !y->conv_w || !y->dt_bias || !y->ssm_a || !y->ssm_norm || !y->attn_norm || !y->ffn_norm)
+        return 0;
+    const fk_lin *in[4] = {&y->ssm_qkv, &y->ssm_z, &y->ssm_beta, &y->ssm_alpha};
+    const int64_t n_in[4] = {2 * hk * dk + hv * dv, hv * dv, hv, hv};
+    return fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_out, E, hv * dv);
+}
+
+/* the widths a layer's step writes: its projection row and its mixer output row */
+static void layer_widths(const fk_layer *y, int64_t *proj, int64_t *out) {
+    if (y->mixer == FK_MIXER_DELTA) {
+        *out = y->ssm_hv * y->ssm_dv;
+        *proj = 2 * y->ssm_hk * y->ssm_dk + 2 * *out + 2 * y->ssm_hv;
+        return;
+    }
+    *out = y->n_head * y->head_dim;
+    *proj = (y->q_gate ? 2 : 1) * *out + 2 * y->n_kv * y->head_dim;
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = p->n_ff;
-    if (y->mixer != FK_MIXER_ATTENTION || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
+    const fk_lin *gu[2] = {&y->gate, &y->up};
+    const int64_t ngu[2] = {F, F};
+    const int ffn_ok = y->ffn == FK_FFN_MOE ? y->ffn == FK_FFN_MOE && moe_ok(p, y)
+                                            : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
+                                                  lin_ok(&y->down, E, F);
+    if (y->mixer == FK_MIXER_DELTA) return ffn_ok && delta_ok(p, y);
+    if (y->mixer != FK_MIXER_ATTENTION || (y->q_gate != 0 && y->q_gate != 1) || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
         H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
         y->layer_rot < 0 || y->layer_rot % 2 ||
         (y->rope != 0 && y->rope != 1) || y->window < 0 || y->window > (1LL << 30) || !y->attn_norm || !y->ffn_norm)
         return 0;
-    const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv}, *gu[2] = {&y->gate, &y->up};
-    const int64_t nqkv[3] = {H * D, KV * D, KV * D}, ngu[2] = {F, F};
-    return fused_or_parts(&y->wqkv, qkv, nqkv, 3, E) && lin_ok(&y->wo, E, H * D) &&
-           (y->ffn == FK_FFN_MOE ? moe_ok(p, y)
-                                 : fused_or_parts(&y->gate_up, gu, ngu, 2, E) && lin_ok(&y->down, E, F));
+    const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv};
+    const int64_t nqkv[3] = {(y->q_gate ? 2 : 1) * H * D, KV * D, KV * D};
+    return fused_or_parts(&y->wqkv, qkv, nqkv, 3, E) && lin_ok(&y->wo, E, H * D) && ffn_ok;
 }
 
 static void plan_free(PyObject *cap) {
@@ -340,7 +366,8 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);
             return NULL;
         }
-        const int64_t nq = y->n_head * y->head_dim, nqkv = nq + 2 * y->n_kv * y->head_dim;
+        int64_t nq, nqkv;
+        layer_widths(y, &nqkv, &nq);
         if (nq > p->max_q) p->max_q = nq;
         if (nqkv > p->max_qkv) p->max_qkv = nqkv;
     }
@@ -387,6 +414,12 @@ static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64
     const fk_plan *p = a->plan;
     for (int l = 0; l < p->n_layer; l++) {
         const int64_t *e = kv + l * FK_KV_ENTRY;
+        if (p->layers[l].mixer == FK_MIXER_DELTA) {   /* window, state, snapshot slots, keep <= m */
+            if (!e[0] || !e[1] || e[3] < 0 || e[3] > m || (e[3] && !e[2])) return 0;
+            for (int64_t j = 0; j < e[3]; j++)
+                if (!((const int64_t *)(uintptr_t)e[2])[j]) return 0;
+            continue;
+        }
         const int64_t w = p->layers[l].window, base = e[2], first_read = w > 0 && pos - w + 1 > 0 ? pos - w + 1 : 0;
         const int t = (int)p->layers[l].rope;
         if (!e[0] || !e[1] || base < 0 || e[3] < 1 || pos < base || pos + m - base > e[3] || first_read < base ||

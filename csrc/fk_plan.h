@@ -28,7 +28,8 @@ typedef struct {
     X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
     X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
     X(I, layer_rot) X(V, v_norm) X(F, out_scale)                                                  \
-    FK_MOE_FIELDS(X)
+    FK_MOE_FIELDS(X)                                                                              \
+    FK_DELTA_FIELDS(X)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
 
 /* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
@@ -44,7 +45,18 @@ typedef struct {
     X(I, moe_table)
 typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /* 0: go on */
 
-enum { FK_MIXER_ATTENTION = 0 };
+/* a Gated DeltaNet mixer (qwen35, fk_delta.h): hk key / hv value heads of dk / dv, a causal
+ * conv of d_conv taps (conv_w [conv_dim, d_conv], conv_dim = 2 hk dk + hv dv); the input
+ * projection ssm_in = [qkv (conv_dim) | z (hv dv) | beta (hv) | alpha (hv)] fused or as its
+ * four parts, ssm_out [n_embd, hv dv]. Its cache entry: window, state, snapshot slots, keep.
+ * q_gate (an attention mixer, qwen35): attn_q rows are per head [q | gate], and the
+ * attention output is multiplied by sigmoid(gate) before wo. */
+#define FK_DELTA_FIELDS(X)                                                                    \
+    X(I, q_gate) X(I, ssm_hk) X(I, ssm_hv) X(I, ssm_dk) X(I, ssm_dv) X(I, d_conv)             \
+    X(V, conv_w) X(V, dt_bias) X(V, ssm_a) X(V, ssm_norm)                                     \
+    X(W, ssm_in) X(W, ssm_qkv) X(W, ssm_z) X(W, ssm_beta) X(W, ssm_alpha) X(W, ssm_out)
+
+enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
 enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
 

@@ -46,6 +46,13 @@ def qwen35_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                        ffn=256, vocab=str(vocab), qtype=qtype, seed=17)
 
 
+def qwen35moe_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
+    """qwen35-synth's hybrid with every ffn 16 routed experts (2 used) of 64 rows plus the
+    sigmoid-gated shared expert of 128 rows (peaked routing: the top-k well separated)."""
+    return write_model(path, "qwen35moe", layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                       ffn=256, experts=16, experts_used=2, moe_ffn=64, vocab=str(vocab), qtype=qtype, seed=17)
+
+
 def deepseek2_synth(generation, q_lora, **kw):
     """A random-weight deepseek2 (MLA + MoE: 1 dense layer, then 8 experts, 2 used, 1 shared)
     in one GGUF generation, with (q_lora > 0) or without q-LoRA (tests/synth_deepseek2.py)."""
@@ -90,6 +97,7 @@ def qwen3moe_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
 SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
          "qwen35-synth": qwen35_synth, "gemma4-synth": gemma4_synth, "qwen3moe-synth": qwen3moe_synth,
+         "qwen35moe-synth": qwen35moe_synth,
          **DEEPSEEK2}
 
 
@@ -103,6 +111,7 @@ CASES = {
     "qwen35-synth": ("qwen35-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "gemma4-synth": ("gemma4-synth", TEXT + LONG_TEXT[:400], "all"),   # past the 32-token window
     "qwen3moe-synth": ("qwen3moe-synth", TEXT, "all"),
+    "qwen35moe-synth": ("qwen35moe-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
     **{name: (name, TEXT, "all") for name in DEEPSEEK2},
 }

@@ -121,7 +121,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_rope_freq_base(1_000_000.0)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
-    if arch == "qwen35":    # DeltaNet layers, gated full attention every 2nd; RoPE on half the head
+    if arch in ("qwen35", "qwen35moe"):    # DeltaNet layers, gated full attention every 2nd; RoPE on half the head
         for key, v in (("full_attention_interval", 2), ("ssm.conv_kernel", 4), ("ssm.inner_size", heads * head_dim),
                        ("ssm.state_size", head_dim), ("ssm.time_step_rank", heads), ("ssm.group_count", kv_heads)):
             w.add_uint32(f"{arch}.{key}", v)
@@ -131,6 +131,8 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
         w.add_expert_feed_forward_length(moe_ffn)
+        if arch == "qwen35moe":   # the shared expert: as wide as two routed ones
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", 2 * moe_ffn)
     if rope_factors:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", ctx // 2)
     if attn_factor:
@@ -150,7 +152,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     q, kv = heads * D, kv_heads * D
     dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
                 qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4,
-                n_expert=experts, n_ff_exp=moe_ffn)
+                n_expert=experts, n_ff_exp=moe_ffn, n_ff_sh=2 * moe_ffn)
     add("token_embd.weight", mat(n_vocab, H, scale=0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:
@@ -160,7 +162,8 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         add("rope_factors_long.weight", 1.0 + 4.0 * rng.random(D // 2, dtype=np.float32))
     for i in range(layers):
         fam = family(arch)
-        schema = fam.layer_schema((i + 1) % 2 != 0) if arch == "qwen35" else fam.Model.tensors
+        schema = (fam.layer_schema((i + 1) % 2 != 0, fam.Model.ffn_tensors) if arch in ("qwen35", "qwen35moe")
+                  else fam.Model.tensors)
         for t in schema:
             shape = [dims[d] for d in t.shape]
             if t.role == "norm":

@@ -398,7 +398,7 @@ def test_window_memory_holds_only_its_window():
 
 def test_recurrent_state_snapshots_and_rewinds(tmp_path):
     def make():
-        return KVCache.of([RecurrentState(3, 8, 2, 4, 4, horizon=4)], 64)
+        return KVCache.of([RecurrentState(3, 8, 2, 4, 4, horizon=4, decode_stride=1)], 64)
 
     c = make()
     states = {}

@@ -130,7 +130,7 @@ def _live(path, ids, tmp_path, *extra):
 
 @pytest.mark.slow
 @pytest.mark.oracle
-@pytest.mark.parametrize("name", ["qwen2-synth", "phi3-synth", "qwen35-synth", "qwen3moe-synth"])
+@pytest.mark.parametrize("name", ["qwen2-synth", "phi3-synth", "qwen35-synth", "qwen3moe-synth", "qwen35moe-synth"])
 def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, tmp_path, name):
     """Q8_0 random weights: ours and llama.cpp's logits against the exact model (the same
     weights in f32 arithmetic, our reference path); ours must be at least as close. Measured

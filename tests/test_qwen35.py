@@ -8,6 +8,7 @@ import torch
 
 import fucina.kernels as K
 from fucina.models import delta_net, load_model
+from fucina.models.cache import RecurrentState
 from synth import write_model
 
 Q = gguf.GGMLQuantizationType
@@ -183,6 +184,7 @@ def test_native_decode_step_equals_torch(tmp_path, monkeypatch):
     import fucina.models.qwen35 as q35
     m = load_model(write_model(tmp_path / "n.gguf", "qwen35", layers=2, hidden=64, heads=4, kv_heads=2,
                                head_dim=32, ffn=128, seed=4))
+    m.use_native_step = False   # the torch blocks with the one native DeltaNet call per layer
 
     def run():
         c = m.init_cache(64)
@@ -194,6 +196,117 @@ def test_native_decode_step_equals_torch(tmp_path, monkeypatch):
     ref, b = run()
     torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(a.memories[0].state, b.memories[0].state, rtol=1e-5, atol=1e-5)
-    assert sorted(a.memories[0].snaps) == sorted(b.memories[0].snaps) == list(range(1, 19))
+    # every prefill row, then every 4th decoded length (RecurrentState.decode_stride)
+    assert sorted(a.memories[0].snaps) == sorted(b.memories[0].snaps) == list(range(1, 11)) + [12, 16]
     with pytest.raises(K.KernelError):
         K.delta_step(*(torch.zeros(3) for _ in range(10)), 1, 1, 1e-6)
+
+
+# ---- the native layer plan: DeltaNet and gated attention layers in one step call ----------
+
+def _plan_model(tmp_path_factory, qtype):
+    path = write_model(tmp_path_factory.mktemp("q35p") / "p.gguf", "qwen35", layers=2, hidden=64, heads=4,
+                       kv_heads=2, head_dim=32, ffn=128, qtype=qtype, seed=11)
+    m = load_model(path)
+    if m.native_plan is None:
+        pytest.skip("native kernels not built")
+    return m
+
+
+@pytest.fixture(scope="module")
+def plan_model(tmp_path_factory):
+    return _plan_model(tmp_path_factory, Q.Q8_0)
+
+
+def _snapshots(cache, layer=0):
+    mem = cache.memories[layer]
+    return {n: mem._views(slot) for n, slot in mem.snaps.items()}
+
+
+def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
+    """A 40-row prefill and 8 decode steps through the plan against the torch blocks
+    (FUCINA_NATIVE_STEP=0): logits, the final states and every snapshot agree closely.
+    F32 weights: on a quantized file float noise can flip an activation's int8 rounding."""
+    m = _plan_model(tmp_path_factory, Q.F32)
+
+    def run():
+        c = m.init_cache(128)
+        a = m.forward_step_all_logits(c, IDS[:40], 0)
+        d = torch.stack([m.forward_step(c, [t], 40 + i) for i, t in enumerate(IDS[40:48])])
+        return torch.cat([a, d]), c
+
+    native, a = run()
+    monkeypatch.setattr(m, "use_native_step", False)
+    ref, b = run()
+    torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(a.memories[0].state, b.memories[0].state, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.memories[0].conv, b.memories[0].conv)
+    sa, sb = _snapshots(a), _snapshots(b)
+    assert sorted(sa) == sorted(sb) == list(range(31, 41)) + [44, 48]
+    for n in sa:
+        torch.testing.assert_close(sa[n][0], sb[n][0])
+        torch.testing.assert_close(sa[n][1], sb[n][1], rtol=1e-4, atol=1e-4)
+
+
+def test_native_plan_rows_equal_single_rows(plan_model, isa):
+    """The plan claims batch invariance: a prompt split any way (the DeltaNet rows of one
+    call, or one row a call) gives the same logits, states and snapshots, bit for bit."""
+    from test_batch_invariance import _prefill, _same_cache
+    m, ids = plan_model, IDS[:37]
+    whole, c0 = _prefill(m, ids, [37], capacity=64)
+    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17]):
+        got, c1 = _prefill(m, ids, chunks, capacity=64)
+        assert torch.equal(got, whole), f"{chunks} on {isa}"
+        _same_cache(c1, c0)
+        s0, s1 = _snapshots(c0), _snapshots(c1)
+        both = set(s0) & set(s1)     # single-row steps keep every 4th length only
+        assert len(both) >= 5
+        assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in both)
+
+
+def test_native_batch_rows_equal_streams_alone(plan_model, isa):
+    from test_batch_invariance import _same_cache, check_batch_rows_equal_alone
+    check_batch_rows_equal_alone(plan_model, IDS, isa, same_cache=_same_cache)
+
+
+def test_native_plan_checks_delta_layers_and_snapshot_slots(plan_model):
+    m = plan_model
+    layers = [m.plan_layer(i, L) for i, L in enumerate(m.layers)]
+    c = m.config
+    with pytest.raises(K.KernelError):   # value heads not a multiple of the key heads
+        K.DecoderPlan.build(n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="silu", eps=c.rms_eps,
+                            scale=m.scale, layers=[dict(layers[0], ssm_hk=3)] + layers[1:])
+    cache = m.init_cache(16)
+    table = m._native_cache(cache)
+    assert table is not None
+    other = m.init_cache(16)             # a state of another shape: not served natively
+    w, s = other.memories[0].conv.shape, other.memories[0].state.shape
+    other.memories[0] = RecurrentState(w[0], w[1], s[0], s[1], s[2] // 2)
+    assert m._native_cache(other) is None
+    mem = cache.memories[0]
+    mem.reserve(0, 2)                    # two snapshot slots for a step that runs one row
+    x = m.embed(torch.tensor([5])).float().contiguous()
+    with pytest.raises(K.KernelError):
+        m.native_plan.run(x, table, 0, [t.table(1) for t in m.rope_tables()])
+
+
+def test_decode_snapshots_are_strided_and_a_rewind_between_reruns(plan_model):
+    """Decode keeps every 4th length; a rewind to a length between lands on the one below
+    (truncate_point), and re-running from there gives the logits of a fresh prefill."""
+    m = plan_model
+    cache = m.init_cache(64)
+    m.forward_step(cache, IDS[:20], 0)
+    for i in range(8):
+        m.forward_step(cache, [IDS[20 + i]], 20 + i)
+    points = cache.memories[0].rewind_points()
+    assert 24 in points and 28 in points and 25 not in points and 27 not in points
+    assert cache.truncate_point(27) == 24
+    cache.truncate(24)
+    again = m.forward_step_all_logits(cache, IDS[24:30], 24)
+    fresh = m.forward_step_all_logits(m.init_cache(64), IDS[:30], 0)[24:]
+    torch.testing.assert_close(again, fresh, rtol=1e-3, atol=1e-3)
+    # a multi-row step after strided decode can still rewind to where it started
+    m.forward_step(cache, [IDS[30]], 30)          # length 31: no snapshot
+    assert 31 not in cache.memories[0].rewind_points()
+    m.forward_step(cache, IDS[31:34], 31)
+    assert cache.can_truncate(31)

@@ -336,9 +336,21 @@ def attach(weight) -> None:
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
-_MIXERS = {"attention": 0}
+_MIXERS = {"attention": 0, "delta_net": 1}
 _FFNS = {"dense": 0, "moe": 1}
 _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 5}
+
+
+def _delta_sizes(L: dict) -> dict[str, int]:
+    """A DeltaNet layer's vector lengths (fk_plan.h FK_DELTA_FIELDS)."""
+    hk, hv, dk, dv = (int(L.get(k) or 0) for k in ("ssm_hk", "ssm_hv", "ssm_dk", "ssm_dv"))
+    return dict(conv_w=(2 * hk * dk + hv * dv) * int(L.get("d_conv") or 0), dt_bias=hv, ssm_a=hv, ssm_norm=dv)
+
+
+def _delta_geometry(L: dict) -> tuple[str, int, int]:
+    """What a DeltaNet layer's cache entry points at, as KVCache.geometry says it."""
+    return ("recur", (L["d_conv"] - 1) * _delta_sizes(L)["conv_w"] // L["d_conv"],
+            L["ssm_hv"] * L["ssm_dk"] * L["ssm_dv"])
 
 
 class KVPointers:
@@ -369,7 +381,8 @@ class DecoderPlan:
 
     def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list):
         self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
-        self.geometry = [(L["n_kv"], L["head_dim"]) for L in layers]
+        self.geometry = [(L["n_kv"], L["head_dim"]) if L["mixer"] != _MIXERS["delta_net"] else _delta_geometry(L)
+                         for L in layers]
         widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width
         if len({t for t, _ in widths}) != len(widths):
             raise KernelError("plan: layers sharing a RoPE table rotate different widths")
@@ -409,9 +422,9 @@ class DecoderPlan:
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
-        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv)
+        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, **_delta_sizes(L))
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias"):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm"):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):

@@ -17,10 +17,13 @@ The recurrent layers keep a `RecurrentState` (conv window + state matrices, snap
 over `state_horizon` positions, inside a multi-row step too), the attention layers a
 `KVMemory`; so prefix reuse, Conversation and speculation rewind within the horizon and
 fall back to a re-prefill past it (the cache says which through can_truncate).
-Prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
-states are the snapshots); decode runs the recurrence natively (csrc/fk_delta.cpp, one
-call per DeltaNet layer). No native layer plan yet: the blocks are torch around the
-native matmuls.
+The native layer plan (kernels.DecoderPlan, csrc/fk_step_impl.inc) runs every layer of a
+step in one call: a DeltaNet layer is the mixer kind "delta_net" (csrc/fk_delta.cpp: the
+conv, norms and the recurrence over the step's rows, heads in parallel, each head's state
+hot over all rows; it writes the kept snapshots as it goes), a gated attention layer the
+attention mixer with q_gate. The torch blocks stay the reference (FUCINA_NATIVE_STEP=0):
+prefill runs the chunked scan and the last `state_horizon` rows sequentially (their
+states are the snapshots), decode one native call per DeltaNet layer.
 """
 from __future__ import annotations
 
@@ -94,21 +97,23 @@ class BareSpec(TensorSpec):
 
 
 T, norm = llama.T, llama.norm
-COMMON = (norm("attn_norm"), norm("post_attention_norm"),
-          T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"))
-ATTENTION = COMMON + (T("attn_q", "qg_out", "n_embd"), T("attn_k", "kv_out", "n_embd"),
-                      T("attn_v", "kv_out", "n_embd"), T("attn_output", "n_embd", "q_out"),
-                      norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
+NORMS = (norm("attn_norm"), norm("post_attention_norm"))
+DENSE_FFN = (T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"))
+ATTENTION_MIXER = (T("attn_q", "qg_out", "n_embd"), T("attn_k", "kv_out", "n_embd"),
+                   T("attn_v", "kv_out", "n_embd"), T("attn_output", "n_embd", "q_out"),
+                   norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
 # role "conv": a small f32 matrix llama-quantize never quantizes; "decay": -exp(A_log) < 0
-DELTA_NET = COMMON + (T("attn_qkv", "conv_dim", "n_embd"), T("attn_gate", "d_inner", "n_embd"),
-                      T("ssm_conv1d", "conv_dim", "d_conv", role="conv"),
-                      T("ssm_dt", "v_heads", role="bias", suffix="bias"), BareSpec("ssm_a", ("v_heads",), role="decay"),
-                      T("ssm_beta", "v_heads", "n_embd"), T("ssm_alpha", "v_heads", "n_embd"),
-                      norm("ssm_norm", "ssm_v_dim"), T("ssm_out", "n_embd", "d_inner"))
+DELTA_MIXER = (T("attn_qkv", "conv_dim", "n_embd"), T("attn_gate", "d_inner", "n_embd"),
+               T("ssm_conv1d", "conv_dim", "d_conv", role="conv"),
+               T("ssm_dt", "v_heads", role="bias", suffix="bias"), BareSpec("ssm_a", ("v_heads",), role="decay"),
+               T("ssm_beta", "v_heads", "n_embd"), T("ssm_alpha", "v_heads", "n_embd"),
+               norm("ssm_norm", "ssm_v_dim"), T("ssm_out", "n_embd", "d_inner"))
+ATTENTION = NORMS + DENSE_FFN + ATTENTION_MIXER
+DELTA_NET = NORMS + DENSE_FFN + DELTA_MIXER
 
 
-def layer_schema(recurrent: bool) -> tuple[TensorSpec, ...]:
-    return DELTA_NET if recurrent else ATTENTION
+def layer_schema(recurrent: bool, ffn: tuple[TensorSpec, ...] = DENSE_FFN) -> tuple[TensorSpec, ...]:
+    return NORMS + ffn + (DELTA_MIXER if recurrent else ATTENTION_MIXER)
 
 
 def imrope(n_rot: int, base: float, sections: list[int]) -> Rope:
@@ -132,9 +137,10 @@ class Model(llama.Model):
     config_class = Config
     tensors = ATTENTION          # the attention layers' schema; DeltaNet layers use DELTA_NET
     state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
+    ffn_tensors = DENSE_FFN      # qwen35moe: the routed and shared experts
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
-        c = self.config = config or Config.from_gguf(f)
+        c = self.config = config or self.config_class.from_gguf(f)
         self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
         self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
         out = load_linear(f, "output.weight", required=False)
@@ -143,11 +149,11 @@ class Model(llama.Model):
         self.layers = [self._layer(f, i, dims) for i in range(c.n_layer)]
         self.rope = imrope(c.n_rot, c.rope_base, c.rope_sections)
         self.scale = attn_scale(c.head_dim)
-        self.native_plan = None
+        self.native_plan = self.build_plan()
 
     def _layer(self, f: GGUFFile, i: int, dims: dict) -> SimpleNamespace:
-        L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i]), dims))
-        L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
+        L = SimpleNamespace(**load_layer_tensors(f, i, layer_schema(self.config.recurrent[i], self.ffn_tensors), dims))
+        self._load_ffn(f, L)
         if self.config.recurrent[i]:
             L.conv = L.ssm_conv1d.dequantize().float().reshape(dims["conv_dim"], dims["d_conv"]).contiguous()
             L.ssm_a, L.ssm_dt_bias, L.ssm_norm = (t.float().contiguous() for t in (L.ssm_a, L.ssm_dt_bias, L.ssm_norm))
@@ -157,6 +163,9 @@ class Model(llama.Model):
             L.split = [dims["qg_out"], dims["kv_out"], dims["kv_out"]]
             L.w_in = llama.fuse(f, [L.attn_q, L.attn_k, L.attn_v])
         return L
+
+    def _load_ffn(self, f: GGUFFile, L) -> None:
+        L.w_gate_up = llama.fuse(f, [L.ffn_gate, L.ffn_up])
 
     @staticmethod
     def _project(L, x: torch.Tensor, parts: list) -> list[torch.Tensor]:
@@ -264,5 +273,25 @@ class Model(llama.Model):
         c = self.config
         return [0 if r else c.n_head_kv for r in c.recurrent], [0 if r else c.head_dim for r in c.recurrent]
 
-    def build_plan(self):
-        return None
+    # -- the native layer step: DeltaNet and gated attention layers in one call ------
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.n_rot % 2 or c.head_dim % 16 or c.n_rot > c.head_dim:
+            return None
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="silu", eps=c.rms_eps, scale=self.scale,
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_layer(self, i: int, L) -> dict:
+        c = self.config
+        common = dict(attn_norm=L.attn_norm, ffn_norm=L.post_attention_norm, down=L.ffn_down,
+                      **(dict(gate_up=L.w_gate_up) if L.w_gate_up is not None else dict(gate=L.ffn_gate, up=L.ffn_up)))
+        if not c.recurrent[i]:
+            qkv = dict(wqkv=L.w_in) if L.w_in is not None else dict(wq=L.attn_q, wk=L.attn_k, wv=L.attn_v)
+            return dict(common, mixer="attention", q_gate=1, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,
+                        q_norm=L.attn_q_norm, k_norm=L.attn_k_norm, wo=L.attn_output, **qkv)
+        proj = (dict(ssm_in=L.w_in) if L.w_in is not None else
+                dict(ssm_qkv=L.attn_qkv, ssm_z=L.attn_gate, ssm_beta=L.ssm_beta, ssm_alpha=L.ssm_alpha))
+        return dict(common, mixer="delta_net", n_head=0, n_kv=0, head_dim=0, ssm_hk=c.n_k_heads, ssm_hv=c.n_v_heads,
+                    ssm_dk=c.d_state, ssm_dv=c.d_inner // c.n_v_heads, d_conv=c.d_conv, conv_w=L.conv.reshape(-1),
+                    dt_bias=L.ssm_dt_bias, ssm_a=L.ssm_a, ssm_norm=L.ssm_norm, ssm_out=L.ssm_out, **proj)

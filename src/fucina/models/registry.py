@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "fucina.models.qwen2",
     "phi3": "fucina.models.phi3",
     "qwen35": "fucina.models.qwen35",
+    "qwen35moe": "fucina.models.qwen35moe",
     "deepseek2": "fucina.models.deepseek2",
     "gemma4": "fucina.models.gemma4",
     "qwen3moe": "fucina.models.qwen3moe",

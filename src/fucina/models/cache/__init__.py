@@ -181,9 +181,12 @@ class KVCache:
                 self._native = KVPointers(table.reshape(-1), self.capacity, self.geometry())
         return self._native or None
 
-    def geometry(self) -> list[tuple[int, int]]:
-        """Per layer (kv_heads, k_dim) of its K/V rows ((0, 0): no rows of its own)."""
-        return [(m.k.heads, m.k.dim) if isinstance(m, KVMemory) else (0, 0) for m in self.memories]
+    def geometry(self) -> list[tuple]:
+        """Per layer (kv_heads, k_dim) of its K/V rows ((0, 0): no rows of its own; a
+        recurrent state: ("recur", window floats, state floats))."""
+        return [(m.k.heads, m.k.dim) if isinstance(m, KVMemory)
+                else ("recur", m.conv.numel(), m.state.numel()) if isinstance(m, RecurrentState) else (0, 0)
+                for m in self.memories]
 
 
 class Q8Cache(KVCache):

@@ -347,60 +347,156 @@ class AliasKV(RowMemory):
 class RecurrentState:
     """A recurrent mixer's state (e.g. Gated DeltaNet): a conv window [conv_len, channels]
     and state matrices [heads, d_k, d_v], f32, overwritten in place each step. It cannot
-    be cut back by a length; instead a snapshot is taken at every committed position over
-    the last `horizon` positions, so a rewind within the horizon (a rejected speculation,
-    the start of the last turn) restores the snapshot. The mixer reads `span()` (the
-    current state) and stores the next with `write(pos, conv, state, inner)`; `inner`
-    are the states inside a multi-row step, (length, conv, state) each, so a rewind can
-    land inside the last step too (a rejected draft verified in one call)."""
+    be cut back by a length; instead a snapshot is kept for each committed length over the
+    last `horizon` positions, so a rewind within the horizon (a rejected speculation, the
+    start of the last turn) restores the snapshot.
+
+    Snapshots live in a pool of at most `horizon` preallocated slots ([window | state] f32
+    each): `reserve(pos, m)` frees those the step will push out of the horizon and hands
+    the step one slot per kept length (the last min(m, horizon) of pos + 1 .. pos + m).
+    The native step (csrc/fk_delta.cpp) writes them while its state is hot, through this
+    layer's entry in the cache's pointer table (window, state, slot table, keep); the torch
+    mixer passes them to `write(pos, conv, state, inner)` as (length, conv, state) each.
+    Decode so costs no allocation and no extra pass over the state.
+
+    A one-row step (decode) leaves a snapshot only at every `decode_stride`-th length: a
+    rewind between two lands on the one below and re-runs the few tokens after it (the
+    cache says which through truncate_point), while the rows of a multi-row step (prefill,
+    a speculative verify) and the length it starts from all stay rewind points. Writing the ~1 MB state of each layer
+    per token was ~10% of a Qwen3.5-0.8B decode step."""
 
     kind = "recur"
     storage = "f32"
 
-    def __init__(self, conv_len: int, channels: int, heads: int, d_k: int, d_v: int, horizon: int = 16):
-        if min(conv_len, channels, heads, d_k, d_v) < 1 or horizon < 0:
-            raise KVCacheError("recurrent state needs positive sizes and horizon >= 0")
-        self.conv = torch.zeros(conv_len, channels)
-        self.state = torch.zeros(heads, d_k, d_v)
+    def __init__(self, conv_len: int, channels: int, heads: int, d_k: int, d_v: int, horizon: int = 16,
+                 decode_stride: int = 4):
+        if min(conv_len, channels, heads, d_k, d_v, decode_stride) < 1 or horizon < 0:
+            raise KVCacheError("recurrent state needs positive sizes and stride, and horizon >= 0")
+        self.decode_stride = decode_stride
+        with torch.inference_mode(False):   # updated in place inside and outside inference
+            self.conv = torch.zeros(conv_len, channels)
+            self.state = torch.zeros(heads, d_k, d_v)
+            self._slot_ptrs = torch.zeros(max(horizon, 1), dtype=torch.int64)
         self.horizon = horizon
-        self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.inner: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # the step's, until commit
+        self.snaps: dict[int, torch.Tensor] = {}     # committed length -> its slot
+        self._free: list[torch.Tensor] = []
+        self._pool = 0                               # slots allocated
+        self._step: tuple[int, int, list[torch.Tensor], set | None] | None = None  # (pos, m, slots, filled)
         self.table_row = None
 
     def descriptor(self) -> tuple[int, ...]:
         return (self.conv.shape[0], self.conv.shape[1], self.state.shape[0],
                 self.state.shape[1] * 65536 + self.state.shape[2])
 
+    # -- slots -----------------------------------------------------------------------
+    def _views(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.conv.numel()
+        return slot[:w].view_as(self.conv), slot[w:].view_as(self.state)
+
+    def _take(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        self._pool += 1
+        with torch.inference_mode(False):
+            return torch.empty(self.conv.numel() + self.state.numel())
+
+    def _drop(self, keep) -> None:
+        for p in [p for p in self.snaps if not keep(p)]:
+            self._free.append(self.snaps.pop(p))
+
+    def _set_entry(self, keep: int) -> None:
+        if self.table_row is not None:
+            self.table_row[2] = self._slot_ptrs.data_ptr() if keep else 0
+            self.table_row[3] = keep
+
+    def _fill(self, slot: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
+        c, s = self._views(slot)
+        c.copy_(conv)
+        s.copy_(state)
+
+    # -- the step --------------------------------------------------------------------
+    def reserve(self, pos: int, m: int) -> None:
+        self._release_step()
+        keep = min(m, self.horizon)
+        if not keep:
+            return
+        if m == 1 and (pos + 1) % self.decode_stride:
+            self._step = (pos, m, [], None)      # a decode step between strided snapshots
+            return
+        end = pos + m
+        self._drop(lambda p: end - self.horizon < p <= pos)
+        if m > 1 and 0 < pos not in self.snaps and end - self.horizon < pos:   # after strided decode:
+            slot = self._take()                                      # the step can rewind to pos
+            self._fill(slot, self.conv, self.state)
+            self.snaps[pos] = slot
+        slots = [self._take() for _ in range(keep)]
+        for j, slot in enumerate(slots):
+            self._slot_ptrs[j] = slot.data_ptr()
+        self._step = (pos, m, slots, None)    # filled None: the native step writes every slot
+        self._set_entry(keep)
+
+    def _release_step(self) -> None:
+        if self._step is not None:
+            self._free.extend(self._step[2])
+            self._step = None
+        self._set_entry(0)
+
     def write(self, pos: int, conv: torch.Tensor, state: torch.Tensor, inner=()) -> None:
+        """The torch mixer's result: the state after the step, and `inner` (length, conv,
+        state) states inside it (those within the reserved kept lengths are kept)."""
         if conv.shape != self.conv.shape or state.shape != self.state.shape:
             raise KVCacheError(f"state {tuple(conv.shape)}/{tuple(state.shape)} does not fit "
                                f"{tuple(self.conv.shape)}/{tuple(self.state.shape)}")
-        if conv is not self.conv:       # a native step updates the state in place
+        if conv is not self.conv:       # the native decode call updates the state in place
             self.conv.copy_(conv)
             self.state.copy_(state)
-        if self.horizon:
-            self.inner = [(n, c.to(self.conv.dtype).clone(), s.to(self.state.dtype).clone())
-                          for n, c, s in inner if n > pos]
+        if not self.horizon:
+            return
+        inner = [(n, c, s) for n, c, s in inner if n > pos]
+        if self._step is None or self._step[0] != pos:    # written without a reservation
+            self.reserve(pos, max([n for n, _, _ in inner], default=pos + 1) - pos)
+        p0, m, slots, _ = self._step
+        first = p0 + m - len(slots) + 1
+        filled = set()
+        for n, c, s in inner:
+            if first <= n <= p0 + m:
+                self._fill(slots[n - first], c, s)
+                filled.add(n)
+        self._step = (p0, m, slots, filled)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv, self.state
-
-    def reserve(self, pos: int, m: int) -> None:
-        pass
 
     def step_limit(self) -> int:
         return NO_LIMIT
 
     def commit(self, length: int) -> None:
-        if self.horizon:
-            for n, conv, state in self.inner:
-                if length - self.horizon < n < length:
-                    self.snaps[n] = (conv, state)
-            self.inner = []
-            self.snaps[length] = (self.conv.clone(), self.state.clone())
-            for p in [p for p in self.snaps if p <= length - self.horizon or p > length]:
-                del self.snaps[p]
+        if not self.horizon:
+            return
+        step, self._step = self._step, None
+        self._set_entry(0)
+        if step is not None and step[0] + step[1] == length:
+            _, _, slots, filled = step
+            first = length - len(slots) + 1
+            for j, slot in enumerate(slots):
+                n = first + j
+                if filled is not None and n not in filled:
+                    if n != length:
+                        self._free.append(slot)
+                        continue
+                    self._fill(slot, self.conv, self.state)
+                self._drop(lambda p, n=n: p != n)   # a stale snapshot of the same length
+                self.snaps[n] = slot
+        else:                               # no step reserved (a copy, a restore): the state now
+            if step is not None:
+                self._free.extend(step[2])
+            self._drop(lambda p: p != length)
+            slot = self._take()
+            self._fill(slot, self.conv, self.state)
+            self.snaps[length] = slot
+        self._drop(lambda p: length - self.horizon < p <= length)
 
+    # -- rewinds ---------------------------------------------------------------------
     def can_truncate(self, keep: int, length: int) -> bool:
         return keep >= length or keep == 0 or keep in self.snaps
 
@@ -411,30 +507,29 @@ class RecurrentState:
         return max(0, self.horizon - 1)    # snapshots kept: the last `horizon` lengths
 
     def truncate(self, keep: int) -> None:
-        self.inner = []
+        self._release_step()
         if keep == 0:
             self.conv.zero_()
             self.state.zero_()
-            self.snaps.clear()
+            self._drop(lambda p: False)
             return
-        conv, state = self.snaps[keep]
+        conv, state = self._views(self.snaps[keep])
         self.conv.copy_(conv)
         self.state.copy_(state)
-        for p in [p for p in self.snaps if p > keep]:
-            del self.snaps[p]
+        self._drop(lambda p: p <= keep)
 
     def copy_from(self, src: "RecurrentState", start: int, end: int) -> None:
         if not isinstance(src, RecurrentState) or src.descriptor() != self.descriptor():
             raise KVCacheError("copy_rows: cache geometry or type differs")
         if end not in src.snaps:
             raise KVCacheError(f"copy_rows: the source state has no snapshot at {end}")
-        self.conv.copy_(src.snaps[end][0])
-        self.state.copy_(src.snaps[end][1])
+        conv, state = src._views(src.snaps[end])
+        self.conv.copy_(conv)
+        self.state.copy_(state)
         self.commit(end)
 
     def nbytes(self) -> int:
-        one = (self.conv.numel() + self.state.numel()) * 4
-        return one * (1 + len(self.snaps))
+        return (self.conv.numel() + self.state.numel()) * 4 * (1 + self._pool)
 
     def bytes_per_position(self) -> int:
         return 0
@@ -452,5 +547,7 @@ class RecurrentState:
     def restore(self, n: int, parts: list[torch.Tensor]) -> None:
         pass    # kv_persist copies state_parts() in, then the cache commits n
 
-    def native_entry(self):
-        return None
+    def native_entry(self) -> tuple[int, int, int, int]:
+        """(window, state, snapshot slot table, keep): keep is set per step by reserve."""
+        keep = len(self._step[2]) if self._step is not None else 0
+        return (self.conv.data_ptr(), self.state.data_ptr(), self._slot_ptrs.data_ptr() if keep else 0, keep)
