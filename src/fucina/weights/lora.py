@@ -26,6 +26,7 @@ import torch
 
 from fucina.errors import FucinaError
 from fucina.gguf import GGMLType, GGUFFile
+from fucina.weights.experts import ExpertStack
 from fucina.weights.linear import LinearWeight
 
 
@@ -40,9 +41,10 @@ def layer_weights(layer) -> dict[str, LinearWeight]:
 
 def weight_owners(layer) -> list[object]:
     """The layer and the objects one attribute down that hold its weights (deepseek2's MLA
-    weights sit in `layer.attn`, a MoE layer's expert stacks in `layer.experts`)."""
+    weights sit in `layer.attn`, a MoE layer's expert stacks in `layer.experts`). An expert
+    stack is a weight, not an owner: its `whole` is the same bytes as its experts."""
     return [layer] + [v for v in vars(layer).values()
-                      if hasattr(v, "__dict__") and not isinstance(v, (LinearWeight, torch.Tensor, type))]
+                      if hasattr(v, "__dict__") and not isinstance(v, (LinearWeight, ExpertStack, torch.Tensor, type))]
 
 
 def weight_slots(layer) -> list[tuple[object, str, LinearWeight]]:
