@@ -102,3 +102,17 @@ def test_a_failing_pass_rewinds_the_speculative_stream(synth_llm, monkeypatch):
         assert slot.cache.len <= len(slot.tokens)
         monkeypatch.setattr(engine_mod, "ragged_step", real)
         assert complete(url, looping(1, n_vocab)) == complete(url, looping(1, n_vocab))
+
+
+def test_the_draft_budget_weighs_the_rows_a_shared_pass_already_carries():
+    from fucina.text.speculative import CostGate
+
+    g = CostGate(max_draft=8, timed=False)
+    assert g.budget(0) == g.budget()                 # alone: the solo budget
+    for _ in range(4):
+        g.settle(4, 2, 3)                            # 50% acceptance
+    assert g.budget(0) >= 1
+    assert g.budget(3) == 0       # 3 other rows: a draft pushes the pass past 4 rows and does not pay
+    for _ in range(16):
+        g.settle(4, 4, 5)                            # every draft token accepted
+    assert g.budget(1) >= 2 and g.budget(3) >= 4     # then drafting pays in a batch too

@@ -486,11 +486,19 @@ class Engine:
         keep: list[_Stream] = []
         segments: list[tuple[_Stream, list[int]]] = []
         sampled = 0
+        # rows this pass will carry besides a speculative stream's own (its draft budget
+        # weighs them: past 4 rows a pass costs a step more): one per other decoding
+        # stream, or its segment once planned, and the prefill rows that fit
+        decoding = sum(s.logits is not None or s.gen is not None for s in live)
+        prefill_rows = min(self.chunk, sum(len(s.pending) for s in live))
         for s in live:
             if s.job.cancelled:
                 self._finish(s)
                 continue
             if s.logits is not None or s.gen is not None:
+                decoding -= 1
+                if s.batched:
+                    s.spec.decoder.shared_rows = sum(len(t) for _, t in segments) + decoding + prefill_rows
                 had = len(s.rd.reply.tokens)
                 try:   # a speculative stream's verify rows ride this pass when `batched`
                     if s.spec is None:

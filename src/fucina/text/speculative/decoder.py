@@ -103,6 +103,7 @@ class SpeculativeDecoder:
         self.topk_feedback, self.pin_rows, self.enabled = topk_feedback, pin_rows, enabled
         self.gate = gate if gate is not None else CostGate(max_draft=max_draft, min_draft=min_draft)
         self.strong_match = 8   # a match this long re-probes a gated-off decoder at once
+        self.shared_rows = 0    # rows other streams put in this step's pass (set by the server)
         self.stats = Stats()
 
     # -- one reply -------------------------------------------------------------------
@@ -237,7 +238,7 @@ class SpeculativeDecoder:
             s.disabled_steps += 1
             self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
-        room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - n_carried,
+        room = min(self.max_draft, self.gate.budget(self.shared_rows), cache.capacity - cache.len - n_carried,
                    rd.max_tokens - len(rd.reply.tokens) - 1,
                    cache.rewind_reach() - n_carried)   # a recurrent state rewinds only within its snapshots
         if room < self.min_draft:

@@ -138,19 +138,26 @@ class CostGate:
         if self.off_for == 0 and not self.on and not self.probing:
             self.probing = self.probe_steps
 
-    def budget(self) -> int:
+    def budget(self, shared: int = 0) -> int:
         """Draft tokens worth verifying: the k maximising expected committed tokens per
-        cost under the rolling acceptance rate a (each draft token survives with a)."""
-        if not self.adapt_budget:
+        cost under the rolling acceptance rate a (each draft token survives with a).
+        `shared`: rows other streams put in the same pass (the server's batch); then the
+        pass's cost is that of all its rows, and k = 0 (no draft) wins when the drafts
+        would cost the batch more than they commit (past 4 rows a pass costs a step more)."""
+        if not self.adapt_budget and not shared:
             return self.max_draft
         a = min(self.acceptance(), 0.999) if len(self.window) >= 2 else 0.6   # a prior until measured
-        best_k, best = self.max_draft, -1.0
+        best_k, best = (0, (shared + 1) / self.pass_cost(shared + 1)) if shared else (self.max_draft, -1.0)
         expect, p = 1.0, 1.0
         for k in range(1, self.max_draft + 1):
             p *= a
             expect += p
             if k >= self.min_draft:
-                value = expect / self.cost(k)
+                value = (shared + expect) / self.pass_cost(shared + 1 + k) if shared else expect / self.cost(k)
                 if value > best + 1e-9:
                     best_k, best = k, value
         return best_k
+
+    def pass_cost(self, rows: int) -> float:
+        """A pass of `rows` rows (any streams) in plain steps: the table's 1 + k rows."""
+        return table_cost(self.table, rows - 1)
