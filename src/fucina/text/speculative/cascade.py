@@ -25,6 +25,7 @@ from fucina.text.speculative.source import DraftSource
 
 GATE_WINDOW = 64
 GATE_DECIDE_AFTER = 16
+ANCHORED_MATCH = 16   # the evidence an aligned anchored document (a prediction) counts as
 
 
 class Gate:
@@ -142,8 +143,14 @@ class SpeculationIndex(DraftSource):
         return draft
 
     def match_len(self) -> int:
+        """The longest exact match a draft would follow; an anchored document the reply
+        is following counts as a long one (its draft is the reply to come)."""
         best = 0 if self.conv_gate.muted() else self.conv.match_len()
-        return max([best] + [r.cursor.len for r in self.refs if not r.gate.muted()])
+        for r in self.refs:
+            if not r.gate.muted():
+                aligned = r.anchor is not None and r.anchor < r.index.token_count()
+                best = max(best, ANCHORED_MATCH if aligned else r.cursor.len)
+        return best
 
     def truncate_pending(self, new_len: int) -> None:
         if self._pending is not None:

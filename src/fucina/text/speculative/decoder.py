@@ -34,7 +34,7 @@ import torch
 
 from fucina.errors import FucinaError
 from fucina.text.generate import Reply, ReplyDecoder
-from fucina.text.speculative.gate import CostGate
+from fucina.text.speculative.gate import CostGate, match_bucket
 from fucina.text.speculative.source import DraftSource
 
 
@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         self.gate = gate if gate is not None else CostGate(max_draft=max_draft, min_draft=min_draft)
         self.strong_match = 8   # a match this long re-probes a gated-off decoder at once
         self.shared_rows = 0    # rows other streams put in this step's pass (set by the server)
+        self._bucket = 0        # match_bucket of the pending draft's evidence
         self.stats = Stats()
 
     # -- one reply -------------------------------------------------------------------
@@ -238,7 +239,8 @@ class SpeculativeDecoder:
             s.disabled_steps += 1
             self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
-        room = min(self.max_draft, self.gate.budget(self.shared_rows), cache.capacity - cache.len - n_carried,
+        self._bucket = match_bucket(self.source.match_len())
+        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), cache.capacity - cache.len - n_carried,
                    rd.max_tokens - len(rd.reply.tokens) - 1,
                    cache.rewind_reach() - n_carried)   # a recurrent state rewinds only within its snapshots
         if room < self.min_draft:
@@ -291,7 +293,7 @@ class SpeculativeDecoder:
                 s.bonus += 1
             elif n_acc < len(committed):
                 s.rejected_steps += 1
-            self.gate.settle(len(draft), n_acc, len(committed))
+            self.gate.settle(len(draft), n_acc, len(committed), self._bucket)
         self._observe(committed)
 
     def _observe(self, committed: Sequence[int]) -> None:
