@@ -53,15 +53,14 @@ def looping(seed: int, n_vocab: int) -> list[int]:
     return unit * 4
 
 
-def test_spec_streams_in_the_batch_pass_equal_the_plain_server(synth_llm, monkeypatch):
-    n_vocab = synth_llm.tokenizer.n_vocab
-    reqs = [(looping(1, n_vocab), {}), (looping(2, n_vocab), {"temperature": 0.9, "seed": 5}),
-            (prompt(3, 11, n_vocab), {}), (looping(4, n_vocab), {"temperature": 0.7, "top_k": 5, "seed": 2}),
-            (looping(1, n_vocab)[:20], {"speculative": False})]
-    with live(Server.from_llm(synth_llm, slots=5, batch=5)) as url:      # the plain server, one at a time
+def check_batched_spec_equals_plain(llm, monkeypatch, reqs, pause: float) -> None:
+    """`reqs` ((prompt, options) each) sent one at a time to a plain server, then all at
+    once to a --spec server: the same texts, tokens and logprobs; some verify rows rode
+    a shared pass and some drafts were accepted."""
+    with live(Server.from_llm(llm, slots=len(reqs), batch=len(reqs))) as url:
         want = [complete(url, ids, **kw) for ids, kw in reqs]
-    spy = PassSpy(monkeypatch, 0.003)
-    server = Server.from_llm(synth_llm, slots=5, batch=5, spec=True)
+    spy = PassSpy(monkeypatch, pause)
+    server = Server.from_llm(llm, slots=len(reqs), batch=len(reqs), spec=True)
     with live(server) as url:
         gate = threading.Barrier(len(reqs))
 
@@ -77,6 +76,26 @@ def test_spec_streams_in_the_batch_pass_equal_the_plain_server(synth_llm, monkey
     assert shared, "no speculative verify rode a shared batch pass"
     specs = [s.spec for s in server.engine.pool.slots if getattr(s, "spec", None) is not None]
     assert sum(sp.stats.accepted for sp in specs) > 0
+
+
+def test_spec_streams_in_the_batch_pass_equal_the_plain_server(synth_llm, monkeypatch):
+    n_vocab = synth_llm.tokenizer.n_vocab
+    reqs = [(looping(1, n_vocab), {}), (looping(2, n_vocab), {"temperature": 0.9, "seed": 5}),
+            (prompt(3, 11, n_vocab), {}), (looping(4, n_vocab), {"temperature": 0.7, "top_k": 5, "seed": 2}),
+            (looping(1, n_vocab)[:20], {"speculative": False})]
+    check_batched_spec_equals_plain(synth_llm, monkeypatch, reqs, pause=0.003)
+
+
+@pytest.mark.slow
+def test_spec_streams_in_the_batch_pass_equal_the_plain_server_smollm2(smollm2_path, monkeypatch):
+    from fucina.text.api import load
+
+    copy = ("Repeat exactly: It was the best of times, it was the worst of times, it was the age of "
+            "wisdom, it was the age of foolishness.\nIt was the best of times,")
+    reqs = [(copy, {}), (copy, {"temperature": 0.8, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1,
+                                "seed": 7}),
+            ("Once upon a time", {}), (copy, {"stop": ["foolish"]})]
+    check_batched_spec_equals_plain(load(smollm2_path, n_ctx=512), monkeypatch, reqs, pause=0.0)
 
 
 def test_a_failing_pass_rewinds_the_speculative_stream(synth_llm, monkeypatch):
