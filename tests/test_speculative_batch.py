@@ -57,6 +57,9 @@ def check_batched_spec_equals_plain(llm, monkeypatch, reqs, pause: float) -> Non
     """`reqs` ((prompt, options) each) sent one at a time to a plain server, then all at
     once to a --spec server: the same texts, tokens and logprobs; some verify rows rode
     a shared pass and some drafts were accepted."""
+    import fucina.text.speculative.gate as gate_mod
+
+    monkeypatch.setattr(gate_mod, "SHARED_MARGIN", 0.0)   # the rows, not the economics, are under test
     with live(Server.from_llm(llm, slots=len(reqs), batch=len(reqs))) as url:
         want = [complete(url, ids, **kw) for ids, kw in reqs]
     spy = PassSpy(monkeypatch, pause)
@@ -126,7 +129,7 @@ def test_a_failing_pass_rewinds_the_speculative_stream(synth_llm, monkeypatch):
 def test_the_draft_budget_weighs_the_rows_a_shared_pass_already_carries():
     from fucina.text.speculative import CostGate
 
-    g = CostGate(max_draft=8, timed=False)
+    g = CostGate(max_draft=16, timed=False)
     assert g.budget(0) == g.budget()                 # alone: the solo budget
     for _ in range(4):
         g.settle(4, 2, 3)                            # 50% acceptance

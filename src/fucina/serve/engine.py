@@ -512,6 +512,8 @@ class Engine:
                     continue
                 if s.spec is not None:
                     sampled += len(s.rd.reply.tokens) - had
+                    if not had and s.rd.reply.tokens:
+                        self.metrics.first_token(time.monotonic() - s.job.enqueued)
                 if tok is None:
                     self._finish(s)
                     continue

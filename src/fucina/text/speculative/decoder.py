@@ -242,7 +242,8 @@ class SpeculativeDecoder:
         self._bucket = match_bucket(self.source.match_len())
         room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), cache.capacity - cache.len - n_carried,
                    rd.max_tokens - len(rd.reply.tokens) - 1,
-                   cache.rewind_reach() - n_carried)   # a recurrent state rewinds only within its snapshots
+                   cache.rewind_reach() - n_carried,   # a recurrent state rewinds only within its snapshots
+                   cache.step_limit() - n_carried)     # one pass's rows (a window memory's slack)
         if room < self.min_draft:
             s.fallback_steps += 1
             return []
