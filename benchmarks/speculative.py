@@ -2,6 +2,7 @@
 
     python benchmarks/speculative.py [MODEL.gguf ...] [--reps 2] [--max-tokens 160] [--threads 2]
                                      [--json OUT] [--exact] [--costs] [--llama-server DIR]
+                                     [--serve 1,4]
 
 Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
 about a given document, a multi-turn chat whose last turn quotes the first, a free-form
@@ -11,7 +12,10 @@ the identical prefill is left out; on one thread in process CPU time) plain and
 speculative, their ratio (median over reps), draft acceptance, tokens per forward pass, and whether the two token streams
 were identical. `--exact` verifies row by row (bitwise single steps on any kernels: the
 streams must be identical; no speedup expected). `--costs` prints the measured cost of a
-verify pass of 1 + k rows in plain steps (the CostGate's table).
+verify pass of 1 + k rows in plain steps (the CostGate's table). `--serve 1,4` measures
+the server instead (the engine and its worker thread in process, no HTTP): aggregate
+completion tokens/s with 1 and with 4 requests at once, plain against `--spec` (the
+speculative streams' verify rows riding the ragged batch pass).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import fucina
@@ -152,6 +157,80 @@ def costs(path: str, ks=(1, 2, 3, 4, 6, 8, 12, 16), reps: int = 9) -> dict:
     return res
 
 
+def serve_once(llm, prompts, spec: bool, max_tokens: int, batch: int) -> dict:
+    """All `prompts` submitted at once to an in-process engine (`--batch batch`, the
+    scheduler's worker thread: the server minus HTTP), greedy; aggregate completion
+    tokens over the run's time (process CPU time on one thread)."""
+    from fucina.serve.engine import Engine, Finished, GenRequest, Job, Scheduler
+    from fucina.text.sampler import SamplingConfig
+
+    clock = decode_clock()
+    eng = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=1024, slots=batch, batch=batch, spec=spec)
+    sched = Scheduler(eng)
+    done, replies = threading.Semaphore(0), [None] * len(prompts)
+
+    def sink_for(i):
+        def sink(ev):
+            if isinstance(ev, Finished):
+                replies[i] = ev.reply
+                done.release()
+        return sink
+    sched.start()
+    t0 = clock()
+    for i, ids in enumerate(prompts):
+        sched.submit(Job(GenRequest(ids, max_tokens, SamplingConfig(temperature=0.0),
+                                    stop_ids=eng.stop_ids), sink_for(i)))
+    for _ in prompts:
+        done.acquire()
+    t1 = clock()
+    sched.stop()
+    n = sum(len(r.tokens) for r in replies)
+    row = {"tokens": n, "tok_s": n / (t1 - t0), "ids": [list(r.tokens) for r in replies]}
+    if spec:
+        st = [s.spec.stats for s in eng.pool.slots if getattr(s, "spec", None) is not None]
+        drafted, acc = sum(x.drafted for x in st), sum(x.accepted for x in st)
+        row.update(acceptance=acc / drafted if drafted else 0.0,
+                   tokens_per_step=sum(x.committed for x in st) / max(1, sum(x.steps for x in st)))
+    return row
+
+
+def bench_serve(path: str, reps: int, max_tokens: int, names, widths) -> list[dict]:
+    """Server throughput, plain against --spec, paired (A B A B), with 1 and N requests
+    at once: N requests cycle through the workloads (single-turn ones)."""
+    from fucina.serve.prompt import render_chat
+
+    llm = fucina.load(path)
+    single = [n for n in names if len(WORKLOADS[n]) == 1 and n not in OPTIONS]
+
+    class _E:             # render_chat reads the engine's template and tokenizer
+        template, tokenizer = llm.template, llm.tokenizer
+    ids = {n: render_chat(_E, [{"role": "user", "content": WORKLOADS[n][0]}]).ids for n in single}
+    serve_once(llm, [ids[single[0]]], True, 8, 1)       # warm-up
+    out = []
+    for width in widths:
+        for start in range(len(single) if width == 1 else 1):
+            prompts = [ids[single[(start + j) % len(single)]] for j in range(width)]
+            runs = {False: [], True: []}
+            for _ in range(reps):
+                for spec in (False, True):
+                    runs[spec].append(serve_once(llm, prompts, spec, max_tokens, width))
+            p, s = runs[False], runs[True]
+            label = single[start] if width == 1 else "+".join(single[:width] if width <= len(single)
+                                                                else single) + f" x{width}"
+            out.append({"model": os.path.basename(path), "requests": width, "workload": label,
+                        "tokens": s[-1]["tokens"],
+                        "plain_tok_s": statistics.median(r["tok_s"] for r in p),
+                        "spec_tok_s": statistics.median(r["tok_s"] for r in s),
+                        "speedup": statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(p, s)),
+                        "acceptance": s[-1]["acceptance"], "tokens_per_step": s[-1]["tokens_per_step"],
+                        "identical": all(a["ids"] == b["ids"] for a, b in zip(p, s))})
+            r = out[-1]
+            print(f"serve {r['model']:<32} {width} req {label:<34} {r['tokens']:>4} tok  plain "
+                  f"{r['plain_tok_s']:6.1f}  spec {r['spec_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
+                  f"accept {r['acceptance']:.0%}  identical {r['identical']}", flush=True)
+    return out
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """user + system CPU time of a process (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as fh:
@@ -234,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", metavar="DIR", help="instead: llama.cpp's llama-server from DIR "
                     "(runnable copy, e.g. tests/oracle.py's oracle_dir()) with --spec-type none / "
                     "ngram-simple / ngram-mod on the same prompts")
+    ap.add_argument("--serve", metavar="N,...", help="instead: server throughput (in-process engine, "
+                    "--batch N) plain vs --spec with N requests at once, for each N (e.g. 1,4)")
     ap.add_argument("--llama-types", default="none,ngram-simple,ngram-mod",
                     help="the --spec-type values to run with --llama-server (comma-separated)")
     a = ap.parse_args(argv)
@@ -254,7 +335,11 @@ def main(argv=None) -> int:
     Speculation.pin_rows_default = a.exact
     rows = []
     for path in a.models:
-        rows += bench_model(path, a.reps, a.max_tokens, a.workloads.split(","))
+        if a.serve:
+            rows += bench_serve(path, a.reps, a.max_tokens, a.workloads.split(","),
+                                [int(w) for w in a.serve.split(",")])
+        else:
+            rows += bench_model(path, a.reps, a.max_tokens, a.workloads.split(","))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -474,3 +474,17 @@ def test_fast_forwarding_grammar_equals_the_plain_loop(tiny):
         run(decode(tiny, cache, history, logits, sampler, FakeTokenizer(), max_tokens=20, spec=spec))
         runs.append((history, sampler.draws))
     assert runs[0] == runs[1] and runs[0][0].count(97) >= 3
+
+
+def test_cost_gate_budgets_by_the_match_behind_the_draft():
+    from fucina.text.speculative.gate import BUCKET_PROBE, match_bucket
+
+    g = CostGate(max_draft=8, timed=False)
+    short, long_ = match_bucket(1), match_bucket(12)
+    assert short != long_
+    for _ in range(6):
+        g.settle(2, 0, 1, short)            # drafts after a short match: never accepted
+        g.settle(4, 4, 5, long_)            # after a long one: always
+    assert g.budget(0, long_) >= 3          # long matches draft long
+    skipped = [g.budget(0, short) for _ in range(BUCKET_PROBE)]   # a plain step instead of a losing verify,
+    assert skipped[:-1] == [0] * (BUCKET_PROBE - 1) and skipped[-1] >= 1   # then a re-probe

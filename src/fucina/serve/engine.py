@@ -25,6 +25,9 @@ min(prompt + max_tokens, n_ctx) positions and waits in the queue while the runni
 streams' reservations would exceed `kv_budget`. Sampling is per stream (its own
 sampler and logits row), so a stream's tokens do not depend on its neighbours beyond
 what the batched kernels do (bit-equal rows where the kernels are batch-invariant).
+A speculative stream (serve --spec, a request's `speculative`, a prediction) adds its
+verify rows [carried, draft...] to the same pass and walks them at the next step (the
+decoder's `steps` protocol); where rows are not invariant it verifies on its own.
 
 Failures are per stream: a bad prompt, a sampler error, a cancelled client or a
 segment that fails on the torch path finishes that stream alone; only a failing
@@ -266,9 +269,12 @@ class _Stream:
         self.logits: torch.Tensor | None = None
         self.sent = 0           # logprob entries already handed out
         self.live = True
-        self.spec, self.gen = None, None   # speculative: it decodes outside the ragged pass
+        self.spec, self.gen = None, None   # speculative: the decoder's generator
+        self.verify = None                 # its verify request riding this step's pass
+        self.batched = False               # True: verify rows ride the ragged pass
         if req.references or (engine.spec if req.speculative is None else req.speculative):
             self.spec = engine.slot_speculation(slot, req.references)
+            self.batched = self.spec.batchable(engine.model, slot.cache)
 
     @property
     def cache(self):
@@ -299,22 +305,46 @@ class _Stream:
         self.logits = logits
 
     def spec_step(self) -> bool | None:
-        """Run the speculative decoder (its own verify passes) to its next piece; None
-        when the reply is over."""
+        """Run the speculative decoder (its own verify passes, row by row where rows are
+        not invariant) to its next piece; None when the reply is over."""
         if self.gen is None:
             self.gen = self.spec.drive(self.engine.model, self.rd, self.logits)
             self.logits = None
         try:
-            piece = next(self.gen)
+            self._emit(next(self.gen))
         except StopIteration:
-            if self.job.req.references:
-                self.rd.reply.prediction = self.spec.prediction_counts()
+            self._predicted()
             return None
+        return True
+
+    def spec_segment(self) -> list[int] | None:
+        """Advance the speculative decoder to its next verify request, streaming what it
+        commits on the way (the rows of the last pass are walked here); the request's
+        [carried, draft...] tokens ride this step's ragged pass. None: the reply is over."""
+        if self.gen is None:
+            self.gen = self.spec.steps(self.engine.model, self.rd, self.logits)
+            self.logits = None
+        self.verify = None
+        try:
+            while True:
+                item = next(self.gen)
+                if not isinstance(item, str):
+                    self.verify = item
+                    return item.tokens
+                self._emit(item)
+        except StopIteration:
+            self._predicted()
+            return None
+
+    def _predicted(self) -> None:
+        if self.job.req.references:
+            self.rd.reply.prediction = self.spec.prediction_counts()
+
+    def _emit(self, piece: str) -> None:
         n = len(self.rd.reply.tokens)
         lps = self.sampler.entries[self.sent:n] if self.sampler.top is not None else []
         self.sent = max(self.sent, n)
         self.job.sink(Piece(piece, lps))
-        return True
 
     def sample(self) -> int | None:
         """Sample the next token from `logits` and stream its text; None: the reply is over."""
@@ -324,10 +354,7 @@ class _Stream:
         if first:
             self.engine.metrics.first_token(time.monotonic() - self.job.enqueued)
         if piece:
-            n = len(self.rd.reply.tokens)
-            lps = self.sampler.entries[self.sent:n] if self.sampler.top is not None else []
-            self.sent = max(self.sent, n)
-            self.job.sink(Piece(piece, lps))
+            self._emit(piece)
         return tok
 
 
@@ -459,24 +486,42 @@ class Engine:
         keep: list[_Stream] = []
         segments: list[tuple[_Stream, list[int]]] = []
         sampled = 0
+        # rows this pass will carry besides a speculative stream's own (its draft budget
+        # weighs them: past 4 rows a pass costs a step more): one per other decoding
+        # stream, or its segment once planned, and the prefill rows that fit
+        decoding = sum(s.logits is not None or s.gen is not None for s in live)
+        prefill_rows = min(self.chunk, sum(len(s.pending) for s in live))
         for s in live:
             if s.job.cancelled:
                 self._finish(s)
                 continue
             if s.logits is not None or s.gen is not None:
-                try:   # a speculative stream runs its own verify passes, outside this one
-                    tok = s.spec_step() if s.spec is not None else s.sample()
+                decoding -= 1
+                if s.batched:
+                    s.spec.decoder.shared_rows = sum(len(t) for _, t in segments) + decoding + prefill_rows
+                had = len(s.rd.reply.tokens)
+                try:   # a speculative stream's verify rows ride this pass when `batched`
+                    if s.spec is None:
+                        tok = s.sample()
+                    else:
+                        tok = s.spec_segment() if s.batched else s.spec_step()
                 except Exception as e:
                     if not isinstance(e, FucinaError):
                         log.exception("decode step failed")
                     self._finish(s, e)
                     continue
+                if s.spec is not None:
+                    sampled += len(s.rd.reply.tokens) - had
+                    if not had and s.rd.reply.tokens:
+                        self.metrics.first_token(time.monotonic() - s.job.enqueued)
                 if tok is None:
                     self._finish(s)
                     continue
                 if s.spec is None:
                     sampled += 1
                     segments.append((s, [tok]))
+                elif s.batched:
+                    segments.append((s, tok))
             keep.append(s)
         if sampled:
             self.metrics.generated(sampled)
@@ -488,8 +533,11 @@ class Engine:
         if not segments:
             return keep
         want = [not s.pending or len(t) == len(s.pending) for s, t in segments]
+        every = [s.verify is not None and not s.pending for s, _ in segments]
+        verify = [every] if any(every) else []       # a plain batch makes the plain call
+        t0 = time.perf_counter()
         try:
-            out = ragged_step(self.model, [s.cache for s, _ in segments], [t for _, t in segments], want)
+            out = ragged_step(self.model, [s.cache for s, _ in segments], [t for _, t in segments], want, *verify)
         except Exception as e:             # the shared pass failed: its streams end
             log.exception("forward failed")
             failed = {id(s) for s, _ in segments}
@@ -506,6 +554,10 @@ class Engine:
                 del s.pending[:len(toks)]
                 if not s.pending:
                     s.prefilled(o)
+            elif s.verify is not None:
+                s.verify.rows = o          # walked by the decoder at the next step
+                if len(segments) == 1:     # timed only alone: a shared pass is not its cost
+                    s.verify.seconds = time.perf_counter() - t0
             else:
                 s.logits = o
         keep = [s for s in keep if s.live]

@@ -11,12 +11,13 @@ N sequential `forward_step` calls (correct, no weight-pass saving).
 `generate_batch` drives it: per-stream prefill, then lockstep sampling with one
 Sampler per stream, each stream stopping on its own.
 
-`ragged_step(model, caches, tokens, want)` is the server's pass: segment s appends
+`ragged_step(model, caches, tokens, want[, every_row])` is the server's pass: segment s appends
 tokens[s] (one token for a decoding stream, a chunk of prompt for a prefilling one)
 to caches[s]. With the native layer step it is ONE weight pass over all rows: the
 step's batch mode takes a cache and a position per row, stores every row's K/V
 before any row attends, so the rows of a chunk repeat their cache at consecutive
-positions and each attends causally over what precedes it. Without it (torch blocks,
+positions and each attends causally over what precedes it (a speculative stream's verify
+segment takes every row's logits: `every_row`). Without it (torch blocks,
 q8_0 caches, models without the batch entry point) the decode rows go as one
 `forward_step_batch` and each prefill chunk as its own `forward_step`, failures
 isolated per segment.
@@ -73,26 +74,29 @@ def native_rows(model, caches: Sequence):
     return ptrs if all(p is not None for p in ptrs) else None
 
 
-def ragged_step(model, caches: Sequence, tokens: Sequence[Sequence[int]],
-                want: Sequence[bool]) -> list[torch.Tensor | None | SegmentError]:
+def ragged_step(model, caches: Sequence, tokens: Sequence[Sequence[int]], want: Sequence[bool],
+                every_row: Sequence[bool] = ()) -> list[torch.Tensor | None | SegmentError]:
     """Append tokens[s] to caches[s] (at caches[s].len) for every segment s in one pass
     where the model allows; return segment s's last-position logits [n_vocab] where
-    want[s], else None. A segment that failed alone comes back as a SegmentError (the
-    caller rewinds its cache); a failure of the shared pass raises."""
-    if not caches or not (len(caches) == len(tokens) == len(want)):
-        raise FucinaError(f"ragged step: {len(caches)} caches, {len(tokens)} segments, {len(want)} flags")
+    want[s], else None; where every_row[s], the logits of all its rows [len, n_vocab]
+    (a speculative stream's verify rows). A segment that failed alone comes back as a
+    SegmentError (the caller rewinds its cache); a failure of the shared pass raises."""
+    every_row = list(every_row) or [False] * len(caches)
+    if not caches or not (len(caches) == len(tokens) == len(want) == len(every_row)):
+        raise FucinaError(f"ragged step: {len(caches)} caches, {len(tokens)} segments, {len(want)} flags, "
+                          f"{len(every_row)} every-row flags")
     if len({id(c) for c in caches}) != len(caches):
         raise KVCacheError("ragged step: the same cache appears twice")
     if any(len(t) == 0 for t in tokens):
         raise FucinaError("ragged step: an empty segment")
     ptrs = native_rows(model, caches)
     if ptrs is not None:
-        return _ragged_native(model, caches, tokens, want, ptrs)
-    return _ragged_split(model, caches, tokens, want)
+        return _ragged_native(model, caches, tokens, want, ptrs, every_row)
+    return _ragged_split(model, caches, tokens, want, every_row)
 
 
 @torch.inference_mode()
-def _ragged_native(model, caches, tokens, want, ptrs) -> list[torch.Tensor | None]:
+def _ragged_native(model, caches, tokens, want, ptrs, every_row) -> list[torch.Tensor | None]:
     for c, t in zip(caches, tokens):
         if len(t) > c.step_limit():
             raise FucinaError(f"ragged step: a segment of {len(t)} rows exceeds the cache's step "
@@ -100,26 +104,28 @@ def _ragged_native(model, caches, tokens, want, ptrs) -> list[torch.Tensor | Non
         c.reserve(len(t))     # a window memory makes room here (its table follows)
     flat = [int(i) for t in tokens for i in t]
     x = model.embed(as_ids(flat, model.config.n_vocab)).float().contiguous()
-    rows, positions, last = [], [], []
-    for c, p, t in zip(caches, ptrs, tokens):
+    rows, positions, picked, spans = [], [], [], []
+    for c, p, t, w, every in zip(caches, ptrs, tokens, want, every_row):
+        first = len(positions)
         rows += [p] * len(t)
         positions += range(c.len, c.len + len(t))
-        last.append(len(positions) - 1)
+        spans.append((len(picked), every, w))
+        picked += range(first, len(positions)) if every else [len(positions) - 1] if w else []
     end = max(positions) + 1
     model.native_plan.run_batch(x, rows, positions, [t.table(end) for t in model.rope_tables()])
     for c, t in zip(caches, tokens):
         c.advance(len(t))
-    picked = [r for r, w in zip(last, want) if w]
     out: list[torch.Tensor | None] = [None] * len(caches)
     if picked:
-        logits = iter(model.head(x[picked]))
-        out = [next(logits) if w else None for w in want]
+        logits = model.head(x[picked])
+        out = [logits[at:at + len(t)] if every else logits[at] if w else None
+               for (at, every, w), t in zip(spans, tokens)]
     return out
 
 
-def _ragged_split(model, caches, tokens, want) -> list[torch.Tensor | None | SegmentError]:
+def _ragged_split(model, caches, tokens, want, every_row) -> list[torch.Tensor | None | SegmentError]:
     out: list[torch.Tensor | None | SegmentError] = [None] * len(caches)
-    decode = [s for s, t in enumerate(tokens) if len(t) == 1]
+    decode = [s for s, t in enumerate(tokens) if len(t) == 1 and not every_row[s]]
     if len(decode) > 1:
         logits = forward_step_batch(model, [caches[s] for s in decode], [tokens[s][0] for s in decode])
         for row, s in enumerate(decode):
@@ -131,7 +137,10 @@ def _ragged_split(model, caches, tokens, want) -> list[torch.Tensor | None | Seg
         if s in done:
             continue
         try:
-            logits = model.forward_step(c, list(t), c.len)
+            if every_row[s]:
+                logits = model.forward_step_all_logits(c, list(t), c.len)
+            else:
+                logits = model.forward_step(c, list(t), c.len)
         except Exception as e:          # this segment alone
             out[s] = SegmentError(e)
             continue

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from fucina import kernels
 from fucina.text.speculative.cascade import Gate, SpeculationIndex
-from fucina.text.speculative.decoder import SpeculativeDecoder, Stats
+from fucina.text.speculative.decoder import SpeculativeDecoder, Stats, Verify, rows_invariant
 from fucina.text.speculative.gate import DEFAULT_COST_TABLE, CostGate, table_cost
 from fucina.text.speculative.recycling import TokenRecycling
 from fucina.text.speculative.sam import Cursor, SamIndex, SpeculationError
@@ -20,7 +20,7 @@ from fucina.text.speculative.source import DraftSource
 
 __all__ = ["CostGate", "Cursor", "DEFAULT_COST_TABLE", "DraftSource", "Gate", "SamIndex",
            "Speculation", "SpeculationError", "SpeculationIndex", "SpeculativeDecoder", "Stats",
-           "TokenRecycling", "batch_invariant", "reference_ids", "table_cost"]
+           "TokenRecycling", "Verify", "batch_invariant", "reference_ids", "rows_invariant", "table_cost"]
 
 
 def reference_ids(tokenizer, ref) -> list[int]:
@@ -67,6 +67,15 @@ class Speculation:
 
     def drive(self, model, rd, logits):
         return self.decoder.drive(model, rd, logits)
+
+    def steps(self, model, rd, logits):
+        """`drive` yielding `Verify` requests for the caller's pass (the server's batch)."""
+        return self.decoder.steps(model, rd, logits)
+
+    def batchable(self, model, cache) -> bool:
+        """Whether this stream's verify rows may ride a shared batch pass: only where the
+        kernels make every row the bits of a single step (else it verifies on its own)."""
+        return not self.decoder.pin_rows and rows_invariant(model, cache)
 
     def prediction_counts(self) -> tuple[int, int]:
         """(accepted, rejected) draft tokens that came from the references since they

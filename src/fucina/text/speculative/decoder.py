@@ -34,7 +34,7 @@ import torch
 
 from fucina.errors import FucinaError
 from fucina.text.generate import Reply, ReplyDecoder
-from fucina.text.speculative.gate import CostGate
+from fucina.text.speculative.gate import CostGate, match_bucket
 from fucina.text.speculative.source import DraftSource
 
 
@@ -79,6 +79,17 @@ def rows_invariant(model, cache) -> bool:
     return kernels.batch_invariant() and native is not None and native(cache) is not None
 
 
+@dataclass
+class Verify:
+    """A verify pass the decoder asks for: append `tokens` at `pos0` (the cache's length)
+    and give their logits `rows` [len(tokens), n_vocab], row i after tokens[:i + 1];
+    `seconds` (optional) is the pass's time, for the cost gate."""
+    tokens: list[int]
+    pos0: int
+    rows: torch.Tensor | None = None
+    seconds: float | None = None
+
+
 class SpeculativeDecoder:
     def __init__(self, source: DraftSource, *, max_draft: int = 16, min_draft: int = 2,
                  topk_feedback: int = 8, gate: CostGate | None = None, pin_rows: bool = False,
@@ -92,6 +103,8 @@ class SpeculativeDecoder:
         self.topk_feedback, self.pin_rows, self.enabled = topk_feedback, pin_rows, enabled
         self.gate = gate if gate is not None else CostGate(max_draft=max_draft, min_draft=min_draft)
         self.strong_match = 8   # a match this long re-probes a gated-off decoder at once
+        self.shared_rows = 0    # rows other streams put in this step's pass (set by the server)
+        self._bucket = 0        # match_bucket of the pending draft's evidence
         self.stats = Stats()
 
     # -- one reply -------------------------------------------------------------------
@@ -101,6 +114,23 @@ class SpeculativeDecoder:
         pieces, same Reply, same final cache/history state. A grammar's forced spans
         (`rd.forced()`) are committed without a draw where the plain loop commits them,
         and a draft that spells them out is accepted through them."""
+        steps = self.steps(model, rd, logits)
+        try:
+            while True:
+                item = next(steps)
+                if isinstance(item, Verify):
+                    self.run_verify(model, rd.cache, item)
+                else:
+                    yield item
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def steps(self, model, rd: ReplyDecoder, logits: torch.Tensor) -> Generator[str | Verify, None, Reply]:
+        """`drive` with the verify passes left to the caller: yields text pieces and
+        `Verify` requests; the caller fills a request's `rows` (its own pass, or rows of a
+        shared batch pass that are bitwise the single steps) before the next `next()`."""
         self.source.sync(rd.history)
         try:
             tok, piece = rd.step(logits)
@@ -117,6 +147,12 @@ class SpeculativeDecoder:
         finally:
             rd.close()
         return rd.reply
+
+    def run_verify(self, model, cache, req: "Verify") -> None:
+        """Fill `req` with this stream's own verify pass (timed)."""
+        t0 = time.perf_counter()
+        req.rows = self._verify(model, cache, req.tokens, req.pos0)
+        req.seconds = time.perf_counter() - t0
 
     @staticmethod
     def _forced(rd: ReplyDecoder, committed: list[int]):
@@ -150,14 +186,19 @@ class SpeculativeDecoder:
                               f"{base} cached (expected a carried token)")
         draft = self._draft(rd, model.config.n_vocab, len(carried))
         inputs, c = carried + draft, len(carried)
-        t0 = time.perf_counter()
+        req = Verify(inputs, base)
         try:
-            rows = self._verify(model, cache, inputs, base)
+            yield req
+            if req.rows is None or req.rows.shape[0] != len(inputs) or cache.len != base + len(inputs):
+                raise FucinaError(f"speculative verify: {len(inputs)} rows asked at {base}, "
+                                  f"{None if req.rows is None else req.rows.shape[0]} given, "
+                                  f"the cache at {cache.len}")
         except BaseException:
             cache.truncate(base)
             raise
-        if c == 1:                                # the gate's costs are of 1 + k rows
-            self.gate.record(len(draft), time.perf_counter() - t0)
+        rows = req.rows
+        if c == 1 and req.seconds is not None:     # the gate's costs are of 1 + k rows
+            self.gate.record(len(draft), req.seconds)
         committed: list[int] = []
         n_acc, ended, bonus = 0, False, False
         try:
@@ -198,9 +239,11 @@ class SpeculativeDecoder:
             s.disabled_steps += 1
             self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
-        room = min(self.max_draft, self.gate.budget(), cache.capacity - cache.len - n_carried,
+        self._bucket = match_bucket(self.source.match_len())
+        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), cache.capacity - cache.len - n_carried,
                    rd.max_tokens - len(rd.reply.tokens) - 1,
-                   cache.rewind_reach() - n_carried)   # a recurrent state rewinds only within its snapshots
+                   cache.rewind_reach() - n_carried,   # a recurrent state rewinds only within its snapshots
+                   cache.step_limit() - n_carried)     # one pass's rows (a window memory's slack)
         if room < self.min_draft:
             s.fallback_steps += 1
             return []
@@ -251,7 +294,7 @@ class SpeculativeDecoder:
                 s.bonus += 1
             elif n_acc < len(committed):
                 s.rejected_steps += 1
-            self.gate.settle(len(draft), n_acc, len(committed))
+            self.gate.settle(len(draft), n_acc, len(committed), self._bucket)
         self._observe(committed)
 
     def _observe(self, committed: Sequence[int]) -> None:

@@ -27,6 +27,27 @@ DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
     (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 2.3), (6, 2.8), (8, 3.0), (12, 3.75), (16, 4.45))
 
 
+# a draft's acceptance depends on the evidence behind it: the exact match it follows.
+# Match lengths below 2 (the recycling chain), 2-3, 4-7, 8-15 and 16+ keep their own
+# rolling acceptance, so short matches stop costing verify rows while long ones draft long.
+MATCH_BUCKETS = (2, 4, 8, 16)
+BUCKET_DECAY = 0.85   # per verify pass of the bucket: the last ~7 passes weigh most
+BUCKET_PRIOR = 2.0    # draft tokens' worth of the bucket's prior acceptance mixed into its rate
+BUCKET_PRIORS = (0.3, 0.5, 0.65, 0.8, 0.9)   # until measured: a longer match continues more often
+BUCKET_PROBE = 16     # a bucket the budget skips drafts again after this many skipped steps
+
+
+def match_bucket(match: int) -> int:
+    return sum(match >= t for t in MATCH_BUCKETS)
+
+
+# in a shared pass (the server's batch): drafts must beat the draft-free pass by this
+# margin (4 streams at ~90% acceptance measured break-even where the table promised
+# +15%: rows of several caches cost more than one cache's), and a pass is kept within
+# the rows the cost table measured (1 + 16)
+SHARED_MARGIN = 0.30
+SHARED_MAX_ROWS = 17
+
 MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
 
 
@@ -65,6 +86,10 @@ class CostGate:
         self.backoff = reprobe_after
         self.probing = 0              # probe verify passes left
         self.switches = 0
+        self._budgets: dict[tuple, int] = {}  # by (shared rows, bucket), until the window or a timing changes
+        n = len(MATCH_BUCKETS) + 1
+        self.bucket_drafted, self.bucket_accepted = [0.0] * n, [0.0] * n   # decayed counts
+        self.bucket_skips = [0] * n
 
     # -- costs --------------------------------------------------------------------------
 
@@ -84,6 +109,7 @@ class CostGate:
         self.samples[k] = self.samples.get(k, 0) + 1
         if self.samples[k] == 1:
             return
+        self._budgets.clear()
         if k == 0:
             self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
         else:
@@ -92,7 +118,11 @@ class CostGate:
 
     # -- the estimate -------------------------------------------------------------------
 
-    def settle(self, drafted: int, accepted: int, committed: int) -> None:
+    def settle(self, drafted: int, accepted: int, committed: int, bucket: int | None = None) -> None:
+        self._budgets.clear()
+        if bucket is not None:
+            self.bucket_drafted[bucket] = BUCKET_DECAY * self.bucket_drafted[bucket] + drafted
+            self.bucket_accepted[bucket] = BUCKET_DECAY * self.bucket_accepted[bucket] + accepted
         self.window.append((drafted, accepted, committed, self.cost(drafted)))
         while len(self.window) > self.rate_window:
             self.window.popleft()
@@ -124,6 +154,7 @@ class CostGate:
         if probe:
             self.backoff = min(2 * self.backoff, self.reprobe_max)
         self.window.clear()
+        self._budgets.clear()
 
     # -- what the decoder asks ----------------------------------------------------------
 
@@ -138,19 +169,53 @@ class CostGate:
         if self.off_for == 0 and not self.on and not self.probing:
             self.probing = self.probe_steps
 
-    def budget(self) -> int:
+    def budget(self, shared: int = 0, bucket: int | None = None) -> int:
         """Draft tokens worth verifying: the k maximising expected committed tokens per
-        cost under the rolling acceptance rate a (each draft token survives with a)."""
-        if not self.adapt_budget:
+        cost under the acceptance rate a (each draft token survives with a).
+        `shared`: rows other streams put in the same pass (the server's batch); then the
+        pass's cost is that of all its rows (past 4 rows a pass costs a step more).
+        `bucket` (match_bucket of the draft's evidence): a is that bucket's acceptance,
+        and k = 0 (no draft, a plain step) wins where drafting does not pay; such a
+        bucket is re-probed every BUCKET_PROBE skipped steps. Without a bucket nor a
+        shared pass: the best k >= min_draft (the on/off decision is the gate's)."""
+        if not self.adapt_budget and not shared and bucket is None:
             return self.max_draft
-        a = min(self.acceptance(), 0.999) if len(self.window) >= 2 else 0.6   # a prior until measured
-        best_k, best = self.max_draft, -1.0
+        key = (shared, bucket)
+        k = self._budgets.get(key)
+        if k is None:
+            k = self._budgets[key] = self._best_k(shared, bucket)
+        if k == 0 and bucket is not None:
+            self.bucket_skips[bucket] += 1
+            if self.bucket_skips[bucket] >= BUCKET_PROBE:
+                self.bucket_skips[bucket] = 0
+                return self._best_k(shared, bucket, skip=False)
+        return k
+
+    def bucket_acceptance(self, bucket: int | None) -> float:
+        if bucket is None:
+            return min(self.acceptance(), 0.999) if len(self.window) >= 2 else 0.6   # a prior until measured
+        d, acc = self.bucket_drafted[bucket], self.bucket_accepted[bucket]
+        return min((acc + BUCKET_PRIOR * BUCKET_PRIORS[bucket]) / (d + BUCKET_PRIOR), 0.999)
+
+    def _best_k(self, shared: int, bucket: int | None = None, skip: bool = True) -> int:
+        a = self.bucket_acceptance(bucket)
+        if skip and (shared or bucket is not None):      # k = 0: this pass without a draft
+            best_k, best = 0, (shared + 1) / self.pass_cost(shared + 1)
+            if shared:            # a batch's economics are less certain than one stream's
+                best *= 1.0 + SHARED_MARGIN
+        else:
+            best_k, best = self.max_draft, -1.0
+        top = self.max_draft if not shared else min(self.max_draft, SHARED_MAX_ROWS - shared - 1)
         expect, p = 1.0, 1.0
-        for k in range(1, self.max_draft + 1):
+        for k in range(1, top + 1):
             p *= a
             expect += p
             if k >= self.min_draft:
-                value = expect / self.cost(k)
+                value = (shared + expect) / self.pass_cost(shared + 1 + k) if shared else expect / self.cost(k)
                 if value > best + 1e-9:
                     best_k, best = k, value
-        return best_k
+        return best_k if self.adapt_budget or best_k == 0 else self.max_draft
+
+    def pass_cost(self, rows: int) -> float:
+        """A pass of `rows` rows (any streams) in plain steps: the table's 1 + k rows."""
+        return table_cost(self.table, rows - 1)
