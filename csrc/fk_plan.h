@@ -19,7 +19,10 @@ typedef struct {
 } fk_lin;
 
 #define FK_PLAN_FIELDS(X) \
-    X(I, n_layer) X(I, n_embd) X(I, n_ff) X(I, n_rot) X(I, neox) X(I, act) X(F, eps) X(F, scale)
+    X(I, n_layer) X(I, n_embd) X(I, n_ff) X(I, n_rot) X(I, neox) X(I, act) X(F, eps) X(F, scale) \
+    X(I, n_ple)
+/* n_ple (gemma4's per-layer embeddings): each row of x carries n_layer * n_ple trailing
+ * columns after its n_embd, layer l's input at n_embd + l * n_ple (0: none) */
 
 /* one layer: a mixer (attention today) and an ffn (dense today) with their norms */
 #define FK_LAYER_FIELDS(X)                                                                    \
@@ -28,7 +31,7 @@ typedef struct {
     X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
     X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
     X(I, layer_rot) X(V, v_norm) X(F, out_scale)                                                  \
-    FK_MOE_FIELDS(X)
+    FK_MOE_FIELDS(X) FK_GEMMA4_FIELDS(X)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
 
 /* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
@@ -38,6 +41,12 @@ typedef struct {
 #define FK_MOE_FIELDS(X)                                                                      \
     X(I, n_expert) X(I, n_expert_used) X(I, n_ff_exp) X(I, moe_norm) X(F, moe_scale)          \
     X(W, gate_inp) X(W, gate_exps) X(W, up_exps) X(W, down_exps)
+
+/* gemma4's E-model layers: kv_from = 1 + the earlier layer whose K/V rows this layer reads
+ * (shared KV: only wq, nothing written; 0: its own); layer_ff its FFN width (0: n_ff, the
+ * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
+#define FK_GEMMA4_FIELDS(X) \
+    X(I, kv_from) X(I, layer_ff) X(W, ple_gate) X(W, ple_proj) X(V, ple_norm)
 
 enum { FK_MIXER_ATTENTION = 0 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };

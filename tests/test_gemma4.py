@@ -113,14 +113,16 @@ def test_moe_layers_refused(tmp_path):
         load_model(p)
 
 
-# the dense geometry the native step runs (no per-layer inputs, no shared KV)
+# the dense geometry (no per-layer inputs, no shared KV, one FFN width)
 DENSE = dict(GEOMETRY, ffn=128, shared=0, ple=0)
 
 
 @pytest.mark.skipif(not K.available(), reason="native kernels not built")
-@pytest.mark.parametrize("v_proj", [True, False])
-def test_native_step_equals_torch_blocks(tmp_path, v_proj):
-    model = load_model(write_gemma4(tmp_path / "dense.gguf", **DENSE, v_proj=v_proj))
+@pytest.mark.parametrize("geometry,v_proj", [("e-model", True), ("e-model", False), ("dense", False)])
+def test_native_step_equals_torch_blocks(tmp_path, geometry, v_proj):
+    """The native step (prefill, then decode past the window) against the torch blocks."""
+    kw = GEOMETRY if geometry == "e-model" else DENSE
+    model = load_model(write_gemma4(tmp_path / "g.gguf", **kw, v_proj=v_proj))
     assert model.native_plan is not None
     ids = IDS + IDS[:16]                          # 40 positions: past the 16-token window
     native = teacher_forced_logits(model, ids).numpy()
@@ -136,8 +138,39 @@ def test_native_step_equals_torch_blocks(tmp_path, v_proj):
     assert _cos(np.stack(steps), torch_path[30:]).min() > 0.999
 
 
-def test_plan_only_for_the_dense_geometry(model):
-    assert model.native_plan is None              # per-layer inputs and shared KV: torch blocks
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_e_model_plan_reads_shared_rows(model):
+    """Per-layer inputs, shared KV and per-layer FFN widths all run in the native step: the
+    shared layers own no rows (their cache memories are aliases) and decode takes it."""
+    plan = model.native_plan
+    assert plan is not None and plan.x_width == 128 + 6 * 32
+    assert plan.geometry[4:] == [(0, 0), (0, 0)] and plan.geometry[2] == (2, 32)
+    cache = model.init_cache(64)
+    assert model._native_cache(cache) is not None
+    model.forward_step(cache, IDS[:5], 0)
+    assert cache.len == 5
+
+
+@pytest.fixture(scope="module")
+def model_q8(tmp_path_factory):
+    return load_model(write_gemma4(tmp_path_factory.mktemp("g4q") / "g4.gguf", **GEOMETRY, qtype=Q.Q8_0))
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_e_model_prefill_split_any_way_equals_token_by_token(model_q8, isa):
+    """The batch invariance the step claims, on the E geometry: a prompt past the window
+    split any way gives the bits of one row at a time, and batch decode rows equal their
+    stream's own step (check_batch_rows_equal_alone)."""
+    from test_batch_invariance import check_batch_rows_equal_alone
+    ids = IDS + IDS[:13]
+    whole = model_q8.forward_step_all_logits(model_q8.init_cache(64), ids, 0)
+    for chunks in ([1] * len(ids), [9, 1, 1, 6, 2, 18]):
+        cache, got, pos = model_q8.init_cache(64), [], 0
+        for n in chunks:
+            got.append(model_q8.forward_step_all_logits(cache, ids[pos:pos + n], pos))
+            pos += n
+        assert torch.equal(torch.cat(got), whole), f"{chunks} on {isa}"
+    check_batch_rows_equal_alone(model_q8, IDS, isa)
 
 
 # -- llama.cpp ------------------------------------------------------------------------------

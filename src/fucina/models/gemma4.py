@@ -16,9 +16,10 @@ What differs from Gemma 3, as llama.cpp b11434 runs it (src/models/gemma4.cpp):
 The per-layer inputs ride along the residual as trailing columns (embed appends them,
 each block reads its slice and passes them on, head drops them), so the generic
 prefill chunking and batched decode carry them without knowing about them.
-The native layer step covers the dense geometry (per-layer head dims, KV heads and
-rotary widths, V norm, output scale); per-layer inputs, shared KV and per-layer FFN
-widths keep the torch blocks. The MoE variant (26B-A4B: ffn_gate_inp) is not
+The native layer step runs every dense geometry (per-layer head dims, KV heads, rotary
+widths and FFN widths, V norm, output scale, shared-KV layers reading their source's
+rows, the per-layer inputs riding in each row's trailing columns); the torch blocks stay
+the reference (FUCINA_NATIVE_STEP=0). The MoE variant (26B-A4B: ffn_gate_inp) is not
 implemented: loading one raises UnsupportedArchitecture.
 """
 from __future__ import annotations
@@ -179,23 +180,24 @@ class Model(llama.Model):
     def plan_scale(self) -> float:
         return 1.0   # q and k are RMS-normed; Gemma 4 attends unscaled
 
-    # -- the native step: the dense geometry (no per-layer inputs, no shared KV) -----------
+    # -- the native step: every geometry (per-layer inputs, shared KV, per-layer FFN widths) --
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config
-        if c.n_embd_per_layer or c.n_kv_shared or len(set(c.ffs)) > 1:
-            return None   # per-layer inputs, shared KV, per-layer FFN widths: the torch blocks
         if any(s.head_dim % 16 or (c.n_rot_swa if s.window else c.n_rot) > s.head_dim for s in c.layers):
             return None
         return kernels.DecoderPlan.build(
-            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act=self.act, eps=c.rms_eps, scale=1.0,
-            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+            n_embd=c.n_embd, n_ff=max(c.ffs), n_rot=c.n_rot, neox=True, act=self.act, eps=c.rms_eps, scale=1.0,
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)], n_ple=c.n_embd_per_layer)
 
     def plan_layer(self, i: int, L: Layer) -> dict:
-        s, d = self.config.layers[i], super().plan_layer(i, L)
+        c, s, d = self.config, self.config.layers[i], super().plan_layer(i, L)
         if L.wqkv is None and L.wv is None:
             d["wv"] = L.wk                       # V is K's projection (normed apart)
-        d.update(layer_rot=self.config.n_rot_swa if s.window else 0, v_norm=torch.ones(s.head_dim),
-                 out_scale=float(L.out_scale) if L.out_scale is not None else 0.0)
+        d.update(layer_rot=c.n_rot_swa if s.window else 0, v_norm=torch.ones(s.head_dim),
+                 out_scale=float(L.out_scale) if L.out_scale is not None else 0.0,
+                 layer_ff=c.ffs[i], ple_gate=L.inp_gate, ple_proj=L.proj, ple_norm=L.ple_norm)
+        if not L.has_kv:                          # reads its source's rows: q only
+            d.update(kv_from=c.kv_source(i) + 1, v_norm=None)
         return d
 
     # -- the cache: shared-KV layers alias their source ------------------------------
