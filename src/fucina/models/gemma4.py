@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from fucina import kernels
-from fucina.errors import GGUFError
+from fucina.errors import GGUFError, UnsupportedArchitecture
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
 from fucina.models.base import (LayerSpec, Ragged, Rope, attend, attention, check_shape, load_layer_tensors, meta_field,
@@ -193,6 +193,8 @@ class Layer(llama.Layer):
             self.pre_norm_2, self.post_norm_1, self.post_norm_2 = (t["pre_ffw_norm_2"], t["post_ffw_norm_1"],
                                                                    t["post_ffw_norm_2"])
             self.expert_scale = t["ffn_down_exps_scale"]
+            if any(f"blk.{i}.{n}.scale" in f.tensors for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps")):
+                raise UnsupportedArchitecture(f"{f.path}: layer {i}: gate/up expert scales are not supported")
             self.experts = _load_experts(f, i, c)
 
     def project(self, x: torch.Tensor):
