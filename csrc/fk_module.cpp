@@ -300,14 +300,30 @@ static void layer_widths(const fk_layer *y, int64_t *proj, int64_t *out) {
     *proj = (y->q_gate ? 2 : 1) * *out + 2 * y->n_kv * y->head_dim;
 }
 
+/* gemma4's layer fields (fk_plan.h): layer i's K/V source is an earlier layer of its
+ * geometry that stores its own; the per-layer input weights present iff the plan has n_ple */
+static int gemma4_ok(const fk_plan *p, const fk_layer *layers, int64_t i) {
+    const fk_layer *y = layers + i;
+    const int64_t E = p->n_embd, NP = p->n_ple;
+    if (y->layer_ff < 0 || y->layer_ff > p->n_ff || y->kv_from < 0 || y->kv_from > i) return 0;
+    if (y->kv_from) {
+        const fk_layer *s = layers + y->kv_from - 1;
+        if (s->kv_from || s->mixer != FK_MIXER_ATTENTION || y->mixer != FK_MIXER_ATTENTION || s->n_kv != y->n_kv || s->head_dim != y->head_dim || s->window != y->window || y->wqkv.w ||
+            y->wk.w || y->wv.w || !lin_ok(&y->wq, y->n_head * y->head_dim, E))
+            return 0;
+    }
+    return NP ? lin_ok(&y->ple_gate, NP, E) && lin_ok(&y->ple_proj, E, NP) && y->ple_norm
+              : !y->ple_gate.w && !y->ple_proj.w && !y->ple_norm;
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
-    const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = p->n_ff;
+    const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
     const int64_t ngu[2] = {F, F};
-    const int ffn_ok = y->ffn == FK_FFN_MOE ? y->ffn == FK_FFN_MOE && moe_ok(p, y)
+    const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y)
                                             : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
                                                   lin_ok(&y->down, E, F);
-    if (y->mixer == FK_MIXER_DELTA) return ffn_ok && delta_ok(p, y);
+    if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);
     if (y->mixer != FK_MIXER_ATTENTION || (y->q_gate != 0 && y->q_gate != 1) || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
         H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
         y->layer_rot < 0 || y->layer_rot % 2 ||
@@ -315,7 +331,7 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
         return 0;
     const fk_lin *qkv[3] = {&y->wq, &y->wk, &y->wv};
     const int64_t nqkv[3] = {(y->q_gate ? 2 : 1) * H * D, KV * D, KV * D};
-    return fused_or_parts(&y->wqkv, qkv, nqkv, 3, E) && lin_ok(&y->wo, E, H * D) && ffn_ok;
+    return (y->kv_from || fused_or_parts(&y->wqkv, qkv, nqkv, 3, E)) && lin_ok(&y->wo, E, H * D) && ffn_ok;
 }
 
 static void plan_free(PyObject *cap) {
@@ -344,7 +360,8 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     const long long L = head.n_layer;
     if (L < 1 || L > 4096 || il / 8 != kPlanSlots + L * kLayerSlots || head.n_embd < 1 || head.n_embd > (1 << 20) ||
         head.n_ff < 1 || head.n_ff > (1 << 22) || head.n_rot < 2 || head.n_rot % 2 || (head.neox != 0 && head.neox != 1) ||
-        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH) || !(head.eps > 0.0) || !(head.scale > 0.0)) {
+        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
+        head.n_ple < 0 || head.n_ple > (1 << 16)) {
         PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
         return NULL;
     }
@@ -360,7 +377,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y)) {
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i)) {
             free(layers);
             free(p);
             PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);
@@ -413,7 +430,7 @@ static int step_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, lo
 static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64_t m) {
     const fk_plan *p = a->plan;
     for (int l = 0; l < p->n_layer; l++) {
-        const int64_t *e = kv + l * FK_KV_ENTRY;
+        const int64_t *e = kv + (p->layers[l].kv_from ? p->layers[l].kv_from - 1 : l) * FK_KV_ENTRY;
         if (p->layers[l].mixer == FK_MIXER_DELTA) {   /* window, state, snapshot slots, keep <= m */
             if (!e[0] || !e[1] || e[3] < 0 || e[3] > m || (e[3] && !e[2])) return 0;
             for (int64_t j = 0; j < e[3]; j++)

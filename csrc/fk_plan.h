@@ -19,7 +19,10 @@ typedef struct {
 } fk_lin;
 
 #define FK_PLAN_FIELDS(X) \
-    X(I, n_layer) X(I, n_embd) X(I, n_ff) X(I, n_rot) X(I, neox) X(I, act) X(F, eps) X(F, scale)
+    X(I, n_layer) X(I, n_embd) X(I, n_ff) X(I, n_rot) X(I, neox) X(I, act) X(F, eps) X(F, scale) \
+    X(I, n_ple)
+/* n_ple (gemma4's per-layer embeddings): each row of x carries n_layer * n_ple trailing
+ * columns after its n_embd, layer l's input at n_embd + l * n_ple (0: none) */
 
 /* one layer: a mixer (attention today) and an ffn (dense today) with their norms */
 #define FK_LAYER_FIELDS(X)                                                                    \
@@ -29,7 +32,8 @@ typedef struct {
     X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
     X(I, layer_rot) X(V, v_norm) X(F, out_scale)                                                  \
     FK_MOE_FIELDS(X)                                                                              \
-    FK_DELTA_FIELDS(X)
+    FK_DELTA_FIELDS(X)                                                                            \
+    FK_GEMMA4_FIELDS(X)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
 
 /* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
@@ -55,6 +59,12 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
     X(I, q_gate) X(I, ssm_hk) X(I, ssm_hv) X(I, ssm_dk) X(I, ssm_dv) X(I, d_conv)             \
     X(V, conv_w) X(V, dt_bias) X(V, ssm_a) X(V, ssm_norm)                                     \
     X(W, ssm_in) X(W, ssm_qkv) X(W, ssm_z) X(W, ssm_beta) X(W, ssm_alpha) X(W, ssm_out)
+
+/* gemma4's E-model layers: kv_from = 1 + the earlier layer whose K/V rows this layer reads
+ * (shared KV: only wq, nothing written; 0: its own); layer_ff its FFN width (0: n_ff, the
+ * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
+#define FK_GEMMA4_FIELDS(X) \
+    X(I, kv_from) X(I, layer_ff) X(W, ple_gate) X(W, ple_proj) X(V, ple_norm)
 
 enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };

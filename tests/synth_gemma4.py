@@ -4,6 +4,10 @@ Layer i is global when `pattern[i]` is False (default: every other layer, the la
 KV-storing one global); global layers have head_dim, local ones head_dim_swa and
 their own rotary width and base (default: half the global head dim from 64 up); the last `shared` layers store no K/V; `ple` > 0 adds
 per-layer embeddings; `kv_heads` and `ffn` may be per-layer lists (the E-models).
+`experts` > 0 makes every layer a MoE layer (26B-A4B's shape: the dense FFN as shared
+expert, `experts` routed ones of `moe_ffn` rows, `experts_used` per token, the fused
+gate_up stack when `fused_experts`); router weights of std `router_std` keep a row's
+top-k well clear of the rest, so quantization noise does not flip the choice.
 The global layers' rope_freqs factors leave the upper half of each head unrotated
 (proportional partial rotary, as the converted checkpoints do with 1e30 factors).
 Q/K norms are ~0.5: Gemma 4 attends unscaled, and unit norms would make every score
@@ -28,7 +32,8 @@ def write_gemma4(path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_
                  pattern: list[bool] | None = None, shared: int | None = None, ple: int = 32,
                  softcap: float = 30.0, out_scale: bool = True, v_proj: bool = True, seed: int = 0,
                  ctx: int = 2048, chat_template: bool = True, extra: dict | None = None,
-                 extra_tensors: dict | None = None) -> str:
+                 extra_tensors: dict | None = None, experts: int = 0, experts_used: int = 2, moe_ffn: int = 64,
+                 fused_experts: bool = False, router_std: float = 8.0) -> str:
     n = layers
     shared = shared if shared is not None else (1 if n >= 3 else 0)
     # alternate, the last KV layer global (llama.cpp's shared layers read the last two)
@@ -61,6 +66,10 @@ def write_gemma4(path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_
     w.add_embedding_length_per_layer_input(ple)
     if softcap:
         w.add_final_logit_softcapping(softcap)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(moe_ffn)
 
     rng = np.random.default_rng(seed)
     add = quantized_adder(w, qtype)
@@ -100,6 +109,19 @@ def write_gemma4(path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_
         add(b + "ffn_up.weight", mat(ffs[i], H))
         add(b + "ffn_down.weight", mat(H, ffs[i]))
         add(b + "post_ffw_norm.weight", norm(H))
+        if experts:
+            add(b + "ffn_gate_inp.weight", mat(experts, H, router_std))
+            add(b + "ffn_gate_inp.scale", norm(H))
+            for nm in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                add(b + nm + ".weight", norm(H))
+            gate, up = (np.stack([mat(moe_ffn, H) for _ in range(experts)]) for _ in range(2))
+            if fused_experts:
+                add(b + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1))
+            else:
+                add(b + "ffn_gate_exps.weight", gate)
+                add(b + "ffn_up_exps.weight", up)
+            add(b + "ffn_down_exps.weight", np.stack([mat(H, moe_ffn) for _ in range(experts)]))
+            add(b + "ffn_down_exps.scale", (0.5 + rng.random(experts)).astype(np.float32))
         if out_scale:
             add(b + "layer_output_scale.weight", np.array([0.5 + rng.random()], dtype=np.float32))
         if ple:

@@ -379,10 +379,12 @@ class DecoderPlan:
     residual stream x [m, n_embd] in place.
     """
 
-    def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list):
+    def __init__(self, capsule, layers: list[dict], n_embd: int, n_rot: int, keep: list, n_ple: int = 0):
         self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
-        self.geometry = [(L["n_kv"], L["head_dim"]) if L["mixer"] != _MIXERS["delta_net"] else _delta_geometry(L)
-                         for L in layers]
+        self.x_width = n_embd + len(layers) * n_ple   # gemma4: per-layer inputs trail each row
+        # a shared-KV layer (kv_from) has no rows of its own, as its cache memory says
+        self.geometry = [(0, 0) if L.get("kv_from") else _delta_geometry(L) if L["mixer"] == _MIXERS["delta_net"]
+                         else (L["n_kv"], L["head_dim"]) for L in layers]
         widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width
         if len({t for t, _ in widths}) != len(widths):
             raise KernelError("plan: layers sharing a RoPE table rotate different widths")
@@ -391,7 +393,8 @@ class DecoderPlan:
 
     @classmethod
     def build(cls, *, n_embd: int, n_ff: int, n_rot: int, neox: bool, act: str, eps: float, scale: float,
-              layers: list[dict], n_head: int = 0, n_kv: int = 0, head_dim: int = 0) -> "DecoderPlan | None":
+              layers: list[dict], n_head: int = 0, n_kv: int = 0, head_dim: int = 0,
+              n_ple: int = 0) -> "DecoderPlan | None":
         """None when some weight has no native route (the caller keeps its torch path).
         A layer dict holds the schema's layer fields by name: vectors (f32 1-d; attn_norm and
         ffn_norm required), weights (LinearWeight: wqkv or wq/wk/wv, wo, gate_up or gate/up,
@@ -401,7 +404,7 @@ class DecoderPlan:
             return None
         plan_fields, layer_fields = plan_schema()
         head = dict(n_layer=len(layers), n_embd=n_embd, n_ff=n_ff, n_rot=n_rot, neox=int(neox),
-                    act=_ACTS[act], eps=eps, scale=scale)
+                    act=_ACTS[act], eps=eps, scale=scale, n_ple=n_ple)
         slots, keep, full = cls._fill(plan_fields, head, keep=None), [], []
         for L in layers:
             L = dict(dict(n_head=n_head, n_kv=n_kv, head_dim=head_dim, window=0, rope=0, layer_rot=0, out_scale=0.0),
@@ -417,14 +420,14 @@ class DecoderPlan:
             capsule = _native.plan_new(np.asarray(slots, dtype=np.int64).tobytes())
         except ValueError as e:
             raise KernelError(str(e)) from None
-        return cls(capsule, full, n_embd, n_rot, keep)
+        return cls(capsule, full, n_embd, n_rot, keep, n_ple)
 
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
         sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, **_delta_sizes(L))
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm"):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm"):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):
@@ -465,9 +468,9 @@ class DecoderPlan:
     def run(self, x: torch.Tensor, kv: "KVPointers", pos0: int, tables: list[torch.Tensor]) -> None:
         """x [m, n_embd] f32 contiguous, updated in place; K/V rows written at pos0..;
         tables: RoPE (cos, sin) tables [len, n_rot / 2, 2] f32, one or two."""
-        if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.n_embd
+        if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.x_width
                 or not x.is_contiguous()):
-            raise KernelError(f"plan: x must be contiguous f32 [m, {self.n_embd}]")
+            raise KernelError(f"plan: x must be contiguous f32 [m, {self.x_width}]")
         self._check_kv(kv)
         if pos0 + x.shape[0] > kv.capacity:
             raise KernelError(f"plan: positions {pos0}..{pos0 + x.shape[0] - 1} exceed the cache's {kv.capacity}")
@@ -483,9 +486,9 @@ class DecoderPlan:
         """One token per stream: row i of x at positions[i] of the cache kvs[i]; x updated
         in place."""
         m = len(kvs)
-        if (x.dtype is not torch.float32 or x.dim() != 2 or tuple(x.shape) != (m, self.n_embd)
+        if (x.dtype is not torch.float32 or x.dim() != 2 or tuple(x.shape) != (m, self.x_width)
                 or not x.is_contiguous() or len(positions) != m):
-            raise KernelError(f"plan: x must be contiguous f32 [{m}, {self.n_embd}], one row per cache")
+            raise KernelError(f"plan: x must be contiguous f32 [{m}, {self.x_width}], one row per cache")
         for kv, p in zip(kvs, positions):
             self._check_kv(kv)
             if not 0 <= p < kv.capacity:

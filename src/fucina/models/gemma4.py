@@ -16,10 +16,17 @@ What differs from Gemma 3, as llama.cpp b11434 runs it (src/models/gemma4.cpp):
 The per-layer inputs ride along the residual as trailing columns (embed appends them,
 each block reads its slice and passes them on, head drops them), so the generic
 prefill chunking and batched decode carry them without knowing about them.
-The native layer step covers the dense geometry (per-layer head dims, KV heads and
-rotary widths, V norm, output scale); per-layer inputs, shared KV and per-layer FFN
-widths keep the torch blocks. The MoE variant (26B-A4B: ffn_gate_inp) is not
-implemented: loading one raises UnsupportedArchitecture.
+The native layer step runs every dense geometry (per-layer head dims, KV heads, rotary
+widths and FFN widths, V norm, output scale, shared-KV layers reading their source's
+rows, the per-layer inputs riding in each row's trailing columns); the torch blocks stay
+the reference (FUCINA_NATIVE_STEP=0).
+
+The MoE variant (26B-A4B: layers with ffn_gate_inp) keeps the dense FFN as a shared
+expert beside the routed ones, each with its own norms: ffn = post_ffw_norm(
+post_ffw_norm_1(mlp(ffn_norm(h))) + post_ffw_norm_2(experts(pre_ffw_norm_2(h)))); the
+router reads rms(h) / sqrt(n_embd) * ffn_gate_inp.scale, softmax top-k renormalised
+(moe.Routing), the optional ffn_down_exps.scale weighs each expert's output, GELU experts
+(moe.mix). Those files run the torch blocks (the native step has no such ffn).
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ import torch
 from fucina import kernels
 from fucina.errors import GGUFError, UnsupportedArchitecture
 from fucina.gguf import GGUFFile
-from fucina.models import llama
+from fucina.models import llama, moe
 from fucina.models.base import (LayerSpec, Ragged, Rope, attend, attention, check_shape, load_layer_tensors, meta_field,
-                                load_linear, load_vector, rms_norm)
+                                load_experts, load_linear, load_vector, rms_norm)
 from fucina.models.cache import AliasKV, KVCache
 
 
@@ -64,6 +71,10 @@ class Config(llama.Config):
     n_kv_shared: int = meta_field("attention.shared_kv_layers", 0, zero_ok=True)
     n_embd_per_layer: int = meta_field("embedding_length_per_layer_input", 0, zero_ok=True)
     final_softcap: float = meta_field("final_logit_softcapping", 0.0, kind=float)
+    n_expert: int = meta_field("expert_count", 0, zero_ok=True)
+    n_expert_used: int = meta_field("expert_used_count", 0, zero_ok=True)
+    n_ff_exp: int = 0
+    routing: moe.Routing | None = None
     swa: tuple = ()
     kv_heads: tuple = ()
     ffs: tuple = ()
@@ -90,6 +101,13 @@ class Config(llama.Config):
                 raise GGUFError(f"{f.path}: shared-KV layer {i} reads layer {self.kv_source(i)} of another geometry")
         if self.head_dim != self.v_dim or self.head_dim_swa != self.v_dim_swa:
             raise GGUFError(f"{f.path}: gemma4 needs key and value head sizes equal")
+        if self.n_expert:
+            widths = set(_per_layer(f, f"{a}.expert_feed_forward_length", n) or [0])
+            if len(widths) != 1 or min(widths) <= 0 or not 0 < self.n_expert_used <= self.n_expert:
+                raise GGUFError(f"{f.path}: MoE needs one positive expert_feed_forward_length and "
+                                f"0 < expert_used_count <= expert_count")
+            self.n_ff_exp = widths.pop()
+            self.routing = moe.Routing(self.n_expert, self.n_expert_used, norm=True)
 
     @property
     def first_shared(self) -> int:
@@ -123,14 +141,41 @@ TENSORS = (
 # per-layer embeddings (when embedding_length_per_layer_input > 0)
 PLE_TENSORS = (llama.T("inp_gate", "n_ple", "n_embd"), llama.T("proj", "n_embd", "n_ple"), llama.norm("post_norm"))
 OUT_SCALE = (llama.norm("layer_output_scale", "one", required=False),)
+# a MoE layer's router and norms (its ffn_gate/up/down are the shared expert)
+MOE_TENSORS = (llama.T("ffn_gate_inp", "n_expert", "n_embd"), llama.T("ffn_gate_inp", "n_embd", suffix="scale"),
+               llama.norm("pre_ffw_norm_2"), llama.norm("post_ffw_norm_1"), llama.norm("post_ffw_norm_2"),
+               llama.T("ffn_down_exps", "n_expert", suffix="scale", required=False))
+
+
+class _Half:
+    """The gate (half 0) or up (half 1) rows of a fused gate_up expert stack, as moe.mix
+    reads a stack: expert e's [n_ff_exp, n_embd] matrix."""
+
+    def __init__(self, pairs, half: int):
+        self.pairs, self.half = pairs, half   # an ExpertStack of 2 * n_expert halves
+        self.n_expert, self.out_features = pairs.n_expert // 2, pairs.out_features
+
+    def expert(self, e: int):
+        return self.pairs.expert(2 * e + self.half)
+
+
+def _load_experts(f: GGUFFile, i: int, c: Config) -> moe.Experts:
+    """gate/up/down stacks, or the fused gate_up stack (gate rows first in each expert)."""
+    from fucina.weights import ExpertStack
+    b, NE, M, E = f"blk.{i}.", c.n_expert, c.n_ff_exp, c.n_embd
+    down = load_experts(f, b + "ffn_down_exps.weight", (NE, E, M))
+    fused = load_experts(f, b + "ffn_gate_up_exps.weight", (NE, 2 * M, E), required=False)
+    if fused is not None:
+        pairs = ExpertStack(fused.whole, 2 * NE)
+        return moe.Experts(_Half(pairs, 0), _Half(pairs, 1), down)
+    return moe.Experts(load_experts(f, b + "ffn_gate_exps.weight", (NE, M, E)),
+                       load_experts(f, b + "ffn_up_exps.weight", (NE, M, E)), down)
 
 
 class Layer(llama.Layer):
     def __init__(self, f: GGUFFile, i: int, c: Config, schema):
         s = c.layers[i]
         view = replace(c, n_head_kv=s.n_head_kv, head_dim=s.head_dim, v_dim=s.v_dim, n_ff=c.ffs[i])
-        if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:
-            raise UnsupportedArchitecture("gemma4 MoE layers (ffn_gate_inp) are not supported yet")
         super().__init__(f, i, view, schema)
         self.has_kv = c.kv_source(i) == i
         if self.has_kv and self.wk is None and self.wqkv is None:
@@ -139,6 +184,18 @@ class Layer(llama.Layer):
         t = load_layer_tensors(f, i, OUT_SCALE + (PLE_TENSORS if c.n_embd_per_layer else ()), dims)
         self.out_scale = t["layer_output_scale"]
         self.inp_gate, self.proj, self.ple_norm = t.get("inp_gate"), t.get("proj"), t.get("post_norm")
+        self.experts = None
+        if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:
+            if not c.n_expert:
+                raise GGUFError(f"{f.path}: layer {i} has a router but expert_count is missing")
+            t = load_layer_tensors(f, i, MOE_TENSORS, dict(n_embd=c.n_embd, n_expert=c.n_expert))
+            self.router, self.router_scale = t["ffn_gate_inp"], t["ffn_gate_inp_scale"]
+            self.pre_norm_2, self.post_norm_1, self.post_norm_2 = (t["pre_ffw_norm_2"], t["post_ffw_norm_1"],
+                                                                   t["post_ffw_norm_2"])
+            self.expert_scale = t["ffn_down_exps_scale"]
+            if any(f"blk.{i}.{n}.scale" in f.tensors for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps")):
+                raise UnsupportedArchitecture(f"{f.path}: layer {i}: gate/up expert scales are not supported")
+            self.experts = _load_experts(f, i, c)
 
     def project(self, x: torch.Tensor):
         """q, k, v of the normed residual (k and v None on a shared-KV layer)."""
@@ -179,23 +236,26 @@ class Model(llama.Model):
     def plan_scale(self) -> float:
         return 1.0   # q and k are RMS-normed; Gemma 4 attends unscaled
 
-    # -- the native step: the dense geometry (no per-layer inputs, no shared KV) -----------
+    # -- the native step: every geometry (per-layer inputs, shared KV, per-layer FFN widths) --
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config
-        if c.n_embd_per_layer or c.n_kv_shared or len(set(c.ffs)) > 1:
-            return None   # per-layer inputs, shared KV, per-layer FFN widths: the torch blocks
+        if c.n_expert:
+            return None   # the shared-plus-routed ffn has no native form: the torch blocks
         if any(s.head_dim % 16 or (c.n_rot_swa if s.window else c.n_rot) > s.head_dim for s in c.layers):
             return None
         return kernels.DecoderPlan.build(
-            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act=self.act, eps=c.rms_eps, scale=1.0,
-            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+            n_embd=c.n_embd, n_ff=max(c.ffs), n_rot=c.n_rot, neox=True, act=self.act, eps=c.rms_eps, scale=1.0,
+            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)], n_ple=c.n_embd_per_layer)
 
     def plan_layer(self, i: int, L: Layer) -> dict:
-        s, d = self.config.layers[i], super().plan_layer(i, L)
+        c, s, d = self.config, self.config.layers[i], super().plan_layer(i, L)
         if L.wqkv is None and L.wv is None:
             d["wv"] = L.wk                       # V is K's projection (normed apart)
-        d.update(layer_rot=self.config.n_rot_swa if s.window else 0, v_norm=torch.ones(s.head_dim),
-                 out_scale=float(L.out_scale) if L.out_scale is not None else 0.0)
+        d.update(layer_rot=c.n_rot_swa if s.window else 0, v_norm=torch.ones(s.head_dim),
+                 out_scale=float(L.out_scale) if L.out_scale is not None else 0.0,
+                 layer_ff=c.ffs[i], ple_gate=L.inp_gate, ple_proj=L.proj, ple_norm=L.ple_norm)
+        if not L.has_kv:                          # reads its source's rows: q only
+            d.update(kv_from=c.kv_source(i) + 1, v_norm=None)
         return d
 
     # -- the cache: shared-KV layers alias their source ------------------------------
@@ -249,13 +309,26 @@ class Model(llama.Model):
         c, L = self.config, self.layers[i]
         E, P = c.n_embd, c.n_embd_per_layer
         h, ple = x[:, :E], x[:, E:]
-        h = super().block(i, h, cache, pos0)
+        h = super().block(i, h, cache, pos0) if L.experts is None else self._moe_block(i, L, h, cache, pos0)
         if P:
             g = llama.ACTS[self.act](L.inp_gate(h)) * ple[:, i * P:(i + 1) * P]
             h = h + rms_norm(L.proj(g), L.ple_norm, c.rms_eps)
         if L.out_scale is not None:
             h = h * L.out_scale
         return torch.cat([h, ple], dim=-1) if P else h
+
+    def _moe_block(self, i: int, L: Layer, h: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        """llama.Model.block with gemma4's shared-plus-routed ffn (the module docstring)."""
+        c, eps, act = self.config, self.config.rms_eps, llama.ACTS[self.act]
+        a = self.mixer(i, L, rms_norm(h, L.attn_norm, eps), cache, pos0)
+        h = h + rms_norm(a, L.post_attn_norm, eps)
+        shared = rms_norm(self.ffn(i, L, rms_norm(h, L.ffn_norm, eps)), L.post_norm_1, eps)
+        logits = L.router(rms_norm(h, None, eps) * (L.router_scale / math.sqrt(c.n_embd)))
+        ids, weights = c.routing(logits)
+        if L.expert_scale is not None:
+            weights = weights * L.expert_scale[ids]
+        routed = rms_norm(moe.mix(rms_norm(h, L.pre_norm_2, eps), ids, weights, L.experts, act), L.post_norm_2, eps)
+        return h + rms_norm(shared + routed, L.post_ffn_norm, eps)
 
 
 def _attend_shared(q: torch.Tensor, cache, layer: int, pos0: int, rope: Rope, window: int) -> torch.Tensor:

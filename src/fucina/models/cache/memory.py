@@ -341,7 +341,8 @@ class AliasKV(RowMemory):
         pass
 
     def native_entry(self):
-        return None
+        """No rows: a plan layer with kv_from reads its target's entry instead."""
+        return (0, 0, 0, 0) if self.target.native_entry() is not None else None
 
 
 class RecurrentState:
