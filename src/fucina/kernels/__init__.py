@@ -359,7 +359,7 @@ def plan_schema() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
 
 
 class DecoderPlan:
-    """Every layer of a decoder as one native call (csrc/fk_step_impl.inc): per layer a
+    """Every layer of a decoder as one native call (csrc/generic/step_impl.inc): per layer a
     mixer (attention: norm -> QKV (+ bias) -> q/k norms -> RoPE -> f16 KV memory -> attention
     -> O) and an ffn (dense: norm -> gate/up -> act * up -> down), with optional post-norms.
     The fields are csrc/fk_plan.h's schema, filled by name; each shape is checked here and

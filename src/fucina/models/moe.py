@@ -12,7 +12,7 @@ Two pieces, separate so a family can change one without the other:
   ascending expert order: a row's result does not depend on the rows it was computed
   with (the matmuls are batch-invariant per row, and so is this order).
 The math follows llama.cpp's build_moe_ffn (b11434); the native layer step has the same
-in csrc/fk_moe_impl.inc.
+in csrc/generic/moe_impl.inc.
 """
 from __future__ import annotations
 

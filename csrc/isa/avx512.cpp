@@ -140,14 +140,14 @@ static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1,
 static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
 static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
                                  uint8_t *pan);
-#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (fk_impl.inc) */
+#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (matmul_impl.inc) */
 #define CB_KERNEL cb_kernel_avx512
 #define CB_PANEL_U cb_panel_u_avx512
 #define CB_FAST_PANEL cb_fast_panel_avx512
 
-#include "fk_impl.inc"
+#include "generic/matmul_impl.inc"
 
-/* ---- the canonical kernel (fk_impl.inc): 16 weight rows in the lanes ----------------
+/* ---- the canonical kernel (matmul_impl.inc): 16 weight rows in the lanes ----------------
  * Per block: 8 vpdpbusd per activation row (the row's dword broadcast against dword i of
  * the 16 rows), so each lane holds its row's exact block dot; then the block's one FMA. */
 template <int MR, bool G16, bool MIN, bool Q2K>
@@ -1494,10 +1494,43 @@ static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uin
     return true;
 }
 
-#include "fk_cbgemv_avx512.inc"
+#include "avx512_cbgemv.inc"
 
 }  // namespace fk_avx512_ns
 
 #pragma GCC pop_options
 
-extern "C" const fk_isa fk_isa_avx512 = {"avx512", fk_avx512_ns::fk_matmul, fk_avx512_ns::fk_act_roundtrip, fk_avx512_ns::fk_dequant_row};
+/* attention and the layer step on 16-lane zmm */
+/* GCC 12 flags the undefined source operand inside _mm512_cvtph_ps (a false positive) */
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace fk_avx512_attn {
+
+#define VW 16
+#define FK_VP _mm512
+typedef __m512 vf;
+static inline vf vloadh(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline float vhadd(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+static inline vf vblend_neg(vf z, vf a, vf b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+}
+#include "generic/simd_ops.inc"
+#include "generic/attn_impl.inc"
+#include "generic/step_impl.inc"
+#undef VW
+#undef FK_VP
+#undef FK_AB
+
+}  // namespace fk_avx512_attn
+#pragma GCC pop_options
+
+extern "C" const fk_isa fk_isa_avx512 = {"avx512", fk_avx512_ns::fk_matmul, fk_avx512_ns::fk_act_roundtrip,
+                                         fk_avx512_ns::fk_dequant_row, fk_avx512_attn::fk_attn_decode_impl,
+                                         fk_avx512_attn::fk_step_impl};

@@ -43,8 +43,9 @@ static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_support
 static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
-const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0};
-const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0};
+/* never selected: isa_by_name refuses them on this CPU family */
+const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0, 0, 0};
+const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0, 0, 0};
 #endif
 
 static const fk_isa *isa_by_name(const char *name) {
@@ -154,9 +155,7 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.scale = (float)scale;
     a.nthreads = g_threads;
     a.pos0 = 0;
-    void (*fn)(const fk_attn_args *) = g_isa == &fk_isa_avx512 ? fk_attn_decode_avx512
-                                       : g_isa == &fk_isa_avx2 ? fk_attn_decode_avx2
-                                                               : fk_attn_decode_scalar;
+    void (*fn)(const fk_attn_args *) = g_isa->attn_decode;
     if ((double)a.n * a.kv_heads * a.d > 1e5) {
         Py_BEGIN_ALLOW_THREADS
         fn(&a);
@@ -269,7 +268,7 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
     return 1;
 }
 
-/* a MoE ffn's settings and weights (fk_moe_impl.inc) */
+/* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
@@ -356,11 +355,9 @@ static int run_step(fk_step_args *a) {
     a->prefill = prefill_for_isa();
     a->matmul = g_isa->matmul;
     a->status = 0;
-    void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
-                                 : g_isa == &fk_isa_avx2 ? fk_step_avx2
-                                                         : fk_step_scalar;
+    const fk_isa *isa = g_isa;
     Py_BEGIN_ALLOW_THREADS
-    fn(a);
+    isa->step(a);
     Py_END_ALLOW_THREADS
     return a->status;
 }

@@ -131,16 +131,16 @@ static void cb_kernel_avx2(int qt, const uint8_t *pan, int64_t b0, int64_t b1, c
 static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
 static bool cb_fast_panel_avx2(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
                                uint8_t *pan);
-#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (fk_impl.inc) */
+#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (matmul_impl.inc) */
 #define CB_KERNEL cb_kernel_avx2
 #define CB_PANEL_U cb_panel_u_avx2
 #define CB_FAST_PANEL cb_fast_panel_avx2
 
-#include "fk_impl.inc"
-#include "fk_decode_avx2.inc"
-#include "fk_gemv_avx2.inc"
+#include "generic/matmul_impl.inc"
+#include "avx2_decode.inc"
+#include "avx2_gemv.inc"
 
-/* ---- the canonical kernel (fk_impl.inc): 8 weight rows in the lanes -----------------
+/* ---- the canonical kernel (matmul_impl.inc): 8 weight rows in the lanes -----------------
  * Per block and activation row: the row's dword broadcast against dword i of the 8 rows,
  * vpmaddubsw (u8 x s8 pairs -> int16) and vpmaddwd with ones (-> int32 per row). Values
  * up to 63 go in as they are, two products added in int16 (2 * 2 * 63 * 127 < 32767);
@@ -459,10 +459,52 @@ static void cb_panel_u_avx2(const uint8_t *tmp, size_t ts, int nr, int64_t nblk,
     }
 }
 
-#include "fk_cbgemv_avx2.inc"
+#include "avx2_cbgemv.inc"
 
 }  // namespace fk_avx2_ns
 
 #pragma GCC pop_options
 
-extern "C" const fk_isa fk_isa_avx2 = {"avx2", fk_avx2_ns::fk_matmul, fk_avx2_ns::fk_act_roundtrip, fk_avx2_ns::fk_dequant_row};
+/* attention and the layer step on 8-lane ymm (the target the attention was written for) */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace fk_avx2_attn {
+
+#define VW 8
+#define FK_VP _mm256
+typedef __m256 vf;
+static inline vf vloadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline float vhadd(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vf vblend_neg(vf z, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)); }
+#include "generic/simd_ops.inc"
+#include "generic/attn_impl.inc"
+#include "generic/step_impl.inc"
+#undef VW
+#undef FK_VP
+#undef FK_AB
+
+}  // namespace fk_avx2_attn
+#pragma GCC pop_options
+
+extern "C" const fk_isa fk_isa_avx2 = {"avx2", fk_avx2_ns::fk_matmul, fk_avx2_ns::fk_act_roundtrip,
+                                       fk_avx2_ns::fk_dequant_row, fk_avx2_attn::fk_attn_decode_impl,
+                                       fk_avx2_attn::fk_step_impl};
