@@ -17,8 +17,10 @@
 #ifndef FK_COMMON_H
 #define FK_COMMON_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* GGML type ids (ggml.h) of the formats with a native route. */
@@ -93,6 +95,12 @@ extern const fk_isa fk_isa_avx512;
 #ifdef __cplusplus
 }
 #endif
+
+/* a unit's table: its namespace fk_<level>_ns, attention and the step in its ::attn */
+#define FK_ISA_TABLE(level)                                                                                  \
+    extern "C" const fk_isa fk_isa_##level = {#level, fk_##level##_ns::fk_matmul, fk_##level##_ns::fk_act_roundtrip, \
+                                              fk_##level##_ns::fk_dequant_row, fk_##level##_ns::attn::fk_attn_decode_impl, \
+                                              fk_##level##_ns::attn::fk_step_impl};
 
 /* f16 -> f32 without F16C (scalar units) */
 static inline float fk_h2f_portable(uint16_t h) {

@@ -90,6 +90,18 @@ static int int_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, Py_
     return 1;
 }
 
+/* a kernel call, with the GIL released when it runs long enough for other Python threads
+ * to gain from it (below that, releasing and taking it back costs more than the call) */
+#define FK_CALL(long_enough, call)       \
+    do {                                 \
+        if (long_enough) {               \
+            Py_BEGIN_ALLOW_THREADS call; \
+            Py_END_ALLOW_THREADS         \
+        } else {                         \
+            call;                        \
+        }                                \
+    } while (0)
+
 /* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -119,13 +131,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (a.m == 0) Py_RETURN_NONE;
     const fk_isa *isa = g_isa;
-    if ((double)a.m * (double)a.n * (double)a.k > 2e6) {
-        Py_BEGIN_ALLOW_THREADS
-        isa->matmul(&a);
-        Py_END_ALLOW_THREADS
-    } else {
-        isa->matmul(&a);
-    }
+    FK_CALL((double)a.m * (double)a.n * (double)a.k > 2e6, isa->matmul(&a));
     Py_RETURN_NONE;
 }
 
@@ -133,9 +139,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[9];
-    if (!int_args("attn_decode", args, nargs, 10, 0, 9, v)) return NULL;
-    const double scale = PyFloat_AsDouble(args[9]);
-    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    const double scale = int_args("attn_decode", args, nargs, 10, 0, 9, v) ? PyFloat_AsDouble(args[9]) : -1.0;
+    if (PyErr_Occurred()) return NULL;
     fk_attn_args a;
     a.q = (const float *)(uintptr_t)v[0];
     a.k = (const uint16_t *)(uintptr_t)v[1];
@@ -155,17 +160,10 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.scale = (float)scale;
     a.nthreads = g_threads;
     a.pos0 = 0;
-    void (*fn)(const fk_attn_args *) = g_isa->attn_decode;
-    if ((double)a.n * a.kv_heads * a.d > 1e5) {
-        Py_BEGIN_ALLOW_THREADS
-        fn(&a);
-        Py_END_ALLOW_THREADS
-    } else {
-        fn(&a);
-    }
+    const fk_isa *isa = g_isa;
+    FK_CALL((double)a.n * a.kv_heads * a.d > 1e5, isa->attn_decode(&a));
     Py_RETURN_NONE;
 }
-
 
 /* delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv,
  * d_conv, eps): one Gated DeltaNet decode token (fk_delta.cpp) */
@@ -392,45 +390,50 @@ static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64
     return 1;
 }
 
-/* step(plan, x_ptr, m, pos0, kv_table, cis0, cis0_len, cis1, cis1_len) */
-static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* step(plan, x_ptr, m, pos0, kv_table, ...): m rows of one stream at pos0.. */
+static int block_rows(fk_step_args *a, const long long *v) {
+    a->pos0 = v[2];
+    a->kv = (const int64_t *)(uintptr_t)v[3];
+    a->row_pos = NULL;
+    a->row_kv = NULL;
+    return a->x && a->kv && a->m >= 1 && a->pos0 >= 0 && a->m <= (1LL << 24) && rows_fit(a, a->kv, a->pos0, a->m);
+}
+
+/* step_batch(plan, x_ptr, m, row_kv, row_pos, ...): row i is one token of its own stream, at
+ * position row_pos[i] of the cache whose table is row_kv[i * n_layer * FK_KV_ENTRY ..] */
+static int batch_rows(fk_step_args *a, const long long *v) {
+    a->row_kv = (const int64_t *)(uintptr_t)v[2];
+    a->row_pos = (const int64_t *)(uintptr_t)v[3];
+    a->pos0 = 0;
+    a->kv = NULL;
+    int ok = a->x && a->row_kv && a->row_pos && a->m >= 1 && a->m <= (1 << 16);
+    for (int64_t i = 0; ok && i < a->m; i++)
+        ok = a->row_pos[i] >= 0 && rows_fit(a, a->row_kv + i * a->plan->n_layer * FK_KV_ENTRY, a->row_pos[i], 1);
+    return ok;
+}
+
+/* the two entries of the step: (plan, x, m, two slots read by `rows`, cis0, cis0_len, cis1, cis1_len) */
+static PyObject *step_entry(const char *fn, const char *what, int (*rows)(fk_step_args *, const long long *),
+                            PyObject *const *args, Py_ssize_t nargs) {
     long long v[8];
     fk_step_args a;
-    if (!step_args("step", args, nargs, v, &a)) return NULL;
-    a.pos0 = v[2];
-    a.kv = (const int64_t *)(uintptr_t)v[3];
-    a.row_pos = NULL;
-    a.row_kv = NULL;
-    if (!a.x || !a.kv || a.m < 1 || a.pos0 < 0 || a.m > (1LL << 24) || !rows_fit(&a, a.kv, a.pos0, a.m)) {
-        PyErr_SetString(PyExc_ValueError, "step: inconsistent positions, cache or RoPE table");
+    if (!step_args(fn, args, nargs, v, &a)) return NULL;
+    if (!rows(&a, v)) {
+        PyErr_Format(PyExc_ValueError, "%s: inconsistent positions, %s or RoPE table", fn, what);
         return NULL;
     }
     if (run_step(&a)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* step_batch(plan, x_ptr, m, row_kv, row_pos, cis0, cis0_len, cis1, cis1_len): row i is
- * one token of its own stream, at position row_pos[i] of the cache whose table is
- * row_kv[i * n_layer * FK_KV_ENTRY ..] */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return step_entry("step", "cache", block_rows, args, nargs);
+}
+
 static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[8];
-    fk_step_args a;
-    if (!step_args("step_batch", args, nargs, v, &a)) return NULL;
-    a.row_kv = (const int64_t *)(uintptr_t)v[2];
-    a.row_pos = (const int64_t *)(uintptr_t)v[3];
-    a.pos0 = 0;
-    a.kv = NULL;
-    int bad = !a.x || !a.row_kv || !a.row_pos || a.m < 1 || a.m > (1 << 16);
-    for (int64_t i = 0; !bad && i < a.m; i++)
-        bad = a.row_pos[i] < 0 || !rows_fit(&a, a.row_kv + i * a.plan->n_layer * FK_KV_ENTRY, a.row_pos[i], 1);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "step_batch: inconsistent positions, caches or RoPE table");
-        return NULL;
-    }
-    if (run_step(&a)) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return step_entry("step_batch", "caches", batch_rows, args, nargs);
 }
 
 /* dequant_rows(qtype, w_ptr, row_bytes, n, k, ids_ptr, count, out_ptr): out[i] = row ids[i] */

@@ -45,10 +45,8 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 #define CB_MR 4
 #include "generic/matmul_impl.inc"
 
-}  // namespace fk_scalar_ns
-
 /* attention and the layer step on plain floats (VW = 1) */
-namespace fk_scalar_attn {
+namespace attn {
 
 #define VW 1
 typedef float vf;
@@ -74,8 +72,7 @@ static inline void vstoreh(uint16_t *p, vf v) { *p = fk_f2h_portable(v); }
 #undef VW
 #undef FK_AB
 
-}  // namespace fk_scalar_attn
+}  // namespace attn
+}  // namespace fk_scalar_ns
 
-extern "C" const fk_isa fk_isa_scalar = {"scalar", fk_scalar_ns::fk_matmul, fk_scalar_ns::fk_act_roundtrip,
-                                         fk_scalar_ns::fk_dequant_row, fk_scalar_attn::fk_attn_decode_impl,
-                                         fk_scalar_attn::fk_step_impl};
+FK_ISA_TABLE(scalar)
