@@ -59,7 +59,8 @@ def main() -> None:
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
     names = ("base", "new") if args.mode == "builds" else ("legacy int8", "canon")
     rng = np.random.default_rng(0)
-    print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |\n| --- | --- | --- | --- | --- | --- |")
+    print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for isa in args.isa or K.supported_isas():
         for mod in mods:
             mod.set_isa(isa)
