@@ -1,6 +1,6 @@
 """Build of fucina's native kernels (csrc/) as fucina.kernels._native.
 
-Portable x86-64: no -march=native. Each ISA unit (scalar, AVX2, AVX-512 VNNI) carries
+Portable x86-64: no -march=native. Each ISA unit (scalar, AVX2, AVX2 + AVX-VNNI, AVX-512 VNNI) carries
 its own `#pragma GCC target`, and the module picks one at import time from CPUID.
 OpenMP: the extension links libgomp by its soname, which resolves to the copy torch
 already loaded (fucina.kernels imports torch first), so torch and the kernels share
@@ -17,12 +17,12 @@ from setuptools import Extension, setup
 sources = ["csrc/module.cpp", "csrc/fk_delta.cpp", "csrc/isa/scalar.cpp"]
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 if x86:
-    sources += ["csrc/isa/avx2.cpp", "csrc/isa/avx512.cpp"]
+    sources += ["csrc/isa/avx2.cpp", "csrc/isa/avx2vnni.cpp", "csrc/isa/avx512.cpp"]
 
 ext = Extension(
     "fucina.kernels._native",
     sources=sources,
-    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_delta.h", *sorted(glob.glob("csrc/generic/*.inc")),
+    depends=["csrc/fk_common.h", "csrc/isa/avx2.cpp", "csrc/fk_plan.h", "csrc/fk_delta.h", *sorted(glob.glob("csrc/generic/*.inc")),
              *sorted(glob.glob("csrc/isa/*.inc"))],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],

@@ -70,7 +70,7 @@ typedef struct {
 #include "fk_plan.h"   /* the decoder plan: its schema, structs and step arguments */
 
 /* The one dispatch table: every per-ISA entry of the module, one table per unit
- * (isa/scalar.cpp, isa/avx2.cpp, isa/avx512.cpp). module.cpp holds the table in force
+ * (isa/scalar.cpp, isa/avx2.cpp, isa/avx2vnni.cpp, isa/avx512.cpp). module.cpp holds the table in force
  * (set_isa), so one switch moves the matmul, the attention and the step together. */
 typedef struct {
     const char *name;
@@ -91,6 +91,7 @@ extern "C" {
 #endif
 extern const fk_isa fk_isa_scalar;
 extern const fk_isa fk_isa_avx2;
+extern const fk_isa fk_isa_avx2vnni;
 extern const fk_isa fk_isa_avx512;
 #ifdef __cplusplus
 }

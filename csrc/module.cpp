@@ -39,17 +39,21 @@ static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
 }
 static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+static int cpu_has_avx2vnni(void) { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
 #else
 static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
+static int cpu_has_avx2vnni(void) { return 0; }
 /* never selected: isa_by_name refuses them on this CPU family */
 const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0, 0, 0};
 const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0, 0, 0};
+const fk_isa fk_isa_avx2vnni = {"avx2vnni", 0, 0, 0, 0, 0};
 #endif
 
 static const fk_isa *isa_by_name(const char *name) {
     if (!strcmp(name, "avx512")) return cpu_has_avx512() ? &fk_isa_avx512 : NULL;
+    if (!strcmp(name, "avx2vnni")) return cpu_has_avx2vnni() ? &fk_isa_avx2vnni : NULL;
     if (!strcmp(name, "avx2")) return cpu_has_avx2() ? &fk_isa_avx2 : NULL;
     if (!strcmp(name, "scalar")) return &fk_isa_scalar;
     return NULL;
@@ -539,8 +543,8 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     PyObject *l = PyList_New(0);
     if (!l) return NULL;
-    const char *names[] = {"avx512", "avx2", "scalar"};
-    for (int i = 0; i < 3; i++)
+    const char *names[] = {"avx512", "avx2vnni", "avx2", "scalar"};
+    for (int i = 0; i < 4; i++)
         if (isa_by_name(names[i])) {
             PyObject *s = PyUnicode_FromString(names[i]);
             if (!s || PyList_Append(l, s) < 0) { Py_XDECREF(s); Py_DECREF(l); return NULL; }
@@ -572,7 +576,7 @@ static PyMethodDef methods[] = {
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},
-    {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2' or 'scalar'"},
+    {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2vnni', 'avx2' or 'scalar'"},
     {"get_isa", py_get_isa, METH_NOARGS, ""},
     {"set_prefill", py_set_prefill, METH_O, "'canon' (batch invariant, the default) or a legacy route: 'int8' or 'bf16' (AVX512_BF16, m >= 8)"},
     {"get_prefill", py_get_prefill, METH_NOARGS, ""},
@@ -587,6 +591,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "fucina na
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
+    else if (cpu_has_avx2vnni()) g_isa = &fk_isa_avx2vnni;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;

@@ -1,13 +1,19 @@
-/* AVX2 + FMA + F16C (Haswell / Zen 1 and later). No VNNI here: u8 x s8 products go through
- * vpmaddubsw (kept from saturating, see tile_q_part) and vpmaddwd. */
+/* AVX2 + FMA + F16C (Haswell / Zen 1 and later): u8 x s8 products go through vpmaddubsw (kept
+ * from saturating, see tile_q_part) and vpmaddwd. isa/avx2vnni.cpp compiles this same unit
+ * again with FK_AVX2_VNNI and AVX-VNNI on (Alder Lake, Zen 5): dot4 is then one vpdpbusd. */
 #include <immintrin.h>
 
 #include "fk_common.h"
 
 #pragma GCC push_options
+#if FK_AVX2_VNNI
+#pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
+namespace fk_avx2vnni_ns {
+#else
+#define FK_AVX2_VNNI 0
 #pragma GCC target("avx2,fma,f16c,bmi2")
-
 namespace fk_avx2_ns {
+#endif
 
 static inline float fk_h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -16,6 +22,17 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* per dword the sum of its four u8 x s8 products: vpmaddubsw + vpmaddwd, or one vpdpbusd.
+ * The same int32 as long as no vpmaddubsw pair sum saturates, which every caller keeps
+ * (u <= 127 against s8, or |w| <= 128 against s8 in -127..127). */
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if FK_AVX2_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 #define FK_VBITS 256 /* generic/x86_hooks.inc: 8 lanes */
@@ -31,7 +48,6 @@ static inline void tile_q_part(const uint8_t *wt, const uint8_t *xt, size_t rows
     __m256 acc[R][C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (size_t i = 0; i < (size_t)kp; i += 32) {
         __m256i w[R], aw[R];
         for (int r = 0; r < R; r++) {
@@ -43,8 +59,7 @@ static inline void tile_q_part(const uint8_t *wt, const uint8_t *xt, size_t rows
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + c * rowsz + i));
             const __m256 xs = _mm256_loadu_ps((const float *)(xt + c * rowsz + kp) + i / 4);
             for (int r = 0; r < R; r++) {
-                const __m256i p = _mm256_maddubs_epi16(aw[r], WIDE ? _mm256_sign_epi8(xv, w[r]) : xv);
-                const __m256i d = _mm256_madd_epi16(p, ones);
+                const __m256i d = dot4(aw[r], WIDE ? _mm256_sign_epi8(xv, w[r]) : xv);
                 const __m256 ws = _mm256_loadu_ps((const float *)(wt + r * rowsz + kp) + i / 4);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[r][c]);
             }
@@ -123,20 +138,21 @@ static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
 }
 template <bool WIDE, bool G16>
 static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
-    const __m256i ones = _mm256_set1_epi16(1);
     if (WIDE) {
         __m256i I = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) {
-            const __m256i p = _mm256_maddubs_epi16(k.aw[i], _mm256_sign_epi8(_mm256_set1_epi32(xd[i]), k.w[i]));
-            I = _mm256_add_epi32(I, _mm256_madd_epi16(p, ones));
-        }
+        for (int i = 0; i < 8; i++) I = _mm256_add_epi32(I, dot4(k.aw[i], _mm256_sign_epi8(_mm256_set1_epi32(xd[i]), k.w[i])));
         return I;
     }
     __m256i s[4];
     for (int i = 0; i < 4; i++)
+#if FK_AVX2_VNNI
+        s[i] = _mm256_dpbusd_avx_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])), k.w[2 * i + 1],
+                                       _mm256_set1_epi32(xd[2 * i + 1]));
+#else
         s[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
                                                   _mm256_maddubs_epi16(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
-                                 ones);
+                                 _mm256_set1_epi16(1));
+#endif
     if (G16) {
         const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_set1_epi32(zi[2 * b]));
         const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(s[2], s[3]), _mm256_set1_epi32(zi[2 * b + 1]));
@@ -219,8 +235,12 @@ static inline vf vscale2(vf p, vf n) {
 static inline vf vblend_neg(vf z, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)); }
 
 }  // namespace attn
-}  // namespace fk_avx2_ns
+}  // namespace fk_avx2_ns / fk_avx2vnni_ns
 
 #pragma GCC pop_options
 
+#if FK_AVX2_VNNI
+FK_ISA_TABLE(avx2vnni)
+#else
 FK_ISA_TABLE(avx2)
+#endif
