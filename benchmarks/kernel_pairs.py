@@ -3,10 +3,11 @@ process CPU time per call at one thread, median over rounds.
 
     python benchmarks/kernel_pairs.py routes                 # canonical vs legacy int8 route
     python benchmarks/kernel_pairs.py builds BASE.so NEW.so  # two builds of fucina.kernels._native
+    python benchmarks/kernel_pairs.py isas --isa avx2 --isa avx2vnni  # two ISA levels, canonical route
 
 The last column is the second side's time over the first's (new / base, canon / legacy).
 `builds` loads both extension files side by side (one shared libgomp) and checks that they
-return the same bits. --rounds (default 15), --isa (default: every level this CPU has).
+return the same bits (so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
 """
 from __future__ import annotations
 
@@ -51,19 +52,21 @@ def paired(a, b, reps: int, rounds: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["routes", "builds"])
+    ap.add_argument("mode", choices=["routes", "builds", "isas"])
     ap.add_argument("so", nargs="*", help="builds: BASE.so NEW.so")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--isa", action="append")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
-    names = ("base", "new") if args.mode == "builds" else ("legacy int8", "canon")
+    names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
+    if args.mode == "isas" and len(names) != 2:
+        ap.error("isas: name two levels with --isa A --isa B")
     rng = np.random.default_rng(0)
     print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for isa in args.isa or K.supported_isas():
+    for isa in ["+".join(names)] if args.mode == "isas" else args.isa or K.supported_isas():
         for mod in mods:
-            mod.set_isa(isa)
+            mod.set_isa(names[0] if args.mode == "isas" else isa)
             mod.set_threads(1)
         for f, n, k, m in CASES:
             qt = T[f]
@@ -72,15 +75,17 @@ def main() -> None:
             rb = raw.numel() // n
 
             def side(i):
-                mod, route = (mods[i], "canon") if args.mode == "builds" else (mods[0], ("int8", "canon")[i])
+                mod, route = (mods[i], "canon") if args.mode == "builds" else (mods[0], ("int8", "canon")[i] if args.mode == "routes" else "canon")
 
                 def call():
+                    if args.mode == "isas":
+                        mod.set_isa(names[i])
                     mod.set_prefill(route)
                     mod.matmul(int(qt), raw.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
                 return call
             ta, tb = paired(side(0), side(1), 200 if m == 1 else (60 if m <= 4 else 6), args.rounds)
-            if args.mode == "builds":
-                assert torch.equal(ys[0], ys[1]), f"{f} m={m}: the builds' bits differ"
+            if args.mode != "routes":
+                assert torch.equal(ys[0], ys[1]), f"{f} m={m}: the two sides' bits differ"
             print(f"| {isa} | {f} {n}x{k} | {m} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | {tb / ta:.3f} |", flush=True)
     for mod in mods:
         mod.set_prefill("canon")

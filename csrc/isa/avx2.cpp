@@ -136,7 +136,7 @@ static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
         }
     }
 }
-template <bool WIDE, bool G16>
+template <bool WIDE, bool G16>  /* WIDE only without VNNI (PB_WIDE) */
 static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
     if (WIDE) {
         __m256i I = _mm256_setzero_si256();
@@ -202,7 +202,9 @@ static inline void pb_h16_dm(const uint8_t *const *rp, pbi vidx, int64_t off, pb
 }
 static inline pbi pb_lut16(const uint8_t *p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)); }
 static inline pbi pb_index(const int32_t *off) { return _mm256_load_si256((const __m256i *)off); }
-#define PB_WIDE 1  /* bytes past 127 would saturate vpmaddubsw: their own dot */
+/* bytes past 127 would saturate vpmaddubsw: their own dot; vpdpbusd takes every unsigned
+ * byte, and sum u q + zi (-128 sum q) is the sign trick's integer exactly */
+#define PB_WIDE (!FK_AVX2_VNNI)
 #include "generic/x86_panel.inc"
 
 #include "avx2_cbgemv.inc"
