@@ -75,7 +75,8 @@ def main() -> None:
             rb = raw.numel() // n
 
             def side(i):
-                mod, route = (mods[i], "canon") if args.mode == "builds" else (mods[0], ("int8", "canon")[i] if args.mode == "routes" else "canon")
+                mod = mods[i] if args.mode == "builds" else mods[0]
+                route = ("int8", "canon")[i] if args.mode == "routes" else "canon"
 
                 def call():
                     if args.mode == "isas":
