@@ -2,6 +2,10 @@
 the AVX2 unit's bits: the same int32 sums, so the same outputs, on every route and format."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -87,3 +91,10 @@ def test_default_order_and_forcing():
         assert K.isa() == "avx2vnni"
     finally:
         K.set_isa(before)
+
+
+def test_fucina_isa_env_forces_plain_avx2():
+    env = dict(os.environ, FUCINA_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", "import fucina.kernels as K; print(K.isa())"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["avx2"]
