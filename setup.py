@@ -1,24 +1,29 @@
 """Build of fucina's native kernels (csrc/) as fucina.kernels._native.
 
-Portable x86-64: no -march=native. Each ISA unit (scalar, AVX2, AVX-512 VNNI) carries
+Portable x86-64: no -march=native. Each ISA unit (scalar, AVX2, AVX2 + AVX-VNNI, AVX-512 VNNI) carries
 its own `#pragma GCC target`, and the module picks one at import time from CPUID.
 OpenMP: the extension links libgomp by its soname, which resolves to the copy torch
 already loaded (fucina.kernels imports torch first), so torch and the kernels share
 one thread pool.
 """
+import glob
 import platform
 
 from setuptools import Extension, setup
 
-sources = ["csrc/fk_module.cpp", "csrc/fk_scalar.cpp", "csrc/fk_attn.cpp", "csrc/fk_delta.cpp"]
+# csrc/: units compiled once at the top (module.cpp: the Python module; fk_delta.cpp), one
+# unit per ISA in isa/ (its matmul, attention and step, exported as one fk_isa table), the
+# ISA-generic templates those units include in generic/
+sources = ["csrc/module.cpp", "csrc/fk_delta.cpp", "csrc/isa/scalar.cpp"]
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 if x86:
-    sources += ["csrc/fk_avx2.cpp", "csrc/fk_avx512.cpp"]
+    sources += ["csrc/isa/avx2.cpp", "csrc/isa/avx2vnni.cpp", "csrc/isa/avx512.cpp"]
 
 ext = Extension(
     "fucina.kernels._native",
     sources=sources,
-    depends=["csrc/fk_common.h", "csrc/fk_plan.h", "csrc/fk_impl.inc", "csrc/fk_decode_avx2.inc", "csrc/fk_gemv_avx2.inc", "csrc/fk_cbgemv_avx512.inc", "csrc/fk_cbgemv_avx2.inc", "csrc/fk_attn_impl.inc", "csrc/fk_step_impl.inc", "csrc/fk_delta.h", "csrc/fk_moe_impl.inc"],
+    depends=["csrc/fk_common.h", "csrc/isa/avx2.cpp", "csrc/fk_plan.h", "csrc/fk_delta.h", *sorted(glob.glob("csrc/generic/*.inc")),
+             *sorted(glob.glob("csrc/isa/*.inc"))],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],
     extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",

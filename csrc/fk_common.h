@@ -17,8 +17,10 @@
 #ifndef FK_COMMON_H
 #define FK_COMMON_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* GGML type ids (ggml.h) of the formats with a native route. */
@@ -41,23 +43,14 @@ typedef struct {
     int prefill;      /* FK_PREFILL_*: the route family (canonical, or a legacy opt-out) */
 } fk_matmul_args;
 
-/* FK_PREFILL_CANON (the default): every m takes the canonical arithmetic of fk_impl.inc
+/* FK_PREFILL_CANON (the default): every m takes the canonical arithmetic of generic/matmul_impl.inc
  * (batch invariant: a row's result never depends on the rows computed with it).
  * INT8 / BF16: the legacy routes (FUCINA_INVARIANT=0): per-m GEMV / tiles, and for
  * m >= FK_PREFILL_MIN_M the int8 tiles or the AVX512_BF16 GEMM. */
 enum { FK_PREFILL_INT8 = 0, FK_PREFILL_BF16 = 1, FK_PREFILL_CANON = 2 };
 #define FK_PREFILL_MIN_M 8
 
-typedef struct {
-    const char *name;
-    void (*matmul)(const fk_matmul_args *a);
-    /* test hook: quantize activations exactly as matmul does and dequantize back */
-    void (*act_roundtrip)(const float *x, int64_t k, float *out);
-    /* one row of k values of a weight back to f32 (embedding lookup) */
-    void (*dequant_row)(int qtype, const uint8_t *src, int64_t k, float *out);
-} fk_isa;
-
-/* Decode attention (fk_attn.cpp): out[h*d..] = softmax(scale * q[h] . K_kvh^T) @ V_kvh for one
+/* Decode attention (generic/attn_impl.inc): out[h*d..] = softmax(scale * q[h] . K_kvh^T) @ V_kvh for one
  * query row, K/V rows f16 [n, kv_heads, d] with row_stride halves between rows, query
  * head h served by kv head h / (n_head / kv_heads). q and out are [n_head, d] f32. */
 typedef struct {
@@ -76,21 +69,39 @@ typedef struct {
 
 #include "fk_plan.h"   /* the decoder plan: its schema, structs and step arguments */
 
+/* The one dispatch table: every per-ISA entry of the module, one table per unit
+ * (isa/scalar.cpp, isa/avx2.cpp, isa/avx2vnni.cpp, isa/avx512.cpp). module.cpp holds the table in force
+ * (set_isa), so one switch moves the matmul, the attention and the step together. */
+typedef struct {
+    const char *name;
+    void (*matmul)(const fk_matmul_args *a);
+    /* test hook: quantize activations exactly as matmul does and dequantize back */
+    void (*act_roundtrip)(const float *x, int64_t k, float *out);
+    /* one row of k values of a weight back to f32 (embedding lookup) */
+    void (*dequant_row)(int qtype, const uint8_t *src, int64_t k, float *out);
+    /* one query row over the f16 cache (generic/attn_impl.inc) */
+    void (*attn_decode)(const fk_attn_args *a);
+    /* every layer of the plan over m rows (generic/step_impl.inc); its matmuls go through
+     * a->matmul, which module.cpp sets to this table's */
+    void (*step)(fk_step_args *a);
+} fk_isa;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-void fk_attn_decode_scalar(const fk_attn_args *a);
-void fk_attn_decode_avx2(const fk_attn_args *a);
-void fk_attn_decode_avx512(const fk_attn_args *a);
-void fk_step_scalar(fk_step_args *a);
-void fk_step_avx2(fk_step_args *a);
-void fk_step_avx512(fk_step_args *a);
 extern const fk_isa fk_isa_scalar;
 extern const fk_isa fk_isa_avx2;
+extern const fk_isa fk_isa_avx2vnni;
 extern const fk_isa fk_isa_avx512;
 #ifdef __cplusplus
 }
 #endif
+
+/* a unit's table: its namespace fk_<level>_ns, attention and the step in its ::attn */
+#define FK_ISA_TABLE(level)                                                                                  \
+    extern "C" const fk_isa fk_isa_##level = {#level, fk_##level##_ns::fk_matmul, fk_##level##_ns::fk_act_roundtrip, \
+                                              fk_##level##_ns::fk_dequant_row, fk_##level##_ns::attn::fk_attn_decode_impl, \
+                                              fk_##level##_ns::attn::fk_step_impl};
 
 /* f16 -> f32 without F16C (scalar units) */
 static inline float fk_h2f_portable(uint16_t h) {

@@ -36,6 +36,6 @@ int fk_delta_rows(const fk_delta_args *a, int64_t m, int64_t ld, int64_t ldo, fl
 
 /* A plan's DeltaNet layer (FK_MIXER_DELTA) over m rows of one stream: in [m, ld] the
  * ssm_in projection, out [m, hv * dv] before ssm_out; entry = the cache's (window, state,
- * snapshot slot table, keep). fk_module.cpp checked the layer and the entry. */
+ * snapshot slot table, keep). module.cpp checked the layer and the entry. */
 int fk_delta_layer(const fk_layer *L, const float *in, int64_t m, int64_t ld, float *out, const int64_t *entry,
                    int nthreads, float eps);

@@ -36,7 +36,7 @@ typedef struct {
     FK_GEMMA4_FIELDS(X)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
 
-/* a MoE ffn (fk_moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
+/* a MoE ffn (moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
  * weight each, expert e's rows at e * rows-per-expert: gate_exps/up_exps [n_expert * n_ff_exp,
  * n_embd], down_exps [n_expert * n_embd, n_ff_exp]; moe_norm renormalises the chosen weights,
  * moe_scale (0 or 1: none) scales them. The expert store (models/expert_store.py): moe_hook
@@ -76,7 +76,7 @@ enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
 #define FK_FIELD_W(name) fk_lin name;
 #define FK_DECLARE(kind, name) FK_FIELD_##kind(name)
 
-/* One decoder layer (fk_step_impl.inc):
+/* One decoder layer (step_impl.inc):
  *   h = norm(x); q,k,v = h W_qkv (+ bias); q/k head norms; RoPE; K/V -> f16 cache;
  *   attention; x += post_norm(att W_o); h = norm(x); x += post_norm(act(h W_gate) * (h W_up) W_down)
  * qkv is one fused weight [q|k|v] or three; gate/up one fused [gate|up] or two. */

@@ -66,7 +66,7 @@ def _configure(setter: str, value) -> None:
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'avx512', 'avx2', 'scalar' (or 'none')."""
+    """The instruction set the kernels run with: 'avx512', 'avx2vnni', 'avx2', 'scalar' (or 'none')."""
     return _native.get_isa() if _native is not None else "none"
 
 
@@ -116,8 +116,8 @@ def route(m: int, qtype: GGMLType | None = None) -> str:
 
 
 def _configure_from_env() -> None:
-    """FUCINA_ISA=avx2|scalar forces an ISA level (A/B timing of the AVX2 path on an AVX-512
-    CPU); FUCINA_INVARIANT=0 opts out of batch invariance for the legacy routes (bf16 where
+    """FUCINA_ISA=avx2vnni|avx2|scalar forces an ISA level (A/B timing of the AVX2 paths on
+    an AVX-512 CPU); FUCINA_INVARIANT=0 opts out of batch invariance for the legacy routes (bf16 where
     the CPU has AVX512_BF16)."""
     if _native is None:
         return
@@ -371,7 +371,7 @@ def plan_schema() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
 
 
 class DecoderPlan:
-    """Every layer of a decoder as one native call (csrc/fk_step_impl.inc): per layer a
+    """Every layer of a decoder as one native call (csrc/generic/step_impl.inc): per layer a
     mixer (attention: norm -> QKV (+ bias) -> q/k norms -> RoPE -> f16 KV memory -> attention
     -> O) and an ffn (dense: norm -> gate/up -> act * up -> down), with optional post-norms.
     The fields are csrc/fk_plan.h's schema, filled by name; each shape is checked here and

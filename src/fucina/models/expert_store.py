@@ -5,7 +5,7 @@ fixed pool of slots (the budget's bytes, anonymous memory), one expert per slot 
 of each of its layer's stacks), and reads an expert into a slot with pread when a layer
 chooses it and it is not resident. Before each MoE layer runs, its hook gets the experts
 the router chose (the torch path from moe.mix, the native layer step from
-csrc/fk_moe_impl.inc through a C callback, answered with a per-layer pointer table);
+csrc/generic/moe_impl.inc through a C callback, answered with a per-layer pointer table);
 `Residency` decides which resident experts give up their slots. The bytes in a slot are
 the file's bytes, and the matmuls are the same kernels on them: the output is bitwise the
 resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
@@ -273,7 +273,7 @@ class ExpertStore:
         return lambda experts: self.use(layer, experts)
 
     def plan_fields(self, layer: int) -> dict:
-        """What the native plan's MoE layer needs to call the store (csrc/fk_moe_impl.inc)."""
+        """What the native plan's MoE layer needs to call the store (csrc/generic/moe_impl.inc)."""
         return dict(moe_hook=self.hook_address, moe_hook_ctx=layer, moe_table=self.tables[layer].data_ptr())
 
     def _native_use(self, layer: int, ids, n: int) -> int:

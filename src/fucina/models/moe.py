@@ -14,7 +14,7 @@ Two pieces, separate so a family can change one without the other:
   them it tells the layer's `on_use` hook which experts it chose (the expert store,
   models/expert_store.py, streams them under a RAM budget).
 The math follows llama.cpp's build_moe_ffn (b11434); the native layer step has the same
-in csrc/fk_moe_impl.inc.
+in csrc/generic/moe_impl.inc.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ The recurrent layers keep a `RecurrentState` (conv window + state matrices, snap
 over `state_horizon` positions, inside a multi-row step too), the attention layers a
 `KVMemory`; so prefix reuse, Conversation and speculation rewind within the horizon and
 fall back to a re-prefill past it (the cache says which through can_truncate).
-The native layer plan (kernels.DecoderPlan, csrc/fk_step_impl.inc) runs every layer of a
+The native layer plan (kernels.DecoderPlan, csrc/generic/step_impl.inc) runs every layer of a
 step in one call: a DeltaNet layer is the mixer kind "delta_net" (csrc/fk_delta.cpp: the
 conv, norms and the recurrence over the step's rows, heads in parallel, each head's state
 hot over all rows; it writes the kept snapshots as it goes), a gated attention layer the

@@ -57,7 +57,7 @@ class Model(qwen35.Model):
         return routed + shared * torch.sigmoid(x.float() @ L.ffn_gate_inp_shexp)[..., None]
 
     def build_plan(self) -> None:
-        return None   # the native MoE ffn (csrc/fk_moe_impl.inc) has no shared expert yet
+        return None   # the native MoE ffn (csrc/generic/moe_impl.inc) has no shared expert yet
 
 
 def layer_schema(recurrent: bool, ffn=MOE_FFN):

@@ -3,7 +3,7 @@ RoPE) with every ffn a routed mixture of SwiGLU experts: softmax over the router
 logits, the top `expert_used_count` experts, their weights renormalised to sum to 1
 (llama.cpp b11434 always normalises for this family, whatever norm_topk_prob was). The
 expert stacks stay zero-copy in the mmap (weights.ExpertStack); the math is models/moe.py,
-the native step's is csrc/fk_moe_impl.inc; `--moe-ram` streams the stacks under a RAM
+the native step's is csrc/generic/moe_impl.inc; `--moe-ram` streams the stacks under a RAM
 budget (models/expert_store.py)."""
 from __future__ import annotations
 

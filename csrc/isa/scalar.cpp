@@ -1,9 +1,11 @@
-/* Portable fallback: plain C++, no target-specific instructions. */
+/* The portable unit: plain C++, no target-specific instructions (every CPU, and the
+ * reference the SIMD units match bit for bit on the canonical route). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fk_common.h"
+#include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
 
 namespace fk_scalar_ns {
 
@@ -42,8 +44,36 @@ static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t
 
 #define CB_NP 8
 #define CB_MR 4
-#include "fk_impl.inc"
+#include "generic/matmul_impl.inc"
 
+/* attention and the layer step on plain floats (VW = 1) */
+namespace attn {
+
+#define VW 1
+typedef float vf;
+static inline float h2f(uint16_t h) { return fk_h2f_portable(h); }
+static inline vf vzero() { return 0.0f; }
+static inline vf vset1(float x) { return x; }
+static inline vf vloadf(const float *p) { return *p; }
+static inline void vstoref(float *p, vf v) { *p = v; }
+static inline vf vloadh(const uint16_t *p) { return h2f(*p); }
+static inline vf vfmadd(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+static inline float vhadd(vf v) { return v; }
+static inline float vhmax(vf v) { return v; }
+static inline vf vexp(vf x) { return expf(x < -87.0f ? -87.0f : x); }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vblend_neg(vf z, vf a, vf b) { return z >= 0.0f ? a : b; }
+static inline void vstoreh(uint16_t *p, vf v) { *p = fk_f2h_portable(v); }
+#include "generic/attn_impl.inc"
+#include "generic/step_impl.inc"
+#undef VW
+#undef FK_AB
+
+}  // namespace attn
 }  // namespace fk_scalar_ns
 
-extern "C" const fk_isa fk_isa_scalar = {"scalar", fk_scalar_ns::fk_matmul, fk_scalar_ns::fk_act_roundtrip, fk_scalar_ns::fk_dequant_row};
+FK_ISA_TABLE(scalar)

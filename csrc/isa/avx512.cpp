@@ -1,12 +1,12 @@
 /* AVX-512 (F, BW, VL, DQ) + VNNI: vpdpbusd does 64 u8 x s8 MACs per instruction.
  * Compiled with a target pragma, chosen at run time only when the CPU has these. */
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
 #include <immintrin.h>
 
 #include "fk_common.h"
+#include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
 
+/* GCC 12 flags the undefined source operand inside _mm512_cvtph_ps (a false positive) */
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,bmi2")
 
@@ -14,6 +14,7 @@ namespace fk_avx512_ns {
 
 static inline float fk_h2f(uint16_t h) { return _cvtsh_ss(h); }
 
+#define FK_VBITS 512 /* generic/x86_hooks.inc: 16 lanes */
 #define FK_C 4
 template <int R, int C>
 static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
@@ -50,40 +51,16 @@ static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, in
         for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-template <int R, int C>
-static inline void tile_f(const float *wt, int64_t ldw, const float *xt, int64_t ldx, int64_t kp, float out[][FK_C]) {
-    __m512 acc[R][C];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kp; i += 16) {
-        __m512 w[R];
-        for (int r = 0; r < R; r++) w[r] = _mm512_loadu_ps(wt + r * ldw + i);
-        for (int c = 0; c < C; c++) {
-            const __m512 xv = _mm512_loadu_ps(xt + c * ldx + i);
-            for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(w[r], xv, acc[r][c]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-}
+#include "generic/x86_hooks.inc"
 #undef FK_C
 
-static bool fast_decode(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, uint8_t *__restrict dst);
-static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst);
-#define FK_FAST_DECODE fast_decode
-static bool gemv_ok(int qt);
-static void gemv_rows(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
-                      const uint8_t *act, float *y);
-#define FK_FAST_GEMV_OK gemv_ok
-#define FK_FAST_GEMV gemv_rows
-static const uint8_t *gemv_prep(int qt, const uint8_t *act, int64_t k, int64_t kp, int slot);
-#define FK_FAST_GEMV_PREP gemv_prep
+static inline float pb_hsum(pbv v) { return _mm512_reduce_add_ps(v); }
+
 static bool gemv_m_ok(int qt, int64_t m);
 static void gemv_rows_multi(int qt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t k, int64_t kp,
                             const uint8_t *const *g, int64_t m, float *y, int64_t ldy);
 #define FK_FAST_GEMV_M_OK gemv_m_ok
 #define FK_FAST_GEMV_M gemv_rows_multi
-#define FK_FAST_QUANT_ACT fast_quant_act
 
 static bool fast_decode_f32(int qt, const uint8_t *__restrict src, int64_t k, int64_t kp, float *__restrict dst) {
     if (qt == FK_F32) {
@@ -135,101 +112,36 @@ static void matmul_bf16(const fk_matmul_args *a);
 
 #define CB_NP 16
 #define CB_MR 4
-static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
-                             int64_t kp, int mr, float *acc, float *macc);
-static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan);
-static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
-                                 uint8_t *pan);
-#define CB_HAS_GEMV  /* the unit defines cbg_ok / cbg_prep / cbg_gemv (fk_impl.inc) */
-#define CB_KERNEL cb_kernel_avx512
-#define CB_PANEL_U cb_panel_u_avx512
-#define CB_FAST_PANEL cb_fast_panel_avx512
 
-#include "fk_impl.inc"
+#include "generic/matmul_impl.inc"
 
-/* ---- the canonical kernel (fk_impl.inc): 16 weight rows in the lanes ----------------
+/* ---- the canonical kernel (matmul_impl.inc): 16 weight rows in the lanes ----------------
  * Per block: 8 vpdpbusd per activation row (the row's dword broadcast against dword i of
  * the 16 rows), so each lane holds its row's exact block dot; then the block's one FMA. */
-template <int MR, bool G16, bool MIN, bool Q2K>
-static inline void cb_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
-                           float *acc, float *macc) {
-    const int64_t nbp = kp / 32;
-    const int32_t *xq[MR], *zi[MR], *sq[MR];
-    const float *dx[MR], *jf[MR];
-    __m512 A[MR], Mc[MR];
-    for (int c = 0; c < MR; c++) {
-        const uint8_t *x = act + c * arow;
-        xq[c] = (const int32_t *)x;
-        dx[c] = (const float *)(x + 2 * kp + kp / 4);
-        jf[c] = dx[c] + nbp;
-        zi[c] = (const int32_t *)(jf[c] + nbp);
-        sq[c] = zi[c] + 2 * nbp;
-        A[c] = _mm512_loadu_ps(acc + 16 * c);
-        Mc[c] = _mm512_loadu_ps(macc + 16 * c);
-    }
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *pb = pan + (b - b0) * CB_BLOCK;
-        __m512i w[8];
-        for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
-        const __m512 ws = _mm512_loadu_ps((const float *)(pb + 512));
-        for (int c = 0; c < MR; c++) {
-            const int32_t *xd = xq[c] + 8 * b;
-            __m512i I;
-            if (G16) {
-                __m512i lo = _mm512_set1_epi32(zi[c][2 * b]), hi = _mm512_set1_epi32(zi[c][2 * b + 1]);
-                for (int i = 0; i < 4; i++) {
-                    lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(xd[i]));
-                    hi = _mm512_dpbusd_epi32(hi, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
-                }
-                const __m512i clo = _mm512_loadu_si512((const void *)(pb + 640)), chi = _mm512_loadu_si512((const void *)(pb + 704));
-                I = _mm512_add_epi32(_mm512_mullo_epi32(lo, clo), _mm512_mullo_epi32(hi, chi));
-            } else {
-                __m512i i0 = _mm512_set1_epi32(zi[c][b]), i1 = _mm512_setzero_si512();
-                for (int i = 0; i < 4; i++) {
-                    i0 = _mm512_dpbusd_epi32(i0, w[i], _mm512_set1_epi32(xd[i]));
-                    i1 = _mm512_dpbusd_epi32(i1, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
-                }
-                I = _mm512_add_epi32(i0, i1);
-            }
-            const __m512 d = _mm512_set1_ps(dx[c][b]);
-            A[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(ws, d), A[c]);
-            if (MIN) {
-                const __m512 wm = _mm512_loadu_ps((const float *)(pb + 576));
-                __m512 J;
-                if (Q2K) {
-                    const __m512i mlo = _mm512_loadu_si512((const void *)(pb + 768)), mhi = _mm512_loadu_si512((const void *)(pb + 832));
-                    J = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(mlo, _mm512_set1_epi32(sq[c][2 * b])),
-                                                            _mm512_mullo_epi32(mhi, _mm512_set1_epi32(sq[c][2 * b + 1])))));
-                } else {
-                    J = _mm512_set1_ps(jf[c][b]);
-                }
-                Mc[c] = _mm512_fmadd_ps(wm, J, Mc[c]);
-            }
+struct pb_wblock {
+    __m512i w[8];
+};
+template <bool WIDE>  /* no WIDE variant: vpdpbusd takes the unsigned bytes as they are */
+static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
+    for (int i = 0; i < 8; i++) k.w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
+}
+template <bool WIDE, bool G16>
+static inline __m512i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
+    if (G16) {
+        __m512i lo = _mm512_set1_epi32(zi[2 * b]), hi = _mm512_set1_epi32(zi[2 * b + 1]);
+        for (int i = 0; i < 4; i++) {
+            lo = _mm512_dpbusd_epi32(lo, k.w[i], _mm512_set1_epi32(xd[i]));
+            hi = _mm512_dpbusd_epi32(hi, k.w[4 + i], _mm512_set1_epi32(xd[4 + i]));
         }
+        const __m512i clo = _mm512_loadu_si512((const void *)(pb + 640)), chi = _mm512_loadu_si512((const void *)(pb + 704));
+        return _mm512_add_epi32(_mm512_mullo_epi32(lo, clo), _mm512_mullo_epi32(hi, chi));
     }
-    for (int c = 0; c < MR; c++) {
-        _mm512_storeu_ps(acc + 16 * c, A[c]);
-        _mm512_storeu_ps(macc + 16 * c, Mc[c]);
+    __m512i i0 = _mm512_set1_epi32(zi[b]), i1 = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        i0 = _mm512_dpbusd_epi32(i0, k.w[i], _mm512_set1_epi32(xd[i]));
+        i1 = _mm512_dpbusd_epi32(i1, k.w[4 + i], _mm512_set1_epi32(xd[4 + i]));
     }
-}
-
-template <bool G16, bool MIN, bool Q2K>
-static void cb_kern_mr(int mr, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
-                       float *acc, float *macc) {
-    switch (mr) {
-    case 1: cb_kern<1, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
-    case 2: cb_kern<2, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
-    case 3: cb_kern<3, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
-    default: cb_kern<4, G16, MIN, Q2K>(pan, b0, b1, act, arow, kp, acc, macc); break;
-    }
-}
-
-static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow,
-                             int64_t kp, int mr, float *acc, float *macc) {
-    if (qt == FK_Q2_K) cb_kern_mr<true, true, true>(mr, pan, b0, b1, act, arow, kp, acc, macc);
-    else if (cb_g16(qt)) cb_kern_mr<true, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
-    else if (cb_min(qt)) cb_kern_mr<false, true, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
-    else cb_kern_mr<false, false, false>(mr, pan, b0, b1, act, arow, kp, acc, macc);
+    return _mm512_add_epi32(i0, i1);
 }
 
 /* ---- panel builders straight off the GGML blocks (the common formats) --------------------
@@ -238,51 +150,30 @@ static void cb_kernel_avx512(int qt, const uint8_t *pan, int64_t b0, int64_t b1,
  * dword per row. They write exactly what the generic way (decode_row + cb_row_scales +
  * transpose) writes, field for field, for the fields the kernel reads. */
 
-/* 32 bytes at off of 16 rows -> out[i] = dword i of rows 0..15 */
-/* the 8 x 8 dword transpose in each 256-bit half: z[j] = row j's 8 dwords | row j + 8's ->
- * out[i] = dword i of rows 0..15 (z is clobbered) */
-static inline void tr16x8_core(__m512i z[8], __m512i out[8]) {
-    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    __m512i t[8];
-    for (int j = 0; j < 8; j += 2) {
-        t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
-        t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
-    }
-    for (int j = 0; j < 8; j += 4) {
-        z[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-        z[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-        z[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-        z[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        out[j] = _mm512_permutex2var_epi64(z[j], lo, z[4 + j]);
-        out[4 + j] = _mm512_permutex2var_epi64(z[j], hi, z[4 + j]);
-    }
-}
-
-static inline void tr16x8(const uint8_t *const *rp, int64_t off, __m512i out[8]) {
-    __m512i z[8];
+/* rows j and j + 8 share a zmm: the 8 x 8 transpose runs in each 256-bit half */
+static inline void pb_rows32(const uint8_t *const *rp, int64_t off, pbi z[8]) {
     for (int j = 0; j < 8; j++)
         z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rp[j] + off))),
                                   _mm256_loadu_si256((const __m256i *)(rp[j + 8] + off)), 1);
-    tr16x8_core(z, out);
 }
-
-/* 16 bytes at off of 16 rows -> out[i] = dword i of rows 0..15 */
-static inline void tr16x4(const uint8_t *const *rp, int64_t off, __m512i out[4]) {
-    __m512i z[4];
+static inline void pb_rows16(const uint8_t *const *rp, int64_t off, pbi z[4]) {
     for (int j = 0; j < 4; j++) {
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[j] + off)));
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[j + 4] + off)), 1);
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[j + 8] + off)), 2);
         z[j] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[j + 12] + off)), 3);
     }
-    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+static inline void pb_rows_decoded(const uint8_t *tmp, size_t ts, int nr, int64_t off, pbi z[8]) {
+    for (int j = 0; j < 8; j++) {
+        const __m256i a = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + off)) : _mm256_setzero_si256();
+        const __m256i c = j + 8 < nr ? _mm256_loadu_si256((const __m256i *)(tmp + (j + 8) * ts + off)) : _mm256_setzero_si256();
+        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+    }
+}
+static inline void pb_tr_last(pbi a, pbi b, pbi &lo, pbi &hi) {
+    lo = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), b);
+    hi = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), b);
 }
 
 /* the f16 at off of 16 rows -> f32 (vpinsrw from memory: cheaper here than a gather) */
@@ -296,181 +187,20 @@ static inline __m512 h16_rows(const uint8_t *const *rp, int64_t off) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
 }
 
-static inline __m512 h2f_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
-static inline __m512 h2f_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
+static inline __m512 pb_h2f_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
+static inline __m512 pb_h2f_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
 
-/* 4 bits (t & 15) -> bit 4 of bytes 0..3 */
-static inline __m512i bits4_to_b4(__m512i t) {
-    const __m512i spread = _mm512_mullo_epi32(_mm512_and_si512(t, _mm512_set1_epi32(15)), _mm512_set1_epi32(0x00204081));
-    return _mm512_slli_epi32(_mm512_and_si512(spread, _mm512_set1_epi32(0x01010101)), 4);
+/* the shim of generic/x86_panel.inc: 16 rows, one zmm dword each */
+static inline pbi pb_gather(pbi vidx, const uint8_t *base) { return _mm512_i32gather_epi32(vidx, (const void *)base, 1); }
+static inline pbv pb_h16(const uint8_t *const *rp, pbi, int64_t off) { return h16_rows(rp, off); }
+static inline void pb_h16_dm(const uint8_t *const *rp, pbi, int64_t off, pbv &d, pbv &m) {
+    d = h16_rows(rp, off);
+    m = h16_rows(rp, off + 2);
 }
-
-template <int QT>
-static void cb_build32(const uint8_t *const *rp, __m512i vidx, int64_t b0, int64_t b1, uint8_t *pan) {
-    const int bs = QT == FK_Q4_0 || QT == FK_IQ4_NL ? 18 : QT == FK_Q4_1 ? 20 : QT == FK_Q5_0 ? 22 : QT == FK_Q5_1 ? 24 : 34;
-    const int qo = QT == FK_Q4_1 ? 4 : QT == FK_Q5_0 ? 6 : QT == FK_Q5_1 ? 8 : 2;
-    const __m512i m4 = _mm512_set1_epi8(15);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4_u8));
-    for (int64_t b = b0; b < b1; b++) {
-        uint8_t *pb = pan + (b - b0) * CB_BLOCK;
-        const int64_t o = b * bs;
-        _mm512_storeu_ps((float *)(pb + 512), h16_rows(rp, o));
-        if (QT == FK_Q4_1 || QT == FK_Q5_1) _mm512_storeu_ps((float *)(pb + 576), h16_rows(rp, o + 2));
-        if (QT == FK_Q8_0) {
-            __m512i v[8];
-            tr16x8(rp, o + 2, v);
-            for (int i = 0; i < 8; i++)
-                _mm512_storeu_si512((void *)(pb + 64 * i), _mm512_xor_si512(v[i], _mm512_set1_epi8((char)0x80)));
-            continue;
-        }
-        __m512i v[4];
-        tr16x4(rp, o + qo, v);
-        __m512i qh = _mm512_setzero_si512();
-        if (QT == FK_Q5_0 || QT == FK_Q5_1) qh = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + qo - 4), 1);
-        for (int i = 0; i < 4; i++) {
-            __m512i a = _mm512_and_si512(v[i], m4), c = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), m4);
-            if (QT == FK_IQ4_NL) {
-                a = _mm512_shuffle_epi8(lut, a);
-                c = _mm512_shuffle_epi8(lut, c);
-            }
-            if (QT == FK_Q5_0 || QT == FK_Q5_1) {
-                a = _mm512_or_si512(a, bits4_to_b4(_mm512_srli_epi32(qh, 4 * i)));
-                c = _mm512_or_si512(c, bits4_to_b4(_mm512_srli_epi32(qh, 16 + 4 * i)));
-            }
-            _mm512_storeu_si512((void *)(pb + 64 * i), a);
-            _mm512_storeu_si512((void *)(pb + 64 * (4 + i)), c);
-        }
-    }
-}
-
-/* Q4_K / Q5_K: per superblock the 8 six-bit scales and mins of 16 rows, then 4 chunks of
- * 32 qs bytes, each two blocks (low nibbles, high nibbles) */
-template <int QT>
-static void cb_build_q45k(const uint8_t *const *rp, __m512i vidx, int64_t b0, int64_t b1, uint8_t *pan) {
-    const int bs = QT == FK_Q4_K ? 144 : 176, qo = QT == FK_Q4_K ? 16 : 48;
-    const __m512i m4 = _mm512_set1_epi8(15), m6 = _mm512_set1_epi32(63), m2 = _mm512_set1_epi32(3), mf = _mm512_set1_epi32(15);
-    for (int64_t sb = b0 / 8; sb < b1 / 8; sb++) {
-        const int64_t o = sb * bs;
-        uint8_t *ps = pan + (sb * 8 - b0) * CB_BLOCK;
-        const __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o), 1);
-        const __m512i u0 = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + 4), 1);
-        const __m512i u1 = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + 8), 1);
-        const __m512i u2 = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + 12), 1);
-        const __m512 d = h2f_lo(g), nm = _mm512_sub_ps(_mm512_setzero_ps(), h2f_hi(g));
-        for (int j = 0; j < 8; j++) {
-            __m512i sc, mn;
-            if (j < 4) {
-                sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), m6);
-                mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), m6);
-            } else {
-                const int s = 8 * (j - 4);
-                sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, s), mf),
-                                     _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, s + 6), m2), 4));
-                mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, s + 4), mf),
-                                     _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, s + 6), m2), 4));
-            }
-            uint8_t *pb = ps + j * CB_BLOCK;
-            _mm512_storeu_ps((float *)(pb + 512), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-            _mm512_storeu_ps((float *)(pb + 576), _mm512_mul_ps(nm, _mm512_cvtepi32_ps(mn)));
-        }
-        __m512i h[8];
-        if (QT == FK_Q5_K) tr16x8(rp, o + 16, h);
-        for (int c = 0; c < 4; c++) {
-            __m512i v[8];
-            tr16x8(rp, o + qo + 32 * c, v);
-            uint8_t *pa = ps + 2 * c * CB_BLOCK, *pz = pa + CB_BLOCK;
-            for (int i = 0; i < 8; i++) {
-                __m512i a = _mm512_and_si512(v[i], m4), z = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), m4);
-                if (QT == FK_Q5_K) { /* bit 2c of qh[l] -> block 2c, bit 2c + 1 -> block 2c + 1 */
-                    const __m512i b16 = _mm512_set1_epi8(16);
-                    a = _mm512_or_si512(a, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h[i], 2 * c), 4), b16));
-                    z = _mm512_or_si512(z, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h[i], 2 * c + 1), 4), b16));
-                }
-                _mm512_storeu_si512((void *)(pa + 64 * i), a);
-                _mm512_storeu_si512((void *)(pz + 64 * i), z);
-            }
-        }
-    }
-}
-
-/* Q6_K: per superblock d, the 16 int8 group scales, and two halves of 128 values built
- * from ql[0..31], ql[32..63] and qh[0..31] */
-static void cb_build_q6k(const uint8_t *const *rp, __m512i vidx, int64_t b0, int64_t b1, uint8_t *pan) {
-    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), mc = _mm512_set1_epi8(12), m30 = _mm512_set1_epi8(0x30);
-    for (int64_t sb = b0 / 8; sb < b1 / 8; sb++) {
-        const int64_t o = sb * 210;
-        uint8_t *ps = pan + (sb * 8 - b0) * CB_BLOCK;
-        const __m512 d = h2f_hi(_mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + 206), 1));
-        __m512i sc[4];
-        for (int q = 0; q < 4; q++) sc[q] = _mm512_i32gather_epi32(vidx, (const void *)(rp[0] + o + 192 + 4 * q), 1);
-        for (int j = 0; j < 8; j++) {
-            uint8_t *pb = ps + j * CB_BLOCK;
-            _mm512_storeu_ps((float *)(pb + 512), d);
-            for (int h = 0; h < 2; h++) {
-                const int g = 2 * j + h;
-                _mm512_storeu_si512((void *)(pb + 640 + 64 * h), _mm512_srai_epi32(_mm512_slli_epi32(sc[g / 4], 24 - 8 * (g % 4)), 24));
-            }
-        }
-        for (int n = 0; n < 2; n++) {
-            __m512i A[8], B[8], H[8];
-            tr16x8(rp, o + 64 * n, A);
-            tr16x8(rp, o + 64 * n + 32, B);
-            tr16x8(rp, o + 128 + 32 * n, H);
-            uint8_t *p0 = ps + 4 * n * CB_BLOCK;
-            for (int i = 0; i < 8; i++) {
-                const __m512i e0 = _mm512_or_si512(_mm512_and_si512(A[i], m4), _mm512_slli_epi16(_mm512_and_si512(H[i], m3), 4));
-                const __m512i e1 = _mm512_or_si512(_mm512_and_si512(B[i], m4), _mm512_slli_epi16(_mm512_and_si512(H[i], mc), 2));
-                const __m512i e2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A[i], 4), m4), _mm512_and_si512(H[i], m30));
-                const __m512i e3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B[i], 4), m4),
-                                                   _mm512_and_si512(_mm512_srli_epi16(H[i], 2), m30));
-                _mm512_storeu_si512((void *)(p0 + 64 * i), e0);
-                _mm512_storeu_si512((void *)(p0 + CB_BLOCK + 64 * i), e1);
-                _mm512_storeu_si512((void *)(p0 + 2 * CB_BLOCK + 64 * i), e2);
-                _mm512_storeu_si512((void *)(p0 + 3 * CB_BLOCK + 64 * i), e3);
-            }
-        }
-    }
-}
-
-static bool cb_fast_panel_avx512(int qt, const uint8_t *w, size_t rb, int64_t n0, int nr, int64_t b0, int64_t b1,
-                                 uint8_t *pan) {
-    const uint8_t *rp[16];
-    alignas(64) int32_t off[16];
-    for (int r = 0; r < 16; r++) {
-        const int rr = r < nr ? r : nr - 1;
-        rp[r] = w + (n0 + rr) * rb;
-        off[r] = (int32_t)(rr * rb);
-    }
-    const __m512i vidx = _mm512_load_si512((const void *)off);
-    switch (qt) {
-    case FK_Q4_0: cb_build32<FK_Q4_0>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q4_1: cb_build32<FK_Q4_1>(rp, vidx, b0, b1, pan); return true;
-    case FK_IQ4_NL: cb_build32<FK_IQ4_NL>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q5_0: cb_build32<FK_Q5_0>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q5_1: cb_build32<FK_Q5_1>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q8_0: cb_build32<FK_Q8_0>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q4_K: cb_build_q45k<FK_Q4_K>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q5_K: cb_build_q45k<FK_Q5_K>(rp, vidx, b0, b1, pan); return true;
-    case FK_Q6_K: cb_build_q6k(rp, vidx, b0, b1, pan); return true;
-    }
-    return false;
-}
-
-/* 16 decoded rows (row j at tmp + j * ts, 32 bytes a block) -> the panel's dword order: an
- * 8 x 8 dword transpose in each 256-bit half, rows j and j + 8 sharing a zmm */
-static void cb_panel_u_avx512(const uint8_t *tmp, size_t ts, int nr, int64_t nblk, uint8_t *pan) {
-    for (int64_t b = 0; b < nblk; b++) {
-        __m512i z[8], out[8];
-        for (int j = 0; j < 8; j++) {
-            const __m256i a = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + 32 * b)) : _mm256_setzero_si256();
-            const __m256i c = j + 8 < nr ? _mm256_loadu_si256((const __m256i *)(tmp + (j + 8) * ts + 32 * b)) : _mm256_setzero_si256();
-            z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
-        }
-        tr16x8_core(z, out);
-        uint8_t *o = pan + b * CB_BLOCK;
-        for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)(o + 64 * i), out[i]);
-    }
-}
+static inline pbi pb_lut16(const uint8_t *p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p)); }
+static inline pbi pb_index(const int32_t *off) { return _mm512_load_si512((const void *)off); }
+#define PB_WIDE 0  /* vpdpbusd takes every unsigned byte */
+#include "generic/x86_panel.inc"
 
 /* ---- AVX-512 row decoders for the formats real models carry ------------------------ */
 
@@ -1494,10 +1224,27 @@ static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uin
     return true;
 }
 
-#include "fk_cbgemv_avx512.inc"
+#include "avx512_cbgemv.inc"
 
+/* attention and the layer step on the same vectors */
+namespace attn {
+
+#include "generic/x86_attn.inc"  /* over the operations below */
+static inline float vhadd(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vloadh(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+static inline vf vblend_neg(vf z, vf a, vf b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+}
+
+}  // namespace attn
 }  // namespace fk_avx512_ns
 
 #pragma GCC pop_options
 
-extern "C" const fk_isa fk_isa_avx512 = {"avx512", fk_avx512_ns::fk_matmul, fk_avx512_ns::fk_act_roundtrip, fk_avx512_ns::fk_dequant_row};
+FK_ISA_TABLE(avx512)

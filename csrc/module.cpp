@@ -39,16 +39,21 @@ static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
 }
 static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+static int cpu_has_avx2vnni(void) { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
 #else
 static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
-const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0};
-const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0};
+static int cpu_has_avx2vnni(void) { return 0; }
+/* never selected: isa_by_name refuses them on this CPU family */
+const fk_isa fk_isa_avx512 = {"avx512", 0, 0, 0, 0, 0};
+const fk_isa fk_isa_avx2 = {"avx2", 0, 0, 0, 0, 0};
+const fk_isa fk_isa_avx2vnni = {"avx2vnni", 0, 0, 0, 0, 0};
 #endif
 
 static const fk_isa *isa_by_name(const char *name) {
     if (!strcmp(name, "avx512")) return cpu_has_avx512() ? &fk_isa_avx512 : NULL;
+    if (!strcmp(name, "avx2vnni")) return cpu_has_avx2vnni() ? &fk_isa_avx2vnni : NULL;
     if (!strcmp(name, "avx2")) return cpu_has_avx2() ? &fk_isa_avx2 : NULL;
     if (!strcmp(name, "scalar")) return &fk_isa_scalar;
     return NULL;
@@ -89,6 +94,18 @@ static int int_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, Py_
     return 1;
 }
 
+/* a kernel call, with the GIL released when it runs long enough for other Python threads
+ * to gain from it (below that, releasing and taking it back costs more than the call) */
+#define FK_CALL(long_enough, call)       \
+    do {                                 \
+        if (long_enough) {               \
+            Py_BEGIN_ALLOW_THREADS call; \
+            Py_END_ALLOW_THREADS         \
+        } else {                         \
+            call;                        \
+        }                                \
+    } while (0)
+
 /* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, ldy) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -118,13 +135,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (a.m == 0) Py_RETURN_NONE;
     const fk_isa *isa = g_isa;
-    if ((double)a.m * (double)a.n * (double)a.k > 2e6) {
-        Py_BEGIN_ALLOW_THREADS
-        isa->matmul(&a);
-        Py_END_ALLOW_THREADS
-    } else {
-        isa->matmul(&a);
-    }
+    FK_CALL((double)a.m * (double)a.n * (double)a.k > 2e6, isa->matmul(&a));
     Py_RETURN_NONE;
 }
 
@@ -132,9 +143,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[9];
-    if (!int_args("attn_decode", args, nargs, 10, 0, 9, v)) return NULL;
-    const double scale = PyFloat_AsDouble(args[9]);
-    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    const double scale = int_args("attn_decode", args, nargs, 10, 0, 9, v) ? PyFloat_AsDouble(args[9]) : -1.0;
+    if (PyErr_Occurred()) return NULL;
     fk_attn_args a;
     a.q = (const float *)(uintptr_t)v[0];
     a.k = (const uint16_t *)(uintptr_t)v[1];
@@ -154,19 +164,10 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.scale = (float)scale;
     a.nthreads = g_threads;
     a.pos0 = 0;
-    void (*fn)(const fk_attn_args *) = g_isa == &fk_isa_avx512 ? fk_attn_decode_avx512
-                                       : g_isa == &fk_isa_avx2 ? fk_attn_decode_avx2
-                                                               : fk_attn_decode_scalar;
-    if ((double)a.n * a.kv_heads * a.d > 1e5) {
-        Py_BEGIN_ALLOW_THREADS
-        fn(&a);
-        Py_END_ALLOW_THREADS
-    } else {
-        fn(&a);
-    }
+    const fk_isa *isa = g_isa;
+    FK_CALL((double)a.n * a.kv_heads * a.d > 1e5, isa->attn_decode(&a));
     Py_RETURN_NONE;
 }
-
 
 /* delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv,
  * d_conv, eps): one Gated DeltaNet decode token (fk_delta.cpp) */
@@ -269,7 +270,7 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
     return 1;
 }
 
-/* a MoE ffn's settings and weights (fk_moe_impl.inc) */
+/* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
@@ -401,11 +402,9 @@ static int run_step(fk_step_args *a) {
     a->prefill = prefill_for_isa();
     a->matmul = g_isa->matmul;
     a->status = 0;
-    void (*fn)(fk_step_args *) = g_isa == &fk_isa_avx512 ? fk_step_avx512
-                                 : g_isa == &fk_isa_avx2 ? fk_step_avx2
-                                                         : fk_step_scalar;
+    const fk_isa *isa = g_isa;
     Py_BEGIN_ALLOW_THREADS
-    fn(a);
+    isa->step(a);
     Py_END_ALLOW_THREADS
     return a->status;
 }
@@ -446,45 +445,50 @@ static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64
     return 1;
 }
 
-/* step(plan, x_ptr, m, pos0, kv_table, cis0, cis0_len, cis1, cis1_len) */
-static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* step(plan, x_ptr, m, pos0, kv_table, ...): m rows of one stream at pos0.. */
+static int block_rows(fk_step_args *a, const long long *v) {
+    a->pos0 = v[2];
+    a->kv = (const int64_t *)(uintptr_t)v[3];
+    a->row_pos = NULL;
+    a->row_kv = NULL;
+    return a->x && a->kv && a->m >= 1 && a->pos0 >= 0 && a->m <= (1LL << 24) && rows_fit(a, a->kv, a->pos0, a->m);
+}
+
+/* step_batch(plan, x_ptr, m, row_kv, row_pos, ...): row i is one token of its own stream, at
+ * position row_pos[i] of the cache whose table is row_kv[i * n_layer * FK_KV_ENTRY ..] */
+static int batch_rows(fk_step_args *a, const long long *v) {
+    a->row_kv = (const int64_t *)(uintptr_t)v[2];
+    a->row_pos = (const int64_t *)(uintptr_t)v[3];
+    a->pos0 = 0;
+    a->kv = NULL;
+    int ok = a->x && a->row_kv && a->row_pos && a->m >= 1 && a->m <= (1 << 16);
+    for (int64_t i = 0; ok && i < a->m; i++)
+        ok = a->row_pos[i] >= 0 && rows_fit(a, a->row_kv + i * a->plan->n_layer * FK_KV_ENTRY, a->row_pos[i], 1);
+    return ok;
+}
+
+/* the two entries of the step: (plan, x, m, two slots read by `rows`, cis0, cis0_len, cis1, cis1_len) */
+static PyObject *step_entry(const char *fn, const char *what, int (*rows)(fk_step_args *, const long long *),
+                            PyObject *const *args, Py_ssize_t nargs) {
     long long v[8];
     fk_step_args a;
-    if (!step_args("step", args, nargs, v, &a)) return NULL;
-    a.pos0 = v[2];
-    a.kv = (const int64_t *)(uintptr_t)v[3];
-    a.row_pos = NULL;
-    a.row_kv = NULL;
-    if (!a.x || !a.kv || a.m < 1 || a.pos0 < 0 || a.m > (1LL << 24) || !rows_fit(&a, a.kv, a.pos0, a.m)) {
-        PyErr_SetString(PyExc_ValueError, "step: inconsistent positions, cache or RoPE table");
+    if (!step_args(fn, args, nargs, v, &a)) return NULL;
+    if (!rows(&a, v)) {
+        PyErr_Format(PyExc_ValueError, "%s: inconsistent positions, %s or RoPE table", fn, what);
         return NULL;
     }
     if (run_step(&a)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* step_batch(plan, x_ptr, m, row_kv, row_pos, cis0, cis0_len, cis1, cis1_len): row i is
- * one token of its own stream, at position row_pos[i] of the cache whose table is
- * row_kv[i * n_layer * FK_KV_ENTRY ..] */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return step_entry("step", "cache", block_rows, args, nargs);
+}
+
 static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[8];
-    fk_step_args a;
-    if (!step_args("step_batch", args, nargs, v, &a)) return NULL;
-    a.row_kv = (const int64_t *)(uintptr_t)v[2];
-    a.row_pos = (const int64_t *)(uintptr_t)v[3];
-    a.pos0 = 0;
-    a.kv = NULL;
-    int bad = !a.x || !a.row_kv || !a.row_pos || a.m < 1 || a.m > (1 << 16);
-    for (int64_t i = 0; !bad && i < a.m; i++)
-        bad = a.row_pos[i] < 0 || !rows_fit(&a, a.row_kv + i * a.plan->n_layer * FK_KV_ENTRY, a.row_pos[i], 1);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "step_batch: inconsistent positions, caches or RoPE table");
-        return NULL;
-    }
-    if (run_step(&a)) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return step_entry("step_batch", "caches", batch_rows, args, nargs);
 }
 
 /* dequant_rows(qtype, w_ptr, row_bytes, n, k, ids_ptr, count, out_ptr): out[i] = row ids[i] */
@@ -590,8 +594,8 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     PyObject *l = PyList_New(0);
     if (!l) return NULL;
-    const char *names[] = {"avx512", "avx2", "scalar"};
-    for (int i = 0; i < 3; i++)
+    const char *names[] = {"avx512", "avx2vnni", "avx2", "scalar"};
+    for (int i = 0; i < 4; i++)
         if (isa_by_name(names[i])) {
             PyObject *s = PyUnicode_FromString(names[i]);
             if (!s || PyList_Append(l, s) < 0) { Py_XDECREF(s); Py_DECREF(l); return NULL; }
@@ -623,7 +627,7 @@ static PyMethodDef methods[] = {
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},
-    {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2' or 'scalar'"},
+    {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2vnni', 'avx2' or 'scalar'"},
     {"get_isa", py_get_isa, METH_NOARGS, ""},
     {"set_prefill", py_set_prefill, METH_O, "'canon' (batch invariant, the default) or a legacy route: 'int8' or 'bf16' (AVX512_BF16, m >= 8)"},
     {"get_prefill", py_get_prefill, METH_NOARGS, ""},
@@ -638,6 +642,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "fucina na
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
+    else if (cpu_has_avx2vnni()) g_isa = &fk_isa_avx2vnni;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;

@@ -1,0 +1,96 @@
+"""Paired per-call kernel timings on a loaded box: two sides alternate A B A B in one process,
+process CPU time per call at one thread, median over rounds.
+
+    python benchmarks/kernel_pairs.py routes                 # canonical vs legacy int8 route
+    python benchmarks/kernel_pairs.py builds BASE.so NEW.so  # two builds of fucina.kernels._native
+    python benchmarks/kernel_pairs.py isas --isa avx2 --isa avx2vnni  # two ISA levels, canonical route
+
+The last column is the second side's time over the first's (new / base, canon / legacy).
+`builds` loads both extension files side by side (one shared libgomp) and checks that they
+return the same bits (so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import time
+
+import numpy as np
+import torch
+
+import fucina.kernels as K
+from fucina.gguf import GGMLType as T
+
+from kernels import rand_raw
+
+CASES = [("Q4_K", 3072, 1024, 1), ("Q4_K", 3072, 1024, 3), ("Q4_K", 3072, 1024, 64), ("Q6_K", 1024, 3072, 1),
+         ("Q6_K", 1024, 3072, 4), ("Q6_K", 1024, 3072, 64), ("Q4_1", 1536, 576, 1), ("Q4_1", 1536, 576, 64),
+         ("Q8_0", 3072, 1024, 64), ("Q5_K", 1024, 3072, 64), ("IQ4_NL", 1024, 1024, 64)]
+
+
+def load_build(path: str):
+    loader = importlib.machinery.ExtensionFileLoader("_native", path)
+    spec = importlib.util.spec_from_file_location("_native", path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def paired(a, b, reps: int, rounds: int) -> tuple[float, float]:
+    """median seconds per call of a() and b(), alternating which goes first"""
+    ta, tb = [], []
+    for r in range(rounds):
+        for fn, acc in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+            fn()
+            t = time.process_time()
+            for _ in range(reps):
+                fn()
+            acc.append((time.process_time() - t) / reps)
+    return float(np.median(ta)), float(np.median(tb))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["routes", "builds", "isas"])
+    ap.add_argument("so", nargs="*", help="builds: BASE.so NEW.so")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--isa", action="append")
+    args = ap.parse_args()
+    mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
+    names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
+    if args.mode == "isas" and len(names) != 2:
+        ap.error("isas: name two levels with --isa A --isa B")
+    rng = np.random.default_rng(0)
+    print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for isa in ["+".join(names)] if args.mode == "isas" else args.isa or K.supported_isas():
+        for mod in mods:
+            mod.set_isa(names[0] if args.mode == "isas" else isa)
+            mod.set_threads(1)
+        for f, n, k, m in CASES:
+            qt = T[f]
+            raw, x = rand_raw(qt, n, k, rng), torch.randn(m, k)
+            ys = [torch.empty(m, n), torch.empty(m, n)]
+            rb = raw.numel() // n
+
+            def side(i):
+                mod = mods[i] if args.mode == "builds" else mods[0]
+                route = ("int8", "canon")[i] if args.mode == "routes" else "canon"
+
+                def call():
+                    if args.mode == "isas":
+                        mod.set_isa(names[i])
+                    mod.set_prefill(route)
+                    mod.matmul(int(qt), raw.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
+                return call
+            ta, tb = paired(side(0), side(1), 200 if m == 1 else (60 if m <= 4 else 6), args.rounds)
+            if args.mode != "routes":
+                assert torch.equal(ys[0], ys[1]), f"{f} m={m}: the two sides' bits differ"
+            print(f"| {isa} | {f} {n}x{k} | {m} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | {tb / ta:.3f} |", flush=True)
+    for mod in mods:
+        mod.set_prefill("canon")
+
+
+if __name__ == "__main__":
+    main()

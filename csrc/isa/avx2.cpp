@@ -1,0 +1,249 @@
+/* AVX2 + FMA + F16C (Haswell / Zen 1 and later): u8 x s8 products go through vpmaddubsw (kept
+ * from saturating, see tile_q_part) and vpmaddwd. isa/avx2vnni.cpp compiles this same unit
+ * again with FK_AVX2_VNNI and AVX-VNNI on (Alder Lake, Zen 5): dot4 is then one vpdpbusd. */
+#include <immintrin.h>
+
+#include "fk_common.h"
+#include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
+
+#pragma GCC push_options
+#if FK_AVX2_VNNI
+#pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
+namespace fk_avx2vnni_ns {
+#else
+#define FK_AVX2_VNNI 0
+#pragma GCC target("avx2,fma,f16c,bmi2")
+namespace fk_avx2_ns {
+#endif
+
+static inline float fk_h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* per dword the sum of its four u8 x s8 products: vpmaddubsw + vpmaddwd, or one vpdpbusd.
+ * The same int32 as long as no vpmaddubsw pair sum saturates, which every caller keeps
+ * (u <= 127 against s8, or |w| <= 128 against s8 in -127..127). */
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if FK_AVX2_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+#define FK_VBITS 256 /* generic/x86_hooks.inc: 8 lanes */
+#define FK_C 4
+/* R x C block of int8 dots, 32 values a step: vpmaddubsw (u8 x s8 pairs -> int16), vpmaddwd
+ * with ones (-> int32 per 4-value lane), then one FMA with the lane scales (weight x act).
+ * Decoded weights u <= 127 go in as they are (2 * 127 * 127 < 32767). Wider rows (Q8_0,
+ * IQ4_*: bytes up to 255) go in as w = u - 128 (s8) with the sign trick (|w| x sign(x, w),
+ * at most 2 * 128 * 127), and the 128 * ls * sum(x) that leaves out joins the row's offsets:
+ * off + 128 * ls, which is exactly 0 for those formats (off = -128 * d, ls = d). */
+template <int R, int C, bool WIDE>
+static inline void tile_q_part(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C], int c0) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (size_t i = 0; i < (size_t)kp; i += 32) {
+        __m256i w[R], aw[R];
+        for (int r = 0; r < R; r++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i));
+            w[r] = WIDE ? _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)) : u;
+            aw[r] = WIDE ? _mm256_abs_epi8(w[r]) : u;
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + c * rowsz + i));
+            const __m256 xs = _mm256_loadu_ps((const float *)(xt + c * rowsz + kp) + i / 4);
+            for (int r = 0; r < R; r++) {
+                const __m256i d = dot4(aw[r], WIDE ? _mm256_sign_epi8(xv, w[r]) : xv);
+                const __m256 ws = _mm256_loadu_ps((const float *)(wt + r * rowsz + kp) + i / 4);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[r][c]);
+            }
+        }
+    }
+    const int64_t n16 = kp / 16; /* a multiple of 4 */
+    for (int r = 0; r < R; r++) {
+        const float *wo = (const float *)(wt + r * rowsz + 2 * kp), *wl = (const float *)(wt + r * rowsz + kp);
+        __m128 s[C];
+        for (int c = 0; c < C; c++) s[c] = _mm_setzero_ps();
+        for (int64_t j0 = 0; j0 < n16; j0 += 64) {
+            const int64_t nj = n16 - j0 < 64 ? n16 - j0 : 64;
+            alignas(16) float o[64];
+            const float *op = wo + j0;
+            if (WIDE) {
+                for (int64_t j = 0; j < nj; j++) o[j] = fmaf(wl[4 * (j0 + j)], 128.0f, wo[j0 + j]);
+                op = o;
+            }
+            for (int c = 0; c < C; c++) {
+                const float *xo = (const float *)(xt + c * rowsz + 2 * kp) + j0;
+                for (int64_t j = 0; j < nj; j += 4) s[c] = _mm_fmadd_ps(_mm_loadu_ps(op + j), _mm_loadu_ps(xo + j), s[c]);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            __m128 t = _mm_add_ps(s[c], _mm_movehl_ps(s[c], s[c]));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            out[r][c0 + c] = hsum8(acc[r][c]) + _mm_cvtss_f32(t);
+        }
+    }
+}
+
+template <int R, int C>
+static inline void tile_q(const uint8_t *wt, const uint8_t *xt, size_t rowsz, int64_t kp, float out[][FK_C]) {
+    static_assert(R % 2 == 0, "rows in pairs");
+    __m256i any = _mm256_setzero_si256(); /* a decoded byte >= 128 anywhere in the tile? */
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < kp; i += 32) any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(wt + r * rowsz + i)));
+    const bool wide = _mm256_movemask_epi8(any) != 0;
+    for (int r = 0; r < R; r += 2) { /* two rows a pass: 2 x C accumulators stay in registers */
+        if (!wide) {
+            tile_q_part<2, C, false>(wt + r * rowsz, xt, rowsz, kp, out + r, 0);
+        } else {
+            tile_q_part<2, C, true>(wt + r * rowsz, xt, rowsz, kp, out + r, 0);
+        }
+    }
+}
+
+#include "generic/x86_hooks.inc"
+#undef FK_C
+static inline float pb_hsum(pbv v) { return hsum8(v); }
+
+#define CB_NP 8
+#define CB_MR 4
+#include "generic/matmul_impl.inc"
+#include "avx2_decode.inc"
+#include "avx2_gemv.inc"
+
+/* ---- the canonical kernel (matmul_impl.inc): 8 weight rows in the lanes -----------------
+ * Per block and activation row: the row's dword broadcast against dword i of the 8 rows,
+ * vpmaddubsw (u8 x s8 pairs -> int16) and vpmaddwd with ones (-> int32 per row). Values
+ * up to 63 go in as they are, two products added in int16 (2 * 2 * 63 * 127 < 32767);
+ * zero point 128 formats (bytes up to 255) as w = u - 128 with the sign trick, which
+ * leaves -128 sum q out of the sum already (so those start from 0, not zi). */
+struct pb_wblock {
+    __m256i w[8], aw[8];
+};
+template <bool WIDE>
+static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
+    for (int i = 0; i < 8; i++) {
+        k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+        if (WIDE) {
+            k.w[i] = _mm256_xor_si256(k.w[i], _mm256_set1_epi8((char)0x80));
+            k.aw[i] = _mm256_abs_epi8(k.w[i]);
+        }
+    }
+}
+template <bool WIDE, bool G16>  /* WIDE only without VNNI (PB_WIDE) */
+static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
+    if (WIDE) {
+        __m256i I = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) I = _mm256_add_epi32(I, dot4(k.aw[i], _mm256_sign_epi8(_mm256_set1_epi32(xd[i]), k.w[i])));
+        return I;
+    }
+    __m256i s[4];
+    for (int i = 0; i < 4; i++)
+#if FK_AVX2_VNNI
+        s[i] = _mm256_dpbusd_avx_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])), k.w[2 * i + 1],
+                                       _mm256_set1_epi32(xd[2 * i + 1]));
+#else
+        s[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
+                                                  _mm256_maddubs_epi16(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
+                                 _mm256_set1_epi16(1));
+#endif
+    if (G16) {
+        const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_set1_epi32(zi[2 * b]));
+        const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(s[2], s[3]), _mm256_set1_epi32(zi[2 * b + 1]));
+        return _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_loadu_si256((const __m256i *)(pb + 320))),
+                                _mm256_mullo_epi32(hi, _mm256_loadu_si256((const __m256i *)(pb + 352))));
+    }
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),
+                            _mm256_set1_epi32(zi[b]));
+}
+
+/* ---- panel builders straight off the GGML blocks (the common formats) --------------------
+ * As the AVX-512 unit's, 8 rows at a time: block bytes transposed into dword order (rows past
+ * nr repeat the last row), scale fields gathered one dword per row; the same panel bytes as
+ * the generic way for every field the kernel reads. */
+
+static inline void pb_rows32(const uint8_t *const *rp, int64_t off, pbi z[8]) {
+    for (int j = 0; j < 8; j++) z[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + off));
+}
+static inline void pb_rows16(const uint8_t *const *rp, int64_t off, pbi z[4]) {
+    for (int j = 0; j < 4; j++)
+        z[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rp[j] + off))),
+                                       _mm_loadu_si128((const __m128i *)(rp[j + 4] + off)), 1);
+}
+static inline void pb_rows_decoded(const uint8_t *tmp, size_t ts, int nr, int64_t off, pbi z[8]) {
+    for (int j = 0; j < 8; j++) z[j] = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + off)) : _mm256_setzero_si256();
+}
+static inline void pb_tr_last(pbi a, pbi b, pbi &lo, pbi &hi) {
+    lo = _mm256_permute2x128_si256(a, b, 0x20);
+    hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+static inline __m256 pb_h2f_lo(__m256i g) {
+    const __m256i lo = _mm256_and_si256(g, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08)));
+}
+static inline __m256 pb_h2f_hi(__m256i g) { return pb_h2f_lo(_mm256_srli_epi32(g, 16)); }
+
+/* the shim of generic/x86_panel.inc: 8 rows, one ymm dword each */
+static inline pbi pb_gather(pbi vidx, const uint8_t *base) {
+    return _mm256_i32gather_epi32((const int *)(const void *)base, vidx, 1);
+}
+static inline pbv pb_h16(const uint8_t *const *rp, pbi vidx, int64_t off) { return pb_h2f_lo(pb_gather(vidx, rp[0] + off)); }
+static inline void pb_h16_dm(const uint8_t *const *rp, pbi vidx, int64_t off, pbv &d, pbv &m) {
+    const pbi g = pb_gather(vidx, rp[0] + off);
+    d = pb_h2f_lo(g);
+    m = pb_h2f_hi(g);
+}
+static inline pbi pb_lut16(const uint8_t *p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)); }
+static inline pbi pb_index(const int32_t *off) { return _mm256_load_si256((const __m256i *)off); }
+/* bytes past 127 would saturate vpmaddubsw: their own dot; vpdpbusd takes every unsigned
+ * byte, and sum u q + zi (-128 sum q) is the sign trick's integer exactly */
+#define PB_WIDE (!FK_AVX2_VNNI)
+#include "generic/x86_panel.inc"
+
+#include "avx2_cbgemv.inc"
+
+/* attention and the layer step on the same vectors */
+namespace attn {
+
+#include "generic/x86_attn.inc"  /* over the operations below */
+static inline vf vloadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void vstoreh(uint16_t *p, vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline float vhadd(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vf vblend_neg(vf z, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)); }
+
+}  // namespace attn
+}  // namespace fk_avx2_ns / fk_avx2vnni_ns
+
+#pragma GCC pop_options
+
+#if FK_AVX2_VNNI
+FK_ISA_TABLE(avx2vnni)
+#else
+FK_ISA_TABLE(avx2)
+#endif
