@@ -115,6 +115,18 @@ def _llama_ppl(oracle, model_path, text, *extra, chunks=False):
     return float(m.group(1))
 
 
+def smollm2_adapter_pairs(model) -> dict:
+    """r 8 on attn_q, attn_v, ffn_down, seed 0 (benchmarks/finetune_ppl.py uses it too)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = {}
+    for i in range(model.config.n_layer):
+        for t in ("attn_q", "attn_v", "ffn_down"):
+            w = next(w for w in vars(model.layers[i]).values() if getattr(w, "name", "") == f"blk.{i}.{t}.weight")
+            pairs[w.name] = (torch.randn(8, w.in_features, generator=g) / w.in_features ** 0.5,
+                             torch.randn(w.out_features, 8, generator=g) * 0.02)
+    return pairs
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", [pytest.param("phi3", marks=pytest.mark.slow), "qwen2"])
 def test_llama_cpp_lora_loads_our_adapter_fused_and_biased(oracle, qwen3_vocab, tmp_path, arch):
