@@ -203,6 +203,7 @@ def test_server_forced_tool_calls_openai(server):
     calls = [o for o in resp.output if o.type == "function_call"]
     assert calls and valid(calls[0].arguments, TOOL_PARAMS) is None
     done = [e for e in c.responses.create(model="x", input="Weather in Rome?", max_output_tokens=64, stream=True,
+                                          extra_body={"seed": 1},   # a fixed draw, as above
                                           tools=[{"type": "function", "name": "get_weather",
                                                   "parameters": TOOL_PARAMS}],
                                           tool_choice={"type": "function", "name": "get_weather"}, **HOT)

@@ -59,6 +59,16 @@ def test_parser_streams_arguments_incrementally():
     assert [type(e) for e in ev] == [ToolArgs, ToolEnd] and ev[1].arguments == '{"a": "long value"}'
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 200])
+def test_parser_close_tag_inside_an_argument_string_is_text(chunk):
+    """A sampled string may spell the close tag; the call ends only after its arguments do
+    (a forced call was cut at '{"city": "Rome}}' and its arguments were not JSON)."""
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": "Rome}}</tool_call>x"}}\n</tool_call> after'
+    s = summary(parse(text, chunk, tools=True))
+    assert s["calls"] == [["w", '{"city": "Rome}}</tool_call>x"}']] and s["text"].strip() == "after"
+    assert json.loads(s["calls"][0][1]) == {"city": "Rome}}</tool_call>x"}
+
+
 def test_parser_plain_text_untouched_without_tools():
     assert summary(parse("  spaced <tool_call> text  ", 2))["text"] == "  spaced <tool_call> text  "
 

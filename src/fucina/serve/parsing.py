@@ -258,13 +258,10 @@ class OutputParser:
         c = self.call
         c.raw += self.buf
         self.buf = ""
-        at = c.raw.find(CALL_CLOSE)
-        rest = None
-        if at >= 0:
-            c.raw, rest = c.raw[:at], c.raw[at + len(CALL_CLOSE):]
         if c.name is None:
-            m = _HEAD.match(c.raw)
-            if m and m.end() < len(c.raw) and c.raw[m.end()] != '"':
+            head = c.raw.split(CALL_CLOSE, 1)[0]
+            m = _HEAD.match(head)
+            if m and m.end() < len(head) and head[m.end()] != '"':
                 try:
                     c.name = json.loads('"' + m.group(1) + '"')
                 except ValueError:
@@ -277,6 +274,13 @@ class OutputParser:
             if end is not None:
                 c.args_end = c.args_at + c.scanned + end
             c.scanned += len(fresh)
+        # once the arguments have begun, a close tag counts only after their end: inside a
+        # JSON string it is text ({"city": "Rome</tool_call>..." is still one argument)
+        at = (-1 if c.streaming and c.args_end is None
+              else c.raw.find(CALL_CLOSE, c.args_end if c.streaming else 0))
+        rest = None
+        if at >= 0:
+            c.raw, rest = c.raw[:at], c.raw[at + len(CALL_CLOSE):]
         if c.streaming:
             stop = c.args_end if c.args_end is not None else len(c.raw) - (
                 0 if rest is not None else _held(c.raw, CALL_CLOSE))
