@@ -2,7 +2,7 @@
 table in BENCHMARK.md's "LoRA perplexity shift"): the adapter of
 tests/test_train_export.py's llama.cpp check, merged by apply_adapters.
 
-    FUCINA_INVARIANT=1|0 FUCINA_LORA_MERGE=Q8_0|F16 [NATIVE=0] python benchmarks/finetune_ppl.py
+    FUCINA_INVARIANT=1|0 [FUCINA_LORA_MERGE=Q8_0|F16] [NATIVE=0] python benchmarks/finetune_ppl.py
 """
 import os
 import sys
@@ -30,5 +30,5 @@ bos = tok.bos_id if tok.add_bos else None
 plain, _ = perplexity(model, ids, 128, bos)
 apply_adapters(model, [(read_adapter(adapter), 1.0)])
 lora, _ = perplexity(model, ids, 128, bos)
-print(f"invariant={os.environ.get('FUCINA_INVARIANT', '1')} merge={os.environ.get('FUCINA_LORA_MERGE', 'Q8_0')} "
+print(f"invariant={os.environ.get('FUCINA_INVARIANT', '1')} merge={os.environ.get('FUCINA_LORA_MERGE') or 'unmerged'} "
       f"native={os.environ.get('NATIVE', '1')}: plain {plain:.4f} lora {lora:.4f} ratio {lora / plain:.4f}")

@@ -4,18 +4,25 @@
  * Python asks the module for them (plan_schema()) and fills a descriptor by name
  * (kernels.DecoderPlan.build), so neither side holds a positional offset. Kinds:
  *   I  an int64 setting          F  a double, as its int64 bit pattern
- *   V  an f32 vector address     W  a weight: qtype, address, row_bytes, n, k (5 slots)
+ *   V  an f32 vector address     W  a weight: qtype, address, row_bytes, n, k, lora_a,
+ *                                   lora_b, lora_r (8 slots)
  * A V or W left 0 is absent. Adding a field = one line here (+ its use in the step). */
 #ifndef FK_PLAN_H
 #define FK_PLAN_H
 
 #include <stdint.h>
 
-/* A weight as the layer step sees it: GGML blocks [n, row_bytes], y = x @ W^T. */
+/* A weight as the layer step sees it: GGML blocks [n, row_bytes], y = x @ W^T, and an
+ * optional unmerged LoRA applied after it in f32, y += B (A x): lora_a = A f32 [lora_r, k],
+ * lora_b = B^T f32 [lora_r, n] (rows: the update is a sum of scaled rows, no reductions;
+ * the adapters' scales folded in); lora_r 0 = none. */
+#define FK_LORA_MAX_R 1024
 typedef struct {
     int qtype;
     const uint8_t *w;
     int64_t rb, n, k;
+    const float *lora_a, *lora_b;
+    int64_t lora_r;
 } fk_lin;
 
 #define FK_PLAN_FIELDS(X) \

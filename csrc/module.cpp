@@ -200,7 +200,7 @@ static PyObject *py_delta_step(PyObject *self, PyObject *const *args, Py_ssize_t
  * weight shape is checked here, once; the vectors' lengths are checked by the caller. */
 static const char *kPlanCapsule = "fucina.kernels.plan";
 
-enum { FK_SLOTS_I = 1, FK_SLOTS_F = 1, FK_SLOTS_V = 1, FK_SLOTS_W = 5 };
+enum { FK_SLOTS_I = 1, FK_SLOTS_F = 1, FK_SLOTS_V = 1, FK_SLOTS_W = 8 };
 #define FK_COUNT(kind, name) + FK_SLOTS_##kind
 static const long long kPlanSlots = 0 FK_PLAN_FIELDS(FK_COUNT);
 static const long long kLayerSlots = 0 FK_LAYER_FIELDS(FK_COUNT);
@@ -246,9 +246,23 @@ static const long long *read_W(const long long *u, fk_lin *w) {
     w->rb = u[2];
     w->n = u[3];
     w->k = u[4];
-    return u + 5;
+    w->lora_a = (const float *)(uintptr_t)u[5];
+    w->lora_b = (const float *)(uintptr_t)u[6];
+    w->lora_r = u[7];
+    return u + 8;
 }
 #define FK_READ(kind, name) u = read_##kind(u, &y->name);
+
+/* a weight's LoRA: none (rank 0, no pointers), or both factors of a rank in range on a present weight */
+static int lora_ok(const fk_lin *w) {
+    if (w->lora_r == 0) return !w->lora_a && !w->lora_b;
+    return w->w && w->lora_a && w->lora_b && w->lora_r >= 1 && w->lora_r <= FK_LORA_MAX_R;
+}
+#define FK_LORA_OK_I(name)
+#define FK_LORA_OK_F(name)
+#define FK_LORA_OK_V(name)
+#define FK_LORA_OK_W(name) &&lora_ok(&y->name)
+#define FK_LORA_OK(kind, name) FK_LORA_OK_##kind(name)
 
 /* a present weight of shape [n, k] in a format with a native route */
 static int lin_ok(const fk_lin *w, int64_t n, int64_t k) {
@@ -276,7 +290,8 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
            y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
            lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M) &&
-           (y->moe_table == 0 || y->moe_hook != 0);   /* the step checks the table's entries after the hook */
+           (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
+           !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r;   /* no LoRA on expert stacks */
 }
 
 /* a DeltaNet mixer's settings and weights (fk_delta.h) */
@@ -378,7 +393,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i)) {
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !(1 FK_LAYER_FIELDS(FK_LORA_OK))) {
             free(layers);
             free(p);
             PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);

@@ -167,11 +167,15 @@ def test_llama_cpp_lora_loads_our_adapter_fused_and_biased(oracle, qwen3_vocab, 
     theirs_plain = _llama_ppl(oracle, base, text, chunks=True)
     theirs = _llama_ppl(oracle, base, text, "--lora", str(adapter), chunks=True)
     ours_plain = ours()
+    model = load_model(base)   # the --lora default: unmerged in the native step
+    apply_adapters(model, [(read_adapter(adapter), 1.0)])
+    native_unmerged = ours()
+    model = load_model(base)
     apply_adapters(model, [(read_adapter(adapter), 1.0)], GGMLType.F32)
     merged = ours()
     assert len(theirs) == len(merged) == (4 if vocab else 9)
     assert max(abs(t / p - 1) for t, p in zip(theirs, theirs_plain)) > 0.05     # the adapter matters
-    for a, b in ((ours_plain, theirs_plain), (unmerged, theirs), (merged, theirs)):
+    for a, b in ((ours_plain, theirs_plain), (unmerged, theirs), (merged, theirs), (native_unmerged, theirs)):
         assert max(abs(x / y - 1) for x, y in zip(a, b)) < 2e-4, (a, b)
 
 
@@ -209,6 +213,12 @@ def test_llama_cpp_lora_matches_ours_on_smollm2(oracle, smollm2_path, tmp_path):
     ratio, exact_ratio = ours_lora / ours_plain, exact_lora / exact_plain
     assert abs(ratio / exact_ratio - 1) < 0.005, (ratio, exact_ratio)
     assert abs(ratio / (with_lora / plain) - 1) < 0.03, (ours_lora, with_lora)
+    # the --lora default, unmerged in the native step (Q4_1 frozen, f32 LoRA): measured x 1.1219
+    unmerged = load_model(smollm2_path)
+    apply_adapters(unmerged, [(read_adapter(adapter), 1.0)])
+    unmerged_ratio = perplexity(unmerged, ids, 128, bos)[0] / ours_plain
+    assert abs(unmerged_ratio / exact_ratio - 1) < 0.005, (unmerged_ratio, exact_ratio)
+    assert abs(unmerged_ratio / (with_lora / plain) - 1) < 0.03, (unmerged_ratio, with_lora / plain)
 
 
 @pytest.mark.oracle

@@ -23,8 +23,8 @@ MODEL_HELP = "base GGUF file or packaged name (default: SmolLM2-135M-Instruct Q4
 def add_lora_args(p) -> None:
     """--lora/--lora-scale for run, chat and serve."""
     p.add_argument("--lora", action="append", default=None, metavar="ADAPTER.gguf",
-                   help="LoRA adapter in llama.cpp's format, merged into Q8_0 copies of the "
-                        "weights it changes (repeatable)")
+                   help="LoRA adapter in llama.cpp's format, applied unmerged in f32 over the "
+                        "frozen weights (FUCINA_LORA_MERGE=Q8_0|F16 merges; repeatable)")
     p.add_argument("--lora-scale", action="append", type=float, default=None, metavar="S",
                    help="strength of each --lora (one value applies to all; default 1.0)")
 

@@ -338,7 +338,7 @@ def attach(weight) -> None:
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 _MIXERS = {"attention": 0, "delta_net": 1}
 _FFNS = {"dense": 0, "moe": 1}
-_SLOTS = {"I": 1, "F": 1, "V": 1, "W": 5}
+_SLOTS = {"I": 1, "F": 1, "V": 1, "W": 8}
 
 
 def _delta_sizes(L: dict) -> dict[str, int]:
@@ -368,6 +368,22 @@ def plan_schema() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
     if _native is None:
         raise KernelError("native kernels are not built")
     return _native.plan_schema()
+
+
+def _lora_slots(name: str, weight, keep: list) -> list[int]:
+    """A weight's unmerged LoRA as the plan holds it (fk_plan.h fk_lin): `weight.lora` is
+    None or (A f32 [r, k], Bt f32 [r, n]), the adapters' scales folded into Bt."""
+    lora = getattr(weight, "lora", None)
+    if lora is None:
+        return [0, 0, 0]
+    a, bt = lora
+    n, k = weight.out_features, weight.in_features
+    r = a.shape[0] if a.dim() == 2 else -1
+    if (not 1 <= r <= 1024 or any(t.dtype is not torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                                  for t in (a, bt)) or tuple(a.shape) != (r, k) or tuple(bt.shape) != (r, n)):
+        raise KernelError(f"plan: {name}'s LoRA must be contiguous f32 A [r, {k}] and B^T [r, {n}], 1 <= r <= 1024")
+    keep += [a, bt]
+    return [a.data_ptr(), bt.data_ptr(), r]
 
 
 class DecoderPlan:
@@ -454,7 +470,7 @@ class DecoderPlan:
                 if not isinstance(k, QuantKernel):
                     return None
                 keep.append(k.raw)
-                out += [k.qtype, k.ptr, k.rb, k.n, k.k]
+                out += [k.qtype, k.ptr, k.rb, k.n, k.k] + _lora_slots(name, v, keep)
         return out
 
     def fits(self, kv: "KVPointers") -> bool:

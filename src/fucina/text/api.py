@@ -210,7 +210,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat") -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
-    more llama.cpp-format LoRA adapters merged in (scaled by `lora_scale`, default 1.0);
+    more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
     stream from the file under that RAM budget (models/expert_store.py, `moe_policy` heat
     or lru), with the same output."""

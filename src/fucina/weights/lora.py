@@ -8,14 +8,18 @@ alpha / r, r read from lora_b — and silently by 1.0 when alpha is absent, whic
 reading one without alpha is an error here.
 
 At inference (this module sits below `text`, so `fucina.load(lora=...)` can use it) an
-adapter is merged: each adapted weight becomes a Q8_0 copy of W + scale * (alpha / r) * B A
-(F16 with FUCINA_LORA_MERGE=F16), every other weight stays in its GGUF type, and the
-model's native layer plan is rebuilt over the result, so the native step keeps running.
-Unmerged application would need a LoRA hook in the native step (csrc/, not ours to edit).
-Q8_0, not F16, because the F16 route decodes ~6x slower than Q4_1 on SmolLM2 with every
-projection adapted (12.5 vs 80 tok/s, 1 thread) while Q8_0 stays close and keeps the
-adapter's effect (the same held-out accuracy as F16 in BENCHMARK.md); llama.cpp applies
-adapters unmerged in f32, so Q8_0 merging is a small, measured approximation of that.
+adapter is applied unmerged, as llama.cpp does: each adapted weight becomes a `LoRALinear`
+over the frozen one (its GGUF type and kernel unchanged) with A [r, in] and
+Bt = (scale * alpha / r * B)^T [r, out] in f32, and y = x W^T + (x A^T) Bt. The native
+step reads them from the plan (csrc/fk_plan.h fk_lin lora_a/lora_b/lora_r) and adds the
+update per row after the weight's matmul (step_impl.inc step_lora: batch-invariant);
+a fused QKV / gate-up weight gets its parts' A stacked and each part's Bt in its own
+rank rows and output columns; several adapters on one weight concatenate along r.
+FUCINA_LORA_MERGE=Q8_0|F16|F32 (or apply_adapters' `qtype`) merges instead: each adapted
+weight becomes a copy of W + scale * (alpha / r) * B A in that type (Q8_0 rounds the
+adapter a little; F16 decodes ~2.5x slower). Unmerged decodes as fast as merged Q8_0 on
+SmolLM2 with all seven projections at r 16 and prefills ~25% slower (BENCHMARK.md,
+"Unmerged LoRA in the native step").
 """
 from __future__ import annotations
 
@@ -149,13 +153,70 @@ def merged_weight(w: LinearWeight, delta: torch.Tensor, qtype: GGMLType = GGMLTy
     return out
 
 
-#: the type merged weights are kept in at inference; FUCINA_LORA_MERGE=F16 for the closer one
-MERGE_TYPE = GGMLType[os.environ.get("FUCINA_LORA_MERGE", "Q8_0")]
+#: FUCINA_LORA_MERGE=Q8_0|F16|F32 merges adapters into copies of that type; unset: unmerged
+MERGE_TYPE = GGMLType[os.environ["FUCINA_LORA_MERGE"]] if os.environ.get("FUCINA_LORA_MERGE") else None
+MAX_RANK = 1024   # csrc/fk_plan.h FK_LORA_MAX_R: the adapters' ranks summed per weight
+
+
+class LoRALinear(LinearWeight):
+    """A frozen weight (any GGUF type, its kernel unchanged) plus an unmerged LoRA:
+    y = x W^T + (x A^T) Bt, A [r, in] and Bt = (scale B)^T [r, out] in f32. The native plan
+    reads `lora` (kernels.DecoderPlan); `dequantize` gives the adapted matrix."""
+
+    def __init__(self, base: LinearWeight, a: torch.Tensor, bt: torch.Tensor):
+        self.__dict__.update(vars(base))
+        self.base = base
+        self.lora = (a.float().contiguous(), bt.float().contiguous())
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        a, bt = self.lora
+        return self.base.linear(x) + (x.float() @ a.T) @ bt
+
+    __call__ = linear
+
+    def dequantize(self) -> torch.Tensor:
+        a, bt = self.lora
+        return self.base.dequantize() + bt.T @ a
+
+
+def with_lora(w: LinearWeight, a: torch.Tensor, bt: torch.Tensor, where: str = "") -> LinearWeight:
+    """w with the LoRA (a, bt) added; one already on w is kept (ranks concatenate)."""
+    if isinstance(w, LoRALinear):
+        a, bt, w = torch.cat([w.lora[0], a]), torch.cat([w.lora[1], bt]), w.base
+    if a.shape[0] > MAX_RANK:
+        raise LoRAError(f"{where or w.name}: adapters of total rank {a.shape[0]} > {MAX_RANK} on one weight; "
+                        "merge them instead (FUCINA_LORA_MERGE=Q8_0)")
+    return LoRALinear(w, a, bt)
+
+
+def fused_lora(parts: list[LinearWeight]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The parts' LoRAs as one over their fused weight: A stacked along r, each part's Bt in
+    its rank rows and output columns, zeros elsewhere; None when no part has one."""
+    loras = [(getattr(p, "lora", None), p.out_features) for p in parts]
+    if all(lo is None for lo, _ in loras):
+        return None
+    k, n = parts[0].in_features, sum(p.out_features for p in parts)
+    r = sum(lo[0].shape[0] for lo, _ in loras if lo is not None)
+    a, bt = torch.zeros(r, k), torch.zeros(r, n)
+    r0 = c0 = 0
+    for lo, width in loras:
+        if lo is not None:
+            ra = lo[0].shape[0]
+            a[r0:r0 + ra] = lo[0]
+            bt[r0:r0 + ra, c0:c0 + width] = lo[1]
+            r0 += ra
+        c0 += width
+    return a, bt
 
 
 def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType | None = None) -> int:
-    """Merge adapters (each with its --lora-scale) into Q8_0 (or `qtype`) copies of the weights
-    they change; rebuild fused weights and the native plan. Returns the number of weights changed."""
+    """Apply adapters (each with its --lora-scale) to the weights they change: unmerged (the
+    frozen weight stays in its type, the step adds B (A x) in f32) unless `qtype` or
+    FUCINA_LORA_MERGE names a type to merge them into; rebuild fused weights and the native
+    plan. Returns the number of weights changed."""
+    merge = qtype if qtype is not None else MERGE_TYPE
+    if merge is None:
+        return _apply_unmerged(model, adapters)
     deltas: dict[str, torch.Tensor] = {}
     for adapter, scale in adapters:
         for name in check(adapter, model):
@@ -168,8 +229,7 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType
         changed = {}
         for owner, attr, w in slots:
             if w.name in deltas:
-                qt = qtype if qtype is not None else MERGE_TYPE   # F32 is 0: not `or`
-                changed[w.name] = merged_weight(w, deltas[w.name], qt if w.in_features % 32 == 0
+                changed[w.name] = merged_weight(w, deltas[w.name], merge if w.in_features % 32 == 0
                                                 else GGMLType.F16)
                 setattr(owner, attr, changed[w.name])
         if not changed:
@@ -184,6 +244,33 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType
     if getattr(model, "native_plan", None) is not None:
         model.native_plan = model.build_plan()
     return len(deltas)
+
+
+def _apply_unmerged(model, adapters: list[tuple[Adapter, float]]) -> int:
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # name -> (A, Bt), ranks concatenated
+    for adapter, scale in adapters:
+        for name in check(adapter, model):
+            a, b = adapter.pairs[name]
+            bt = (b * (scale * adapter.alpha / a.shape[0])).T
+            old = factors.get(name)
+            factors[name] = (a, bt) if old is None else (torch.cat([old[0], a]), torch.cat([old[1], bt]))
+    for L in model.layers:
+        slots = weight_slots(L)
+        changed = {}
+        for owner, attr, w in slots:
+            if w.name in factors:
+                changed[w.name] = with_lora(w, *factors[w.name], where=w.name)
+                setattr(owner, attr, changed[w.name])
+        for owner, attr, w in slots:   # fused weights that contain a changed part
+            parts = w.name.split("+")
+            if len(parts) > 1 and any(p in changed for p in parts):
+                by_name = {v.name: v for _, _, v in weight_slots(L) if "+" not in v.name}
+                a, bt = fused_lora([by_name[p] for p in parts])
+                base = w.base if isinstance(w, LoRALinear) else w
+                setattr(owner, attr, LoRALinear(base, a, bt) if a.shape[0] <= MAX_RANK else None)
+    if factors and getattr(model, "native_plan", None) is not None:
+        model.native_plan = model.build_plan()
+    return len(factors)
 
 
 def with_scales(paths: list[str], scales: list[float] | None) -> list[tuple[str, float]]:
