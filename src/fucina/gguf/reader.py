@@ -285,6 +285,10 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
 
+    def part_path(self, t: TensorInfo) -> str:
+        """The file (of a split GGUF, the part) that holds `t`'s bytes at `t.offset`."""
+        return self._parts[t.part].path
+
     def release(self, t: TensorInfo) -> None:
         """Drop `t`'s pages from this process's resident set (after its bytes were copied
         into a repacked or fused weight), so the model is not held twice in memory.

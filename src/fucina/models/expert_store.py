@@ -197,7 +197,7 @@ class ExpertStore:
         t = f.tensors.get(stack.name)
         if t is None or t.nbytes != stack.nbytes:
             raise FucinaError(f"expert store: {stack.name!r} is not a tensor of {f.path}")
-        path = f._parts[t.part].path   # noqa: SLF001 - the part's file, opened again for pread
+        path = f.part_path(t)   # opened again for pread
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return _Stack(self._fds[path], t.offset, stack.nbytes // stack.n_expert, stack.out_features, stack.whole)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -224,25 +225,11 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType
             deltas[name] = deltas[name] + d if name in deltas else d
     if not deltas:
         return 0
-    for L in model.layers:
-        slots = weight_slots(L)
-        changed = {}
-        for owner, attr, w in slots:
-            if w.name in deltas:
-                changed[w.name] = merged_weight(w, deltas[w.name], merge if w.in_features % 32 == 0
-                                                else GGMLType.F16)
-                setattr(owner, attr, changed[w.name])
-        if not changed:
-            continue
-        by_name = {w.name: w for _, _, w in weight_slots(L) if "+" not in w.name}
-        for owner, attr, w in slots:   # fused weights that contain a changed part
-            parts = w.name.split("+")
-            if len(parts) > 1 and any(p in changed for p in parts):
-                group = [by_name[p] for p in parts]
-                same = len({g.qtype for g in group}) == 1
-                setattr(owner, attr, LinearWeight.fuse(group) if same else None)
-    if getattr(model, "native_plan", None) is not None:
-        model.native_plan = model.build_plan()
+
+    def fuse(group, fused):   # one type: re-fuse; mixed: None, the parts run separately
+        return LinearWeight.fuse(group) if len({g.qtype for g in group}) == 1 else None
+    _rewrite(model, deltas, lambda w: merged_weight(w, deltas[w.name], merge if w.in_features % 32 == 0
+                                                     else GGMLType.F16), fuse)
     return len(deltas)
 
 
@@ -254,23 +241,35 @@ def _apply_unmerged(model, adapters: list[tuple[Adapter, float]]) -> int:
             bt = (b * (scale * adapter.alpha / a.shape[0])).T
             old = factors.get(name)
             factors[name] = (a, bt) if old is None else (torch.cat([old[0], a]), torch.cat([old[1], bt]))
+
+    def fuse(group, fused):   # the parts' LoRAs over the fused weight; past MAX_RANK the parts run
+        a, bt = fused_lora(group)
+        base = fused.base if isinstance(fused, LoRALinear) else fused
+        return LoRALinear(base, a, bt) if a.shape[0] <= MAX_RANK else None
+    _rewrite(model, factors, lambda w: with_lora(w, *factors[w.name], where=w.name), fuse)
+    return len(factors)
+
+
+def _rewrite(model, names, replace: Callable[[LinearWeight], LinearWeight], fuse) -> None:
+    """Swap each weight named in `names` for replace(weight), and each fused weight holding
+    one of them for fuse(its parts, the fused weight) (None: the block runs the parts);
+    then rebuild the native plan over the result."""
     for L in model.layers:
         slots = weight_slots(L)
-        changed = {}
+        changed = set()
         for owner, attr, w in slots:
-            if w.name in factors:
-                changed[w.name] = with_lora(w, *factors[w.name], where=w.name)
-                setattr(owner, attr, changed[w.name])
-        for owner, attr, w in slots:   # fused weights that contain a changed part
+            if w.name in names:
+                setattr(owner, attr, replace(w))
+                changed.add(w.name)
+        if not changed:
+            continue
+        by_name = {w.name: w for _, _, w in weight_slots(L) if "+" not in w.name}
+        for owner, attr, w in slots:
             parts = w.name.split("+")
-            if len(parts) > 1 and any(p in changed for p in parts):
-                by_name = {v.name: v for _, _, v in weight_slots(L) if "+" not in v.name}
-                a, bt = fused_lora([by_name[p] for p in parts])
-                base = w.base if isinstance(w, LoRALinear) else w
-                setattr(owner, attr, LoRALinear(base, a, bt) if a.shape[0] <= MAX_RANK else None)
-    if factors and getattr(model, "native_plan", None) is not None:
+            if len(parts) > 1 and changed.intersection(parts):
+                setattr(owner, attr, fuse([by_name[p] for p in parts], w))
+    if names and getattr(model, "native_plan", None) is not None:
         model.native_plan = model.build_plan()
-    return len(factors)
 
 
 def with_scales(paths: list[str], scales: list[float] | None) -> list[tuple[str, float]]:
