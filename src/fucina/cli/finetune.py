@@ -24,7 +24,7 @@ def add_lora_args(p) -> None:
     """--lora/--lora-scale for run, chat and serve."""
     p.add_argument("--lora", action="append", default=None, metavar="ADAPTER.gguf",
                    help="LoRA adapter in llama.cpp's format, applied unmerged in f32 over the "
-                        "frozen weights (FUCINA_LORA_MERGE=Q8_0|F16 merges; repeatable)")
+                        "frozen weights (FUCINA_LORA_MERGE=Q8_0|F16|F32 merges; repeatable)")
     p.add_argument("--lora-scale", action="append", type=float, default=None, metavar="S",
                    help="strength of each --lora (one value applies to all; default 1.0)")
 
