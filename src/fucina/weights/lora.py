@@ -155,7 +155,15 @@ def merged_weight(w: LinearWeight, delta: torch.Tensor, qtype: GGMLType = GGMLTy
 
 
 #: FUCINA_LORA_MERGE=Q8_0|F16|F32 merges adapters into copies of that type; unset: unmerged
-MERGE_TYPE = GGMLType[os.environ["FUCINA_LORA_MERGE"]] if os.environ.get("FUCINA_LORA_MERGE") else None
+MERGE_TYPES = ("Q8_0", "F16", "F32")
+
+
+def env_merge_type() -> GGMLType | None:
+    """FUCINA_LORA_MERGE: the type adapters are merged into (unset: unmerged)."""
+    name = os.environ.get("FUCINA_LORA_MERGE", "")
+    if name and name not in MERGE_TYPES:
+        raise LoRAError(f"FUCINA_LORA_MERGE={name!r}: expected one of {', '.join(MERGE_TYPES)} (or unset: unmerged)")
+    return GGMLType[name] if name else None
 MAX_RANK = 1024   # csrc/fk_plan.h FK_LORA_MAX_R: the adapters' ranks summed per weight
 
 
@@ -215,7 +223,7 @@ def apply_adapters(model, adapters: list[tuple[Adapter, float]], qtype: GGMLType
     frozen weight stays in its type, the step adds B (A x) in f32) unless `qtype` or
     FUCINA_LORA_MERGE names a type to merge them into; rebuild fused weights and the native
     plan. Returns the number of weights changed."""
-    merge = qtype if qtype is not None else MERGE_TYPE
+    merge = qtype if qtype is not None else env_merge_type()
     if merge is None:
         return _apply_unmerged(model, adapters)
     deltas: dict[str, torch.Tensor] = {}
