@@ -5,40 +5,25 @@
     print(llm.generate("The capital of France is", max_tokens=16, temperature=0))  # greedy
     chat = llm.chat(system="Be brief.")  # sampled: the model's recommendation or llama.cpp's defaults
     print(chat.send("Hello!"))
-"""
-import contextlib
-import gc
 
+`load` computes nothing and imports no torch: the decoder is built on the first compute.
+"""
 __version__ = "0.1.0"
 __all__ = ["load", "LLM", "__version__"]
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic GC while torch imports and a model loads: both allocate hundreds of
-    thousands of long-lived objects, and collections re-scanning them were ~0.25 s CPU
-    of a cold start. The previous state comes back after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def load(path=None, **kw):
     """Open a GGUF as an LLM (None: the default model); the keywords are
-    fucina.text.api.load's (n_ctx, cache_type, lora, lora_scale)."""
-    with _gc_paused():
-        from fucina.text import api
+    fucina.text.api.load's (n_ctx, cache_type, lora, lora_scale, moe_ram, moe_policy)."""
+    from fucina.text import api
+
+    with api.gc_paused():          # the vocabulary is ~10^5 long-lived strings; nothing to collect yet
         return api.load(path, **kw)
 
 
 def __getattr__(name):
-    # lazy: `import fucina.gguf` must not pull in torch-heavy layers above it
+    # lazy: `import fucina.gguf` must not pull in the layers above it
     if name == "LLM":
-        with _gc_paused():
-            from fucina.text import api
+        from fucina.text import api
         return api.LLM
     raise AttributeError(f"module 'fucina' has no attribute {name!r}")

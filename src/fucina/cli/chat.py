@@ -136,6 +136,7 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
         torch.set_num_threads(n)
     llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
                moe_policy=moe_policy)
+    llm.model                     # chat computes at once: build the decoder inside the start-up GC pause
     from fucina.cli.main import resume_gc
     resume_gc()
     return llm

@@ -1,11 +1,16 @@
-"""One registry: `general.architecture` -> the family module that implements it."""
+"""One registry: `general.architecture` -> the family module that implements it.
+
+Torch-free: `fucina.load()` checks the architecture and reads the context length here
+without importing a family module (each imports torch); the decoder is built later."""
 from __future__ import annotations
 
 import importlib
 import os
 
-from fucina.errors import UnsupportedArchitecture
-from fucina.gguf import GGUFFile
+import numpy as np
+
+from fucina.errors import GGUFError, UnsupportedArchitecture
+from fucina.gguf import GGUFFile, meta_int_opt
 
 FAMILIES: dict[str, str] = {
     "llama": "fucina.models.llama",
@@ -21,13 +26,28 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def family(arch: str):
+def family_module(arch: str) -> str:
+    """The module name of `arch`'s family (not imported), or UnsupportedArchitecture."""
     try:
-        return importlib.import_module(FAMILIES[arch])
+        return FAMILIES[arch]
     except KeyError:
         raise UnsupportedArchitecture(
             f"architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
         ) from None
+
+
+def family(arch: str):
+    return importlib.import_module(family_module(arch))
+
+
+def context_length(f: GGUFFile) -> int:
+    """The trained context (`<arch>.context_length`) as every family's config reads it:
+    absent, zero or negative -> 4096; a value that is not an integer is a GGUFError."""
+    key = f"{f.architecture}.context_length"
+    v = meta_int_opt(f.metadata, f.architecture, "context_length")
+    if v is None and key in f.metadata and not isinstance(f.metadata[key], (int, np.integer)):
+        raise GGUFError(f"metadata {key} = {f.metadata[key]!r} is not an integer")
+    return 4096 if v is None else v
 
 
 def load_model(path_or_file: str | os.PathLike | GGUFFile):

@@ -27,24 +27,45 @@ speculatively: drafts from what the model has seen, verified in one pass; same t
 from __future__ import annotations
 
 import contextlib
+import gc
 import numbers
 import os
+import threading
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fucina.errors import InvalidArgument
-from fucina.models.cache_q8 import CACHE_TYPES, make_cache
-from fucina.text import grammar as grammars
 from fucina.text.chat_template import ChatTemplate
-from fucina.text.constraint import for_reply, pop_options
-from fucina.text.conversation import Conversation
 from fucina.text.defaults import default_sampling, fresh_seed
-from fucina.text.generate import Reply, decode, prefill, run
-from fucina.text.sampler import SAMPLING_KEYS, Sampler, SamplingConfig
-from fucina.text.speculative import Speculation, reference_ids
+
+if TYPE_CHECKING:   # torch-heavy: imported where a method computes (`fucina.load()` computes nothing)
+    from fucina.gguf import GGUFFile
+    from fucina.text.conversation import Conversation
+    from fucina.text.generate import Reply
+    from fucina.text.sampler import Sampler, SamplingConfig
+    from fucina.text.speculative import Speculation
+
+#: the KV cache formats (fucina.models.cache_q8.make_cache builds them; a test keeps the two equal)
+CACHE_TYPES = ("f16", "q8_0")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic GC while torch imports and a model builds: both allocate hundreds of
+    thousands of long-lived objects, and collections re-scanning them were ~0.25 s CPU
+    of a cold start. The previous state comes back after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _split_options(kw: dict[str, Any], base: SamplingConfig) -> tuple[SamplingConfig, list[str]]:
+    from fucina.text.sampler import SAMPLING_KEYS, SamplingConfig
+
     stop = kw.pop("stop", None)
     unknown = sorted(set(kw) - SAMPLING_KEYS)
     if unknown:
@@ -65,12 +86,21 @@ def _count(name: str, v: Any) -> int:
 
 
 class LLM:
-    """A loaded model with its tokenizer and chat template."""
+    """A model with its tokenizer and chat template. `model` is a built decoder, or None
+    with `build` (a function returning it) and `gguf` (the opened file): then the decoder,
+    and torch with it, is built on first use of `llm.model` (every method that computes),
+    once, under a lock. What does not compute (tokenize, detokenize, template, metadata,
+    arch, n_ctx) never builds it."""
 
     def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
-                 n_ctx: int | None = None, cache_type: str = "f16"):
-        self.model, self.tokenizer = model, tokenizer
-        meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
+                 n_ctx: int | None = None, cache_type: str = "f16",
+                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None):
+        if (model is None) == (build is None):
+            raise InvalidArgument("LLM takes a built model or a build function (with gguf), not both or neither")
+        self._model, self._build, self._build_lock = model, build, threading.Lock()
+        self.gguf = gguf if gguf is not None else getattr(model, "gguf", None)
+        self.tokenizer = tokenizer
+        meta = self.metadata
         self.template = template or ChatTemplate.from_metadata(meta, tokenizer)
         src = meta.get("tokenizer.chat_template")
         self.has_chat_template = template is not None or (isinstance(src, str) and bool(src.strip()))
@@ -78,16 +108,59 @@ class LLM:
             raise InvalidArgument(f"n_ctx must be a positive integer, got {n_ctx!r}")
         if cache_type not in CACHE_TYPES:
             raise InvalidArgument(f"cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
-        self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
+        self.n_ctx = n_ctx or min(self._context_length(), 4096)
         self.cache_type = cache_type
-        self.sampling = default_sampling(meta)      # what unset sampling keywords mean
+        self._sampling: SamplingConfig | None = None
         self._cache = None
         self._history: list[int] = []
         self.last: Reply | None = None
         self.spec: Speculation | None = None     # the raw-completion speculative state
 
     @property
+    def model(self):
+        """The decoder, built on first use (torch is imported then)."""
+        if self._model is None:
+            with self._build_lock:
+                if self._model is None:
+                    with gc_paused():
+                        self._model = self._build()
+                    self._build = None
+        return self._model
+
+    @property
+    def built(self) -> bool:
+        """Whether the decoder exists yet (fucina.load() defers it to the first compute)."""
+        return self._model is not None
+
+    @property
+    def metadata(self) -> dict:
+        return getattr(self.gguf, "metadata", None) or {}
+
+    @property
+    def arch(self) -> str:
+        return self.gguf.architecture if self.gguf is not None else self.model.config.arch
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """What unset sampling keywords mean (the model's recommendation or llama.cpp's)."""
+        if self._sampling is None:
+            self._sampling = default_sampling(self.metadata)
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, cfg: SamplingConfig) -> None:
+        self._sampling = cfg
+
+    def _context_length(self) -> int:
+        if self._model is None:
+            from fucina.models.registry import context_length
+            return context_length(self.gguf)
+        return self._model.config.n_ctx_train
+
+    @property
     def config(self):
+        """The family's config (it builds the decoder: the config classes live with the
+        family modules, which import torch)."""
         return self.model.config
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -101,6 +174,11 @@ class LLM:
         """Continue `prompt` (text, or token ids), yielding UTF-8-safe text pieces. The
         cache is kept between calls and its longest common prefix with the next prompt
         is reused."""
+        from fucina.models.cache_q8 import make_cache
+        from fucina.text import grammar as grammars
+        from fucina.text.constraint import for_reply, pop_options
+        from fucina.text.sampler import Sampler
+
         options = dict(options)
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
                                  options.pop("spec_max", 16))
@@ -117,6 +195,8 @@ class LLM:
         return set(getattr(self.tokenizer, "eog_ids", ()) or ())
 
     def _speculation(self, on: bool, references, spec_max: int) -> Speculation | None:
+        from fucina.text.speculative import Speculation, reference_ids
+
         if not on:
             return None
         if self.spec is None or self.spec.decoder.max_draft != spec_max:
@@ -128,6 +208,8 @@ class LLM:
 
     def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
                   spec: Speculation | None = None):
+        from fucina.text.generate import Reply, decode, prefill
+
         logits, reused = prefill(self.model, self._cache, self._history, ids)
         reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
         stop_ids = self._stop_ids()
@@ -141,6 +223,8 @@ class LLM:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **options: Any) -> str:
         """Continue `prompt`; returns the generated text (`llm.last` has the details)."""
+        from fucina.text.generate import run
+
         return run(self.stream(prompt, max_tokens, **options))
 
     # -- chat --------------------------------------------------------------------------
@@ -152,6 +236,10 @@ class LLM:
         governs every reply; on a thinking model, what follows the think block;
         speculative: every reply decoded speculatively, drafting from the chat and
         `references`)."""
+        from fucina.text import grammar as grammars
+        from fucina.text.constraint import for_reply, pop_options
+        from fucina.text.conversation import Conversation
+
         options = dict(options)
         grammar = grammars.from_options(**pop_options(options))
         cfg, stops = _split_options(options, self.sampling)
@@ -171,10 +259,10 @@ class LLM:
                             references=references, spec_max=spec_max)
 
     def _name(self) -> str:
-        return os.path.basename(str(getattr(getattr(self.model, "gguf", None), "path", "the model")))
+        return os.path.basename(str(getattr(self.gguf, "path", "the model")))
 
     def __repr__(self) -> str:
-        return f"LLM({self._name()}, arch={self.config.arch}, template={self.template.name})"
+        return f"LLM({self._name()}, arch={self.arch}, template={self.template.name})"
 
 
 def _token_ids(prompt: Any, tokenizer) -> list[int]:
@@ -213,18 +301,35 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
     stream from the file under that RAM budget (models/expert_store.py, `moe_policy` heat
-    or lru), with the same output."""
-    from fucina.models import load_model, resolve_model
+    or lru), with the same output.
+
+    Computes nothing: the file is parsed and checked (structure, tensor data in bounds, a
+    supported architecture), the tokenizer and template are built, and the decoder (torch,
+    the family's config and tensor schema checks, weight fusing) is built on the first
+    compute. With `lora` or `moe_ram` it is built here: both are checked against it."""
+    from fucina.gguf import GGUFFile
+    from fucina.models.hub import resolve_model
+    from fucina.models.registry import family_module
     from fucina.text.tokenizer import Tokenizer
 
-    path = resolve_model(path)
-    with one_thread():
-        model = load_model(path)
-    if moe_ram is not None:
-        from fucina.models.expert_store import stream_experts
-        stream_experts(model, moe_ram, policy=moe_policy)
-    if lora:
-        from fucina.weights.lora import load_adapters
-        scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
-        load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
-    return LLM(model, Tokenizer.from_metadata(model.gguf.metadata), n_ctx=n_ctx, cache_type=cache_type)
+    f = GGUFFile(resolve_model(path))
+    family_module(f.architecture)            # UnsupportedArchitecture now, not at the first token
+
+    def build():
+        from fucina.models.registry import load_model
+
+        with one_thread():
+            model = load_model(f)
+        if moe_ram is not None:
+            from fucina.models.expert_store import stream_experts
+            stream_experts(model, moe_ram, policy=moe_policy)
+        if lora:
+            from fucina.weights.lora import load_adapters
+            scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
+            load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
+        return model
+
+    llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f)
+    if lora or moe_ram is not None:
+        llm.model
+    return llm
