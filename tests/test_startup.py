@@ -111,6 +111,7 @@ for bad in (dict(n_ctx=0), dict(cache_type="q4")):      # argument errors need n
         pass
     else:
         raise SystemExit("accepted " + repr(bad))
+assert "ab" in llm.template.render([{"role": "user", "content": "ab"}], add_generation_prompt=True)
 print(repr(llm), llm.n_ctx, llm.arch, llm.detokenize(ids) == "ab ba", llm.built,
       llm.has_chat_template, llm.template.name, llm.metadata["general.architecture"])
 print("TORCH=" + str("torch" in sys.modules))
