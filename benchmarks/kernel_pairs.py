@@ -4,6 +4,7 @@ process CPU time per call at one thread, median over rounds.
     python benchmarks/kernel_pairs.py routes                 # canonical vs legacy int8 route
     python benchmarks/kernel_pairs.py builds BASE.so NEW.so  # two builds of fucina.kernels._native
     python benchmarks/kernel_pairs.py isas --isa avx2 --isa avx2vnni  # two ISA levels, canonical route
+    python benchmarks/kernel_pairs.py builds BASE.so NEW.so --cases prefill  # Qwen3 pp128 shapes
 
 The last column is the second side's time over the first's (new / base, canon / legacy).
 `builds` loads both extension files side by side (one shared libgomp) and checks that they
@@ -27,6 +28,11 @@ from kernels import rand_raw
 CASES = [("Q4_K", 3072, 1024, 1), ("Q4_K", 3072, 1024, 3), ("Q4_K", 3072, 1024, 64), ("Q6_K", 1024, 3072, 1),
          ("Q6_K", 1024, 3072, 4), ("Q6_K", 1024, 3072, 64), ("Q4_1", 1536, 576, 1), ("Q4_1", 1536, 576, 64),
          ("Q8_0", 3072, 1024, 64), ("Q5_K", 1024, 3072, 64), ("IQ4_NL", 1024, 1024, 64)]
+# --cases prefill: the Qwen3-0.6B Q4_K_M matmuls of a pp128 step (q | k, gate | up, o, down in
+# both formats, v in Q6_K), at m = 128 and at a speculative verify's m = 8
+PREFILL = [(f, n, k, m) for f, n, k in [("Q4_K", 4096, 1024), ("Q4_K", 6144, 1024), ("Q4_K", 1024, 2048),
+                                        ("Q4_K", 1024, 3072), ("Q6_K", 1024, 3072), ("Q6_K", 1024, 1024)]
+           for m in (8, 128)]
 
 
 def load_build(path: str):
@@ -56,6 +62,7 @@ def main() -> None:
     ap.add_argument("so", nargs="*", help="builds: BASE.so NEW.so")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--isa", action="append")
+    ap.add_argument("--cases", choices=["default", "prefill"], default="default")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
     names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
@@ -68,7 +75,7 @@ def main() -> None:
         for mod in mods:
             mod.set_isa(names[0] if args.mode == "isas" else isa)
             mod.set_threads(1)
-        for f, n, k, m in CASES:
+        for f, n, k, m in PREFILL if args.cases == "prefill" else CASES:
             qt = T[f]
             raw, x = rand_raw(qt, n, k, rng), torch.randn(m, k)
             ys = [torch.empty(m, n), torch.empty(m, n)]

@@ -112,6 +112,10 @@ static void matmul_bf16(const fk_matmul_args *a);
 
 #define CB_NP 16
 #define CB_MR 4
+#define CB_PREFETCH_W(p) __asm__ volatile("prefetchw %0" : : "m"(*(const char *)(p)))  /* every AVX-512 CPU has it */
+static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
+                              uint8_t *__restrict dst);
+#define CB_FAST_QUANT_ACT cb_fast_quant_act
 
 #include "generic/matmul_impl.inc"
 
@@ -1197,30 +1201,65 @@ static void matmul_bf16(const fk_matmul_args *a) {
 
 /* ---- activations ------------------------------------------------------------------ */
 
-static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst) {
-    int8_t *q = (int8_t *)dst;
-    float *ls = (float *)(dst + kp), *s16 = (float *)(dst + 2 * kp);
+/* one block of 32 activations -> int8 at q (round to nearest even, d = amax / 127); returns d,
+ * the sums of the two halves' int8 in s0, s1 */
+static inline float quant_block32(const float *__restrict x, int8_t *__restrict q, int *s0, int *s1) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t b = 0; b < kp / 32; b++) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+    *s0 = _mm512_reduce_add_epi32(q0);
+    *s1 = _mm512_reduce_add_epi32(q1);
+    return d;
+}
+
+/* quant_act's layout: q[kp] | ls[kp / 4] (d per 4 values) | s16[kp / 16] (d * sum q per 16);
+ * the canonical rows (extras) add dx, jf, zi, sq after it (matmul_impl.inc) */
+static void quant_rows_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst, bool extras,
+                           int z, bool g16) {
+    int8_t *q = (int8_t *)dst;
+    const int64_t nbp = kp / 32;
+    float *ls = (float *)(dst + kp), *s16 = (float *)(dst + 2 * kp);
+    float *dx = (float *)(dst + 2 * kp + kp / 4), *jf = dx + nbp;
+    int32_t *zi = (int32_t *)(jf + nbp), *sq = zi + 2 * nbp;
+    for (int64_t b = 0; b < nbp; b++) {
         const int64_t e0 = b * 32;
-        if (e0 >= k) {
-            _mm256_storeu_si256((__m256i *)(q + e0), _mm256_setzero_si256());
-            _mm256_storeu_ps(ls + b * 8, _mm256_setzero_ps());
-            s16[2 * b] = s16[2 * b + 1] = 0.0f;
-            continue;
-        }
-        const __m512 x0 = _mm512_loadu_ps(x + e0), x1 = _mm512_loadu_ps(x + e0 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q + e0), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + e0 + 16), _mm512_cvtsepi32_epi8(q1));
+        float d = 0.0f;
+        int s0 = 0, s1 = 0;
+        if (e0 < k) d = quant_block32(x + e0, q + e0, &s0, &s1);
+        else _mm256_storeu_si256((__m256i *)(q + e0), _mm256_setzero_si256());
         _mm256_storeu_ps(ls + b * 8, _mm256_set1_ps(d));
-        s16[2 * b] = d * (float)_mm512_reduce_add_epi32(q0);
-        s16[2 * b + 1] = d * (float)_mm512_reduce_add_epi32(q1);
+        s16[2 * b] = d * (float)s0;
+        s16[2 * b + 1] = d * (float)s1;
+        if (!extras) continue;
+        dx[b] = d;
+        jf[b] = d * (float)(s0 + s1);
+        sq[2 * b] = s0;
+        sq[2 * b + 1] = s1;
+        if (g16) {
+            zi[2 * b] = -z * s0;
+            zi[2 * b + 1] = -z * s1;
+        } else {
+            zi[b] = -z * (s0 + s1);
+        }
     }
+}
+
+static bool fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst) {
+    quant_rows_act(x, k, kp, dst, false, 0, false);
+    return true;
+}
+
+/* matmul_impl.inc's cb_quant_act in one pass: the extras from the block sums the
+ * quantization already has in registers (the generic way re-sums every block) */
+static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
+                              uint8_t *__restrict dst) {
+    quant_rows_act(x, k, kp, dst, true, z, g16);
     return true;
 }
 
