@@ -18,13 +18,14 @@ from fucina.errors import FucinaError
 
 # (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured on the
 # batch-invariant native kernels with SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this
-# project's Zen 5 box (AVX-512; median of 9 paired, process CPU time, 1 thread; two runs on
-# a shared box: benchmarks/speculative.py --costs), the mean of the two models.
-# Up to 8 rows share one pass over the weights (the m <= 8 decode GEMV; AVX2 keeps it to
-# 4 rows but for Q8_0); from 9 rows the panel (GEMM) route costs a step more, then grows
-# slowly. Interpolated between points, extrapolated past the last.
+# project's Zen 5 box (AVX-512; median of 9 paired, process CPU time, 1 thread, two runs
+# per model on a shared box: benchmarks/speculative.py --costs), the mean of the two models.
+# Up to 8 rows share one pass over the weights (the m <= 8 decode GEMV); from 9 rows the
+# panel (GEMM) route costs a step more, then grows slowly. On AVX2 the nibble formats
+# take the panel route from 5 rows (their 5-8 row costs are the old ~2.3-2.8). Interpolated
+# between points, extrapolated past the last.
 DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
-    (0, 1.0), (1, 1.1), (2, 1.3), (3, 1.5), (4, 1.8), (5, 1.95), (6, 2.05), (7, 2.15), (8, 3.15), (12, 3.9),
+    (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 1.6), (5, 1.8), (6, 1.95), (7, 2.1), (8, 3.2), (12, 3.95),
     (16, 4.6))
 
 
