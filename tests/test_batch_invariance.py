@@ -64,16 +64,17 @@ def test_matmul_rows_together_equal_rows_alone(qt, isa):
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_decode_rows_equal_rows_alone(qt, isa):
     """1..8 rows (a verify pass of 1 + k, the decode GEMV's reach) == each row alone, and the
-    first 8 of 9 rows (the panel route) too; n = 53 fills no unit's row tile, k is an odd
-    count of blocks (superblocks)."""
+    first 8 of 9 rows (the panel route) too; n = 53 and 7 fill no unit's row tile, k is an
+    odd count of blocks (superblocks)."""
     rng = np.random.default_rng(200 + int(qt))
-    n, k = 53, (768 if qt in SUPER else 608)
-    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    k = 768 if qt in SUPER else 608
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([K.matmul(raw, qt, n, k, x[i:i + 1]) for i in range(8)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9):
-        got = K.matmul(raw, qt, n, k, x[:m])
-        assert torch.equal(got[:8], alone[:m]), f"{qt.name} m={m} on {isa}"
+    for n in (53, 7):
+        raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+        alone = torch.cat([K.matmul(raw, qt, n, k, x[i:i + 1]) for i in range(8)])
+        for m in (2, 3, 4, 5, 6, 7, 8, 9):
+            got = K.matmul(raw, qt, n, k, x[:m])
+            assert torch.equal(got[:8], alone[:m]), f"{qt.name} n={n} m={m} on {isa}"
 
 
 @pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
