@@ -18,13 +18,15 @@ from fucina.errors import FucinaError
 
 # (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured on the
 # batch-invariant native kernels with SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this
-# project's Zen 5 box (median of 9 paired, process CPU time, 1 thread; 2 threads on a quiet
-# box agreed within ~0.1: benchmarks/speculative.py --costs), the mean of the two models.
-# Up to 4 rows share one pass over the weights (the m <= 4 GEMV); from 5 rows the GEMM
-# route costs a step more, then grows slowly. Interpolated between points, extrapolated
-# past the last.
+# project's Zen 5 box (AVX-512; median of 9 paired, process CPU time, 1 thread, two runs
+# per model on a shared box: benchmarks/speculative.py --costs), the mean of the two models.
+# Up to 8 rows share one pass over the weights (the m <= 8 decode GEMV); from 9 rows the
+# panel (GEMM) route costs a step more, then grows slowly. On AVX2 the 4-bit formats take
+# the panel route from 5 rows and the K-quants from 3 (there 5-8 rows cost the old
+# ~2.3-2.9). Interpolated between points, extrapolated past the last.
 DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
-    (0, 1.0), (1, 1.1), (2, 1.25), (3, 1.45), (4, 2.3), (6, 2.8), (8, 3.0), (12, 3.75), (16, 4.45))
+    (0, 1.0), (1, 1.05), (2, 1.2), (3, 1.4), (4, 1.5), (5, 1.65), (6, 1.85), (7, 1.95), (8, 3.15), (12, 3.85),
+    (16, 4.5))
 
 
 # a draft's acceptance depends on the evidence behind it: the exact match it follows.
