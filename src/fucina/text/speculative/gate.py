@@ -49,6 +49,10 @@ def match_bucket(match: int) -> int:
 # the rows the cost table measured (1 + 16)
 SHARED_MARGIN = 0.30
 SHARED_MAX_ROWS = 17
+# a bucket's re-probe in a shared pass may add at most this much to the pass (in steps):
+# beside 3 other streams a 1-token probe made the pass a 5-row one (+0.85 steps), and
+# SmolLM2's 4-stream server paid ~8 of those a run for ~1 token each (3-5% of the run)
+SHARED_PROBE_EXTRA = 0.5
 
 MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
 # timings refresh the memoized budgets every this many samples of a shape (and when a shape
@@ -83,6 +87,7 @@ class CostGate:
         self.reprobe_after, self.reprobe_max, self.probe_steps = reprobe_after, reprobe_max, probe_steps
         self.table = tuple(cost_table)
         self._prior = [table_cost(self.table, k) for k in range(max_draft + 1)]
+        self._pass_costs: dict[int, float] = {}
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.plain_time: float | None = None
@@ -203,9 +208,15 @@ class CostGate:
         if k == 0 and bucket is not None:
             self.bucket_skips[bucket] += 1
             if self.bucket_skips[bucket] >= self.bucket_wait[bucket]:
+                probe = self._best_k(shared, bucket, skip=False)
+                while shared and probe >= self.min_draft and \
+                        self.pass_cost(shared + 1 + probe) - self.pass_cost(shared + 1) > SHARED_PROBE_EXTRA:
+                    probe -= 1
+                if probe < self.min_draft:
+                    return 0       # too dear beside the other rows: probe at a cheaper pass
                 self.bucket_skips[bucket] = 0
                 self.bucket_probed[bucket] = True
-                return self._best_k(shared, bucket, skip=False)
+                return probe
         return k
 
     def bucket_acceptance(self, bucket: int | None) -> float:
@@ -235,4 +246,7 @@ class CostGate:
 
     def pass_cost(self, rows: int) -> float:
         """A pass of `rows` rows (any streams) in plain steps: the table's 1 + k rows."""
-        return table_cost(self.table, rows - 1)
+        c = self._pass_costs.get(rows)
+        if c is None:
+            c = self._pass_costs[rows] = table_cost(self.table, rows - 1)
+        return c
