@@ -6,8 +6,10 @@ process CPU time per call at one thread, median over rounds.
     python benchmarks/kernel_pairs.py isas --isa avx2 --isa avx2vnni  # two ISA levels, canonical route
 
 The last column is the second side's time over the first's (new / base, canon / legacy).
-`builds` loads both extension files side by side (one shared libgomp) and checks that they
-return the same bits (so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
+--rows 1,5,8 times each distinct weight of the table at those m instead (the decode
+GEMV's reach is 1-8 rows); --weights Q4_1,Q8_0 keeps those formats. `builds` loads both
+extension files side by side (one shared libgomp) and checks that they return the same bits
+(so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
 """
 from __future__ import annotations
 
@@ -56,11 +58,19 @@ def main() -> None:
     ap.add_argument("so", nargs="*", help="builds: BASE.so NEW.so")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--isa", action="append")
+    ap.add_argument("--rows", help="comma-separated m for every distinct weight (default: the table's)")
+    ap.add_argument("--weights", help="comma-separated formats to keep (default: all)")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
     names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
     if args.mode == "isas" and len(names) != 2:
         ap.error("isas: name two levels with --isa A --isa B")
+    cases = CASES
+    if args.rows:
+        shapes = dict.fromkeys((f, n, k) for f, n, k, _ in CASES)
+        cases = [(f, n, k, int(m)) for f, n, k in shapes for m in args.rows.split(",")]
+    if args.weights:
+        cases = [c for c in cases if c[0] in args.weights.split(",")]
     rng = np.random.default_rng(0)
     print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -68,7 +78,7 @@ def main() -> None:
         for mod in mods:
             mod.set_isa(names[0] if args.mode == "isas" else isa)
             mod.set_threads(1)
-        for f, n, k, m in CASES:
+        for f, n, k, m in cases:
             qt = T[f]
             raw, x = rand_raw(qt, n, k, rng), torch.randn(m, k)
             ys = [torch.empty(m, n), torch.empty(m, n)]
@@ -84,7 +94,7 @@ def main() -> None:
                     mod.set_prefill(route)
                     mod.matmul(int(qt), raw.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
                 return call
-            ta, tb = paired(side(0), side(1), 200 if m == 1 else (60 if m <= 4 else 6), args.rounds)
+            ta, tb = paired(side(0), side(1), 200 if m == 1 else (60 if m <= 8 else 6), args.rounds)
             if args.mode != "routes":
                 assert torch.equal(ys[0], ys[1]), f"{f} m={m}: the two sides' bits differ"
             print(f"| {isa} | {f} {n}x{k} | {m} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | {tb / ta:.3f} |", flush=True)

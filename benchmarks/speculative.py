@@ -132,7 +132,7 @@ def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
     return out
 
 
-def costs(path: str, ks=(1, 2, 3, 4, 6, 8, 12, 16), reps: int = 9) -> dict:
+def costs(path: str, ks=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), reps: int = 9) -> dict:
     """Median time of a verify pass of 1 + k rows over a plain step, paired per rep. On one
     thread the clock is the process's CPU time (a shared box's waits for a core left out)."""
     clock = time.process_time if kernels.get_threads() == 1 else time.perf_counter

@@ -61,15 +61,30 @@ def test_matmul_rows_together_equal_rows_alone(qt, isa):
         assert torch.equal(torch.cat(parts), whole), f"{qt.name} split {split} on {isa}"
 
 
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_decode_rows_equal_rows_alone(qt, isa):
+    """1..8 rows (a verify pass of 1 + k, the decode GEMV's reach) == each row alone, and the
+    first 8 of 9 rows (the panel route) too; n = 53 fills no unit's row tile, k is an odd
+    count of blocks (superblocks)."""
+    rng = np.random.default_rng(200 + int(qt))
+    n, k = 53, (768 if qt in SUPER else 608)
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([K.matmul(raw, qt, n, k, x[i:i + 1]) for i in range(8)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9):
+        got = K.matmul(raw, qt, n, k, x[:m])
+        assert torch.equal(got[:8], alone[:m]), f"{qt.name} m={m} on {isa}"
+
+
 @pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_quantized_matmul_same_bits_on_every_isa(qt):
     """The canonical formula is the same on every unit: AVX-512 / AVX2 == scalar, on the
-    panel route (6 rows) and the decode GEMV (1 and 3 rows)."""
+    panel route (9 rows) and the decode GEMV (1, 3, 5 and 8 rows)."""
     rng = np.random.default_rng(100 + int(qt))
     n, k = 29, (512 if qt in SUPER else 96)
     raw = torch.from_numpy(rand_weight(qt, n, k, rng))
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
-    for rows in (x, x[:1], x[:3]):
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    for rows in (x, x[:1], x[:3], x[:5], x[:8]):
         ref = _matmul_on("scalar", raw, qt, n, k, rows)
         for isa in K.supported_isas():
             assert torch.equal(_matmul_on(isa, raw, qt, n, k, rows), ref), f"{qt.name} m={len(rows)} on {isa}"
