@@ -1,7 +1,7 @@
 """Speculative vs plain decoding, paired in one run (A B A B), on five chat workloads.
 
     python benchmarks/speculative.py [MODEL.gguf ...] [--reps 2] [--max-tokens 160] [--threads 2]
-                                     [--json OUT] [--exact] [--costs] [--llama-server DIR]
+                                     [--json OUT] [--exact] [--costs] [--ragged-costs] [--llama-server DIR]
                                      [--serve 1,4]
 
 Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
@@ -12,7 +12,8 @@ the identical prefill is left out; on one thread in process CPU time) plain and
 speculative, their ratio (median over reps), draft acceptance, tokens per forward pass, and whether the two token streams
 were identical. `--exact` verifies row by row (bitwise single steps on any kernels: the
 streams must be identical; no speedup expected). `--costs` prints the measured cost of a
-verify pass of 1 + k rows in plain steps (the CostGate's table). `--serve 1,4` measures
+verify pass of 1 + k rows in plain steps (the CostGate's table); `--ragged-costs` that of
+a server-style ragged pass by rows per cache. `--serve 1,4` measures
 the server instead (the engine and its worker thread in process, no HTTP): aggregate
 completion tokens/s with 1 and with 4 requests at once, plain against `--spec` (the
 speculative streams' verify rows riding the ragged batch pass).
@@ -154,6 +155,36 @@ def costs(path: str, ks=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), reps: int = 9) -> dict
             cache.truncate(base)
     res = {k: round(statistics.median(v), 2) for k, v in ratios.items()}
     print(os.path.basename(path), "verify cost (plain steps) by draft length:", res, flush=True)
+    return res
+
+
+RAGGED_SHAPES = ((1,), (4,), (5,), (8,), (1, 1), (2, 2), (4, 4), (1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 2, 2))
+
+
+def ragged_costs(path: str, reps: int = 9) -> dict:
+    """Median time of a server-style ragged pass (`ragged_step`, every row's logits) over a
+    plain step, by rows per cache (e.g. (2, 1, 1, 1): one stream verifying a 1-token draft
+    beside 3 single rows), paired per rep; process CPU time on one thread."""
+    from fucina.text.batch import ragged_step
+
+    clock = decode_clock()
+    m = fucina.load(path).model
+    caches = [m.init_cache(1024) for _ in range(max(len(sh) for sh in RAGGED_SHAPES))]
+    for i, c in enumerate(caches):
+        m.forward_step(c, list(range(100 + i, 400 + i)), 0)
+    base = [c.len for c in caches]
+    times: dict[tuple, list[float]] = {sh: [] for sh in RAGGED_SHAPES}
+    for _ in range(reps):
+        for sh in RAGGED_SHAPES:
+            t = clock()
+            ragged_step(m, caches[:len(sh)], [list(range(5, 5 + r)) for r in sh], [True] * len(sh),
+                        [True] * len(sh))
+            times[sh].append(clock() - t)
+            for c, b in zip(caches, base):
+                c.truncate(b)
+    plain = statistics.median(times[(1,)])
+    res = {"+".join(map(str, sh)): round(statistics.median(v) / plain, 2) for sh, v in times.items()}
+    print(os.path.basename(path), "ragged pass cost (plain steps) by rows per cache:", res, flush=True)
     return res
 
 
@@ -310,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--exact", action="store_true", help="row-by-row verify (bitwise; no speedup)")
     ap.add_argument("--costs", action="store_true", help="measure the verify cost table instead")
+    ap.add_argument("--ragged-costs", action="store_true", help="instead: the cost of a server-style "
+                    "ragged pass by rows per cache (e.g. 2+1+1+1: a 1-token draft beside 3 streams)")
     ap.add_argument("--llama-server", metavar="DIR", help="instead: llama.cpp's llama-server from DIR "
                     "(runnable copy, e.g. tests/oracle.py's oracle_dir()) with --spec-type none / "
                     "ngram-simple / ngram-mod on the same prompts")
@@ -319,9 +352,9 @@ def main(argv=None) -> int:
                     help="the --spec-type values to run with --llama-server (comma-separated)")
     a = ap.parse_args(argv)
     kernels.set_threads(a.threads)
-    if a.costs:
+    if a.costs or a.ragged_costs:
         for path in a.models:
-            costs(path)
+            (costs if a.costs else ragged_costs)(path)
         return 0
     if a.llama_server:
         rows = []

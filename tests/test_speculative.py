@@ -488,3 +488,100 @@ def test_cost_gate_budgets_by_the_match_behind_the_draft():
     assert g.budget(0, long_) >= 3          # long matches draft long
     skipped = [g.budget(0, short) for _ in range(BUCKET_PROBE)]   # a plain step instead of a losing verify,
     assert skipped[:-1] == [0] * (BUCKET_PROBE - 1) and skipped[-1] >= 1   # then a re-probe
+
+
+def test_a_bucket_probe_that_fails_waits_twice_as_long():
+    from fucina.text.speculative.gate import BUCKET_PROBE, BUCKET_PROBE_MAX, match_bucket
+
+    g = CostGate(max_draft=8, timed=False)
+    short = match_bucket(1)
+    for _ in range(6):
+        g.settle(2, 0, 1, short)                 # the chain never pays: the budget skips it
+
+    def steps_to_probe():
+        for n in range(1, 4 * BUCKET_PROBE_MAX):
+            if g.budget(0, short) > 0:
+                return n
+        raise AssertionError("never re-probed")
+    assert steps_to_probe() == BUCKET_PROBE
+    g.settle(2, 0, 1, short)                     # the probe accepted nothing
+    assert steps_to_probe() == 2 * BUCKET_PROBE
+    g.settle(2, 0, 1, short)
+    assert steps_to_probe() == 4 * BUCKET_PROBE
+    g.settle(1, 1, 2, short)                     # a probe that pays: back to the short wait
+    g.bucket_drafted[short] = g.bucket_accepted[short] = 0.0
+    for _ in range(6):
+        g.settle(2, 0, 1, short)
+    assert steps_to_probe() == BUCKET_PROBE
+
+
+def test_timings_reach_the_memoized_budget():
+    from fucina.text.speculative.gate import BUDGET_REFRESH, TIMED_AFTER
+
+    g = CostGate(max_draft=8)
+    for _ in range(8):
+        g.settle(4, 3, 4, 3)                     # 75% acceptance after 8-15-token matches
+    assert g.budget(0, 3) >= 2
+    for _ in range(TIMED_AFTER):                 # measured: verify rows cost 3x the table
+        g.record(0, 1.0)
+        for k in range(1, 9):
+            g.record(k, 3.0 * table_cost(DEFAULT_COST_TABLE, k))
+    assert g.budget(0, 3) == 0                   # seen from the first timed samples on
+    for n in range(TIMED_AFTER, BUDGET_REFRESH):  # then the memo is refreshed every BUDGET_REFRESH
+        g.record(0, 1.0)
+        for k in range(1, 9):
+            g.record(k, 1.0)
+    assert g.budget(0, 3) >= 2
+
+
+def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
+    from fucina.text.speculative.cascade import RECYCLING_DECIDE_AFTER
+
+    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1)
+    index.observe([1, 2])
+    for i in range(RECYCLING_DECIDE_AFTER):
+        assert not index.rec_gate.muted()
+        index.observe([1])                       # a one-token match: the chain after 1 drafts
+        assert len(index.suggest(index.conv.tokens, 1)) == 1 and index._pending[0] is index.rec_gate
+        index.observe([40 + i])                  # never the chain's token
+    assert index.rec_gate.muted()
+    assert index.conv_gate.total_drafted == 0
+
+
+def test_a_draft_is_clamped_to_the_rows_the_cache_can_take_back():
+    from types import SimpleNamespace
+
+    class Cache:                                  # a window / recurrent memory's limits
+        capacity, len = 1000, 10
+
+        def __init__(self, reach, limit):
+            self.reach, self.limit, self.asked = reach, limit, 0
+
+        def rewind_reach(self):
+            self.asked += 1
+            return self.reach
+
+        def step_limit(self):
+            return self.limit
+
+    class Long(DraftSource):
+        def __init__(self, draft):
+            self.draft, self.cut = draft, None
+
+        def suggest(self, context, n):
+            return self.draft[:n]
+
+        def truncate_pending(self, new_len):
+            self.cut = new_len
+
+    for reach, limit, want in ((6, 100, 5), (100, 4, 3), (100, 100, 8), (2, 100, 0)):
+        src, cache = Long(list(range(1, 9))), Cache(reach, limit)
+        rd = SimpleNamespace(history=[1] * 10, cache=cache, max_tokens=100, reply=Reply(),
+                             sampler=SimpleNamespace(processor=None))
+        dec = SpeculativeDecoder(src, max_draft=8, min_draft=2, gate=CostGate(max_draft=8, adapt_budget=False))
+        assert dec._draft(rd, 300, 1) == list(range(1, 9))[:want]     # one carried row besides the draft
+        assert src.cut == (None if want == 8 else want)
+    src, cache = Long([]), Cache(6, 100)                # no draft: the cache's limits are not walked
+    rd = SimpleNamespace(history=[1] * 10, cache=cache, max_tokens=100, reply=Reply(),
+                         sampler=SimpleNamespace(processor=None))
+    assert SpeculativeDecoder(src, max_draft=8)._draft(rd, 300, 1) == [] and cache.asked == 0

@@ -138,3 +138,19 @@ def test_the_draft_budget_weighs_the_rows_a_shared_pass_already_carries():
     for _ in range(16):
         g.settle(4, 4, 5)                            # every draft token accepted
     assert g.budget(1) >= 2 and g.budget(3) >= 4     # then drafting pays in a batch too
+
+
+def test_a_bucket_probe_beside_other_streams_stays_cheap():
+    from fucina.text.speculative import CostGate
+    from fucina.text.speculative.gate import BUCKET_PROBE, SHARED_PROBE_EXTRA, match_bucket
+
+    g = CostGate(max_draft=16, timed=False)
+    short = match_bucket(1)
+    for _ in range(6):
+        g.settle(2, 0, 1, short)                     # the chain never pays: skipped
+    # beside 3 other rows a probe row makes the pass a 5-row one: never worth a probe there
+    assert g.pass_cost(5) - g.pass_cost(4) > SHARED_PROBE_EXTRA
+    assert [g.budget(3, short) for _ in range(3 * BUCKET_PROBE)] == [0] * (3 * BUCKET_PROBE)
+    probe = g.budget(1, short)                       # the wait is over: probed at a cheap pass
+    assert probe >= 1 and g.pass_cost(2 + probe) - g.pass_cost(2) <= SHARED_PROBE_EXTRA
+    assert g.budget(0, short) == 0                   # once: then the wait starts again

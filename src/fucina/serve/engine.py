@@ -50,6 +50,7 @@ from fucina.serve.metrics import Metrics
 from fucina.text.batch import SegmentError, ragged_step
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix
 from fucina.text.sampler import Sampler, SamplingConfig
+from fucina.text.speculative.decoder import pass_clock
 
 log = logging.getLogger("fucina.serve")
 
@@ -535,7 +536,8 @@ class Engine:
         want = [not s.pending or len(t) == len(s.pending) for s, t in segments]
         every = [s.verify is not None and not s.pending for s, _ in segments]
         verify = [every] if any(every) else []       # a plain batch makes the plain call
-        t0 = time.perf_counter()
+        clock = pass_clock()     # a verify riding alone is timed for its stream's cost gate
+        t0 = clock()
         try:
             out = ragged_step(self.model, [s.cache for s, _ in segments], [t for _, t in segments], want, *verify)
         except Exception as e:             # the shared pass failed: its streams end
@@ -557,7 +559,7 @@ class Engine:
             elif s.verify is not None:
                 s.verify.rows = o          # walked by the decoder at the next step
                 if len(segments) == 1:     # timed only alone: a shared pass is not its cost
-                    s.verify.seconds = time.perf_counter() - t0
+                    s.verify.seconds = clock() - t0
             else:
                 s.logits = o
         keep = [s for s in keep if s.live]

@@ -27,6 +27,9 @@ GATE_WINDOW = 64
 GATE_DECIDE_AFTER = 16
 RECYCLING_IDLE = 64   # committed tokens without a recycling draft before its top-k feed pauses
 ANCHORED_MATCH = 16   # the evidence an aligned anchored document (a prediction) counts as
+# the recycling chain is judged from this many drafted tokens: its drafts are one or two
+# tokens at ~10% on SmolLM2, and 16 of them were ~10 losing verify passes a story
+RECYCLING_DECIDE_AFTER = 4
 
 
 class Gate:
@@ -96,7 +99,7 @@ class SpeculationIndex(DraftSource):
         self.conv_gate = self._gate()
         self.refs: list[FrozenRef] = []
         self.recycling = TokenRecycling(n_vocab) if recycling else None
-        self.rec_gate = self._gate()
+        self.rec_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
         self._rec_idle = 0     # committed tokens since the recycling table last drafted
         self._pending: tuple[Gate, list[int]] | None = None
 
@@ -204,20 +207,19 @@ class SpeculationIndex(DraftSource):
                 self.conv.append(tokens)
             except Exception:
                 pass    # degraded: the poisoned index answers 0 from now on
+        n = len(tokens)
         for ref in self.refs:
             doc = ref.index.tokens
             for t in tokens:
                 ref.index.advance(ref.cursor, t)
                 if ref.anchor is not None:
                     ref.anchor = ref.anchor + 1 if ref.anchor < len(doc) and doc[ref.anchor] == t else None
+            ref.gate.tick(n)
         if self.recycling is not None:
             self.recycling.observe(tokens)
-            self._rec_idle += len(tokens)
-        for g in self._gates():
-            g.tick(len(tokens))
-
-    def _gates(self) -> list[Gate]:
-        return [self.conv_gate, self.rec_gate] + [r.gate for r in self.refs]
+            self._rec_idle += n
+        self.conv_gate.tick(n)
+        self.rec_gate.tick(n)
 
     def source_summary(self) -> str:
         def one(name, g):

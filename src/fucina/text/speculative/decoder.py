@@ -70,6 +70,15 @@ class Stats:
                 f"({self.disabled_steps} gated off)")
 
 
+def pass_clock():
+    """The clock verify passes are timed with (the cost gate's ratios): the calling
+    thread's CPU time where the kernels run on it alone (a shared box's waits for a core
+    are left out: the wall clock there said a 2-row pass cost 1.02 steps, and 1-token
+    drafts at ~10% acceptance looked free), else the wall clock."""
+    from fucina import kernels
+    return time.thread_time if kernels.get_threads() == 1 else time.perf_counter
+
+
 def rows_invariant(model, cache) -> bool:
     """Whether an m-row step of `model` on `cache` gives each row the bits of a single step:
     the native step serves this cache (not the torch blocks, not a q8_0 cache) and the
@@ -105,6 +114,7 @@ class SpeculativeDecoder:
         self.strong_match = 8   # a match this long re-probes a gated-off decoder at once
         self.shared_rows = 0    # rows other streams put in this step's pass (set by the server)
         self._bucket = 0        # match_bucket of the pending draft's evidence
+        self.clock = time.perf_counter   # pass_clock() from each reply's start
         self.stats = Stats()
 
     # -- one reply -------------------------------------------------------------------
@@ -132,6 +142,7 @@ class SpeculativeDecoder:
         `Verify` requests; the caller fills a request's `rows` (its own pass, or rows of a
         shared batch pass that are bitwise the single steps) before the next `next()`."""
         self.source.sync(rd.history)
+        self.clock = pass_clock()
         try:
             tok, piece = rd.step(logits)
             if piece:
@@ -150,9 +161,9 @@ class SpeculativeDecoder:
 
     def run_verify(self, model, cache, req: "Verify") -> None:
         """Fill `req` with this stream's own verify pass (timed)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         req.rows = self._verify(model, cache, req.tokens, req.pos0)
-        req.seconds = time.perf_counter() - t0
+        req.seconds = self.clock() - t0
 
     @staticmethod
     def _forced(rd: ReplyDecoder, committed: list[int]):
@@ -240,14 +251,18 @@ class SpeculativeDecoder:
             self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
         self._bucket = match_bucket(self.source.match_len())
-        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), cache.capacity - cache.len - n_carried,
-                   rd.max_tokens - len(rd.reply.tokens) - 1,
-                   cache.rewind_reach() - n_carried,   # a recurrent state rewinds only within its snapshots
-                   cache.step_limit() - n_carried)     # one pass's rows (a window memory's slack)
+        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket),
+                   cache.capacity - cache.len - n_carried, rd.max_tokens - len(rd.reply.tokens) - 1)
         if room < self.min_draft:
             s.fallback_steps += 1
             return []
         draft = [int(t) for t in self.source.suggest(history, room)][:room]   # clamp a liar
+        if len(draft) >= self.min_draft:   # the cache's own limits walk every layer: only for a draft
+            reach = min(cache.rewind_reach(),  # a recurrent state rewinds only within its snapshots
+                        cache.step_limit()) - n_carried   # one pass's rows (a window memory's slack)
+            if len(draft) > reach:
+                draft = draft[:max(0, reach)]
+                self.source.truncate_pending(len(draft))
         draft = self._shape(rd, draft)
         if any(not 0 <= t < n_vocab for t in draft):
             draft = []

@@ -12,6 +12,7 @@ The gate decides WHEN speculation runs, never WHAT is committed.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 from fucina.errors import FucinaError
@@ -36,11 +37,12 @@ MATCH_BUCKETS = (2, 4, 8, 16)
 BUCKET_DECAY = 0.85   # per verify pass of the bucket: the last ~7 passes weigh most
 BUCKET_PRIOR = 2.0    # draft tokens' worth of the bucket's prior acceptance mixed into its rate
 BUCKET_PRIORS = (0.3, 0.5, 0.65, 0.8, 0.9)   # until measured: a longer match continues more often
-BUCKET_PROBE = 16     # a bucket the budget skips drafts again after this many skipped steps
+BUCKET_PROBE = 16     # a bucket the budget skips drafts again after this many skipped steps,
+BUCKET_PROBE_MAX = 256   # doubling after each probe that accepts nothing, up to this
 
 
 def match_bucket(match: int) -> int:
-    return sum(match >= t for t in MATCH_BUCKETS)
+    return bisect_right(MATCH_BUCKETS, match)     # how many thresholds the match reaches
 
 
 # in a shared pass (the server's batch): drafts must beat the draft-free pass by this
@@ -49,8 +51,17 @@ def match_bucket(match: int) -> int:
 # the rows the cost table measured (1 + 16)
 SHARED_MARGIN = 0.30
 SHARED_MAX_ROWS = 17
+# a bucket's re-probe in a shared pass may add at most this much to the pass (in steps):
+# beside 3 other streams a 1-token probe made the pass a 5-row one (+0.85 steps), and
+# SmolLM2's 4-stream server paid ~8 of those a run for ~1 token each (3-5% of the run)
+SHARED_PROBE_EXTRA = 0.5
 
 MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
+# timings refresh the memoized budgets every this many samples of a shape (and when a shape
+# starts counting): an EWMA moves slowly, and re-solving the budget at every plain step
+# cost ~20 us a token, the gated-off decoder's largest overhead
+BUDGET_REFRESH = 16
+TIMED_AFTER = 3       # samples of a shape (the first is warm-up) before its timing rescales the table
 
 
 def table_cost(table, k: int) -> float:
@@ -78,6 +89,7 @@ class CostGate:
         self.reprobe_after, self.reprobe_max, self.probe_steps = reprobe_after, reprobe_max, probe_steps
         self.table = tuple(cost_table)
         self._prior = [table_cost(self.table, k) for k in range(max_draft + 1)]
+        self._pass_costs: dict[int, float] = {}
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.plain_time: float | None = None
@@ -92,6 +104,8 @@ class CostGate:
         n = len(MATCH_BUCKETS) + 1
         self.bucket_drafted, self.bucket_accepted = [0.0] * n, [0.0] * n   # decayed counts
         self.bucket_skips = [0] * n
+        self.bucket_wait = [BUCKET_PROBE] * n       # skipped steps before the next probe
+        self.bucket_probed = [False] * n            # a probe's verdict is pending
 
     # -- costs --------------------------------------------------------------------------
 
@@ -99,7 +113,7 @@ class CostGate:
         prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
         t = self.verify_time.get(k)
         if not self.timed or k == 0 or t is None or not self.plain_time \
-                or min(self.samples.get(k, 0), self.samples.get(0, 0)) < 3:
+                or min(self.samples.get(k, 0), self.samples.get(0, 0)) < TIMED_AFTER:
             return prior
         # clamped: one noisy timing cannot swing it, and more rows never cost less than
         # one step (a loaded box's wall clock can say so; a zero-gain pass must lose)
@@ -109,9 +123,11 @@ class CostGate:
         """The forward time of a pass with k draft tokens (k = 0: a plain step). The
         first pass of each shape is not timed (one-off allocations, cold caches)."""
         self.samples[k] = self.samples.get(k, 0) + 1
-        if self.samples[k] == 1:
+        n = self.samples[k]
+        if n == 1:
             return
-        self._budgets.clear()
+        if n == TIMED_AFTER or n % BUDGET_REFRESH == 0:
+            self._budgets.clear()
         if k == 0:
             self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
         else:
@@ -125,6 +141,10 @@ class CostGate:
         if bucket is not None:
             self.bucket_drafted[bucket] = BUCKET_DECAY * self.bucket_drafted[bucket] + drafted
             self.bucket_accepted[bucket] = BUCKET_DECAY * self.bucket_accepted[bucket] + accepted
+            if self.bucket_probed[bucket]:
+                self.bucket_probed[bucket] = False
+                self.bucket_wait[bucket] = BUCKET_PROBE if accepted else \
+                    min(2 * self.bucket_wait[bucket], BUCKET_PROBE_MAX)
         self.window.append((drafted, accepted, committed, self.cost(drafted)))
         while len(self.window) > self.rate_window:
             self.window.popleft()
@@ -178,7 +198,8 @@ class CostGate:
         pass's cost is that of all its rows (past 4 rows a pass costs a step more).
         `bucket` (match_bucket of the draft's evidence): a is that bucket's acceptance,
         and k = 0 (no draft, a plain step) wins where drafting does not pay; such a
-        bucket is re-probed every BUCKET_PROBE skipped steps. Without a bucket nor a
+        bucket is re-probed after BUCKET_PROBE skipped steps (twice as long after each
+        probe that accepted nothing, up to BUCKET_PROBE_MAX). Without a bucket nor a
         shared pass: the best k >= min_draft (the on/off decision is the gate's)."""
         if not self.adapt_budget and not shared and bucket is None:
             return self.max_draft
@@ -188,9 +209,16 @@ class CostGate:
             k = self._budgets[key] = self._best_k(shared, bucket)
         if k == 0 and bucket is not None:
             self.bucket_skips[bucket] += 1
-            if self.bucket_skips[bucket] >= BUCKET_PROBE:
+            if self.bucket_skips[bucket] >= self.bucket_wait[bucket]:
+                probe = self._best_k(shared, bucket, skip=False)
+                while shared and probe >= self.min_draft and \
+                        self.pass_cost(shared + 1 + probe) - self.pass_cost(shared + 1) > SHARED_PROBE_EXTRA:
+                    probe -= 1
+                if probe < self.min_draft:
+                    return 0       # too dear beside the other rows: probe at a cheaper pass
                 self.bucket_skips[bucket] = 0
-                return self._best_k(shared, bucket, skip=False)
+                self.bucket_probed[bucket] = True
+                return probe
         return k
 
     def bucket_acceptance(self, bucket: int | None) -> float:
@@ -220,4 +248,7 @@ class CostGate:
 
     def pass_cost(self, rows: int) -> float:
         """A pass of `rows` rows (any streams) in plain steps: the table's 1 + k rows."""
-        return table_cost(self.table, rows - 1)
+        c = self._pass_costs.get(rows)
+        if c is None:
+            c = self._pass_costs[rows] = table_cost(self.table, rows - 1)
+        return c
