@@ -169,10 +169,10 @@ static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_
  * nr repeat the last row), scale fields gathered one dword per row; the same panel bytes as
  * the generic way for every field the kernel reads. */
 
-static inline void pb_rows32(const uint8_t *const *rp, int64_t off, pbi z[8]) {
+PB_INLINE void pb_rows32(const uint8_t *const *rp, int64_t off, pbi z[8]) {
     for (int j = 0; j < 8; j++) z[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + off));
 }
-static inline void pb_rows16(const uint8_t *const *rp, int64_t off, pbi z[4]) {
+PB_INLINE void pb_rows16(const uint8_t *const *rp, int64_t off, pbi z[4]) {
     for (int j = 0; j < 4; j++)
         z[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rp[j] + off))),
                                        _mm_loadu_si128((const __m128i *)(rp[j + 4] + off)), 1);
@@ -180,23 +180,23 @@ static inline void pb_rows16(const uint8_t *const *rp, int64_t off, pbi z[4]) {
 static inline void pb_rows_decoded(const uint8_t *tmp, size_t ts, int nr, int64_t off, pbi z[8]) {
     for (int j = 0; j < 8; j++) z[j] = j < nr ? _mm256_loadu_si256((const __m256i *)(tmp + j * ts + off)) : _mm256_setzero_si256();
 }
-static inline void pb_tr_last(pbi a, pbi b, pbi &lo, pbi &hi) {
+PB_INLINE void pb_tr_last(pbi a, pbi b, pbi &lo, pbi &hi) {
     lo = _mm256_permute2x128_si256(a, b, 0x20);
     hi = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
-static inline __m256 pb_h2f_lo(__m256i g) {
+PB_INLINE __m256 pb_h2f_lo(__m256i g) {
     const __m256i lo = _mm256_and_si256(g, _mm256_set1_epi32(0xFFFF));
     return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08)));
 }
-static inline __m256 pb_h2f_hi(__m256i g) { return pb_h2f_lo(_mm256_srli_epi32(g, 16)); }
+PB_INLINE __m256 pb_h2f_hi(__m256i g) { return pb_h2f_lo(_mm256_srli_epi32(g, 16)); }
 
 /* the shim of generic/x86_panel.inc: 8 rows, one ymm dword each */
-static inline pbi pb_gather(pbi vidx, const uint8_t *base) {
+PB_INLINE pbi pb_gather(pbi vidx, const uint8_t *base) {
     return _mm256_i32gather_epi32((const int *)(const void *)base, vidx, 1);
 }
-static inline pbv pb_h16(const uint8_t *const *rp, pbi vidx, int64_t off) { return pb_h2f_lo(pb_gather(vidx, rp[0] + off)); }
-static inline void pb_h16_dm(const uint8_t *const *rp, pbi vidx, int64_t off, pbv &d, pbv &m) {
+PB_INLINE pbv pb_h16(const uint8_t *const *rp, pbi vidx, int64_t off) { return pb_h2f_lo(pb_gather(vidx, rp[0] + off)); }
+PB_INLINE void pb_h16_dm(const uint8_t *const *rp, pbi vidx, int64_t off, pbv &d, pbv &m) {
     const pbi g = pb_gather(vidx, rp[0] + off);
     d = pb_h2f_lo(g);
     m = pb_h2f_hi(g);
