@@ -125,25 +125,31 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
  * zero point 128 formats (bytes up to 255) as w = u - 128 with the sign trick, which
  * leaves -128 sum q out of the sum already (so those start from 0, not zi). */
 struct pb_wblock {
-    __m256i w[8], aw[8];
+    __m256i w[8];
 };
 template <bool WIDE>
 static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
+    if (WIDE) return;  /* pb_dots_wide loads its own */
+    for (int i = 0; i < 8; i++) k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+}
+/* The WIDE dots (zero point 128, plain AVX2) of MR activation rows against one panel block.
+ * The sign trick needs w and |w| of a dword: all 8 dwords' at once are 16 ymm, every
+ * register AVX2 has, and half of them spilled inside the row loop. Dword-outer, one w /
+ * |w| pair is live against MR running sums; int32 sums are exact, so I is the same. */
+template <int MR>
+static inline void pb_dots_wide(const uint8_t *pb, const int32_t *const *xq, int64_t b, __m256i I[MR]) {
+    for (int c = 0; c < MR; c++) I[c] = _mm256_setzero_si256();
     for (int i = 0; i < 8; i++) {
-        k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
-        if (WIDE) {
-            k.w[i] = _mm256_xor_si256(k.w[i], _mm256_set1_epi8((char)0x80));
-            k.aw[i] = _mm256_abs_epi8(k.w[i]);
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + 32 * i)), _mm256_set1_epi8((char)0x80));
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int c = 0; c < MR; c++) {
+            I[c] = _mm256_add_epi32(I[c], dot4(aw, _mm256_sign_epi8(_mm256_set1_epi32(xq[c][8 * b + i]), w)));
+            __asm__("" : "+x"(I[c]));  /* kept a running sum: GCC would reassociate the adds into a tree and spill */
         }
     }
 }
-template <bool WIDE, bool G16>  /* WIDE only without VNNI (PB_WIDE) */
+template <bool WIDE, bool G16>  /* not WIDE: that is pb_dots_wide */
 static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
-    if (WIDE) {
-        __m256i I = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) I = _mm256_add_epi32(I, dot4(k.aw[i], _mm256_sign_epi8(_mm256_set1_epi32(xd[i]), k.w[i])));
-        return I;
-    }
     __m256i s[4];
     for (int i = 0; i < 4; i++)
 #if FK_AVX2_VNNI
