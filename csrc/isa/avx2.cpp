@@ -127,28 +127,40 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
 struct pb_wblock {
     __m256i w[8];
 };
+#define PB_DOTS_MR (!FK_AVX2_VNNI)  /* x86_panel.inc: the frame takes pb_dots where it applies */
 template <bool WIDE>
 static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
-    if (WIDE) return;  /* pb_dots_wide loads its own */
+    /* read by pb_dot only: dead, so dropped, where pb_dots runs */
     for (int i = 0; i < 8; i++) k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
 }
-/* The WIDE dots (zero point 128, plain AVX2) of MR activation rows against one panel block.
- * The sign trick needs w and |w| of a dword: all 8 dwords' at once are 16 ymm, every
- * register AVX2 has, and half of them spilled inside the row loop. Dword-outer, one w /
- * |w| pair is live against MR running sums; int32 sums are exact, so I is the same. */
-template <int MR>
-static inline void pb_dots_wide(const uint8_t *pb, const int32_t *const *xq, int64_t b, __m256i I[MR]) {
-    for (int c = 0; c < MR; c++) I[c] = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) {
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + 32 * i)), _mm256_set1_epi8((char)0x80));
-        const __m256i aw = _mm256_abs_epi8(w);
+#if PB_DOTS_MR
+/* Plain AVX2, every format but the G16 ones (Q6_K, Q3_K, Q2_K): the dots of MR activation
+ * rows against one panel block at once, dword (pair) outer. Row by row, the frame's order
+ * keeps all 8 weight dwords live (16 ymm with the sign trick's |w|: every register AVX2 has)
+ * beside the rows' float sums, and the block loop spilled; here one dword or pair is live
+ * against MR running int32 sums. Integer sums are exact: the same I, the same bits.
+ * Q8_0 / IQ4_NL 0.89x, Q4_K / Q4_1 0.80x the time per call at m = 64 (BENCHMARK.md). */
+template <int MR, bool WIDE>
+static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
+    for (int c = 0; c < MR; c++) I[c] = WIDE ? _mm256_setzero_si256() : _mm256_set1_epi32(zi[c][b]);
+    for (int i = 0; i < 8; i += WIDE ? 1 : 2) {
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+        const __m256i w = WIDE ? _mm256_xor_si256(u0, _mm256_set1_epi8((char)0x80)) : u0;
+        /* the second operand: |w| (sign trick), else the next dword (a pair summed in int16) */
+        const __m256i v = WIDE ? _mm256_abs_epi8(w) : _mm256_loadu_si256((const __m256i *)(pb + 32 * i + 32));
         for (int c = 0; c < MR; c++) {
-            I[c] = _mm256_add_epi32(I[c], dot4(aw, _mm256_sign_epi8(_mm256_set1_epi32(xq[c][8 * b + i]), w)));
-            __asm__("" : "+x"(I[c]));  /* kept a running sum: GCC would reassociate the adds into a tree and spill */
+            const int32_t *xd = xq[c] + 8 * b + i;
+            const __m256i s = WIDE ? dot4(v, _mm256_sign_epi8(_mm256_set1_epi32(xd[0]), w))
+                                   : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(xd[0])),
+                                                                        _mm256_maddubs_epi16(v, _mm256_set1_epi32(xd[1]))),
+                                                       _mm256_set1_epi16(1));
+            I[c] = _mm256_add_epi32(I[c], s);
+            __asm__("" : "+x"(I[c]));  /* a running sum: GCC would reassociate the adds into a tree and spill */
         }
     }
 }
-template <bool WIDE, bool G16>  /* not WIDE: that is pb_dots_wide */
+#endif
+template <bool WIDE, bool G16>  /* never WIDE: pb_dots */
 static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
     __m256i s[4];
     for (int i = 0; i < 4; i++)
