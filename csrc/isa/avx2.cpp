@@ -127,19 +127,19 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
 struct pb_wblock {
     __m256i w[8];
 };
-#define PB_DOTS_MR (!FK_AVX2_VNNI)  /* x86_panel.inc: the frame takes pb_dots where it applies */
+#define PB_DOTS_MR 1  /* x86_panel.inc: the frame takes pb_dots where it applies (16 ymm) */
 template <bool WIDE>
 static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
     /* read by pb_dot only: dead, so dropped, where pb_dots runs */
     for (int i = 0; i < 8; i++) k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
 }
 #if PB_DOTS_MR
-/* Plain AVX2, every format but the G16 ones (Q6_K, Q3_K, Q2_K): the dots of MR activation
- * rows against one panel block at once, dword (pair) outer. Row by row, the frame's order
- * keeps all 8 weight dwords live (16 ymm with the sign trick's |w|: every register AVX2 has)
- * beside the rows' float sums, and the block loop spilled; here one dword or pair is live
- * against MR running int32 sums. Integer sums are exact: the same I, the same bits.
- * Q8_0 / IQ4_NL 0.89x, Q4_K / Q4_1 0.80x the time per call at m = 64 (BENCHMARK.md). */
+/* Every format but the G16 ones (Q6_K, Q3_K, Q2_K): the dots of MR activation rows against
+ * one panel block at once, dword (pair) outer. Row by row, the frame's order keeps all 8
+ * weight dwords live (16 ymm with the sign trick's |w|: every register AVX2 has) beside the
+ * rows' float sums, and the block loop spilled; here one dword or pair is live against MR
+ * running int32 sums. Integer sums are exact: the same I, the same bits. Per call at
+ * m = 64: Q8_0 / IQ4_NL ~0.87x, Q4_K / Q5_K / Q4_1 ~0.81x the time (avx2vnni 0.86x / 0.74x). */
 template <int MR, bool WIDE>
 static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
     for (int c = 0; c < MR; c++) I[c] = WIDE ? _mm256_setzero_si256() : _mm256_set1_epi32(zi[c][b]);
@@ -150,11 +150,15 @@ static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const in
         const __m256i v = WIDE ? _mm256_abs_epi8(w) : _mm256_loadu_si256((const __m256i *)(pb + 32 * i + 32));
         for (int c = 0; c < MR; c++) {
             const int32_t *xd = xq[c] + 8 * b + i;
+#if FK_AVX2_VNNI
+            I[c] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(I[c], w, _mm256_set1_epi32(xd[0])), v, _mm256_set1_epi32(xd[1]));
+#else
             const __m256i s = WIDE ? dot4(v, _mm256_sign_epi8(_mm256_set1_epi32(xd[0]), w))
                                    : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(xd[0])),
                                                                         _mm256_maddubs_epi16(v, _mm256_set1_epi32(xd[1]))),
                                                        _mm256_set1_epi16(1));
             I[c] = _mm256_add_epi32(I[c], s);
+#endif
             __asm__("" : "+x"(I[c]));  /* a running sum: GCC would reassociate the adds into a tree and spill */
         }
     }
