@@ -26,19 +26,30 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def main() -> None:
+def parser(reps: int) -> argparse.ArgumentParser:
+    """MODEL, --reps, --threads, --isa: what every whole-model CPU-time bench here takes."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--isa", default=None, help="force an ISA level before loading (kernels.set_isa)")
-    a = ap.parse_args()
+    return ap
+
+
+def load(a: argparse.Namespace):
+    """The ISA and thread count of `a` in force, then its model."""
     if a.isa:
         K.set_isa(a.isa)
     K.set_threads(a.threads)
     torch.set_num_threads(a.threads)
-    model = load_model(a.model)
+    return load_model(a.model)
+
+
+def main() -> None:
+    ap = parser(reps=2)
+    ap.add_argument("--steps", type=int, default=32)
+    a = ap.parse_args()
+    model = load(a)
     best = None
     for _ in range(a.reps):
         cache = model.init_cache(16 + a.steps + 1)

@@ -1223,11 +1223,8 @@ static inline float quant_block32(const float *__restrict x, int8_t *__restrict 
 static void quant_rows_act(const float *__restrict x, int64_t k, int64_t kp, uint8_t *__restrict dst, bool extras,
                            int z, bool g16) {
     int8_t *q = (int8_t *)dst;
-    const int64_t nbp = kp / 32;
     float *ls = (float *)(dst + kp), *s16 = (float *)(dst + 2 * kp);
-    float *dx = (float *)(dst + 2 * kp + kp / 4), *jf = dx + nbp;
-    int32_t *zi = (int32_t *)(jf + nbp), *sq = zi + 2 * nbp;
-    for (int64_t b = 0; b < nbp; b++) {
+    for (int64_t b = 0; b < kp / 32; b++) {
         const int64_t e0 = b * 32;
         float d = 0.0f;
         int s0 = 0, s1 = 0;
@@ -1236,17 +1233,7 @@ static void quant_rows_act(const float *__restrict x, int64_t k, int64_t kp, uin
         _mm256_storeu_ps(ls + b * 8, _mm256_set1_ps(d));
         s16[2 * b] = d * (float)s0;
         s16[2 * b + 1] = d * (float)s1;
-        if (!extras) continue;
-        dx[b] = d;
-        jf[b] = d * (float)(s0 + s1);
-        sq[2 * b] = s0;
-        sq[2 * b + 1] = s1;
-        if (g16) {
-            zi[2 * b] = -z * s0;
-            zi[2 * b + 1] = -z * s1;
-        } else {
-            zi[b] = -z * (s0 + s1);
-        }
+        if (extras) cb_extras(dst, kp, b, d, s0, s1, z, g16);
     }
 }
 

@@ -52,8 +52,9 @@ def match_bucket(match: int) -> int:
 SHARED_MARGIN = 0.30
 SHARED_MAX_ROWS = 17
 # a bucket's re-probe in a shared pass may add at most this much to the pass (in steps):
-# beside 3 other streams a 1-token probe made the pass a 5-row one (+0.85 steps), and
-# SmolLM2's 4-stream server paid ~8 of those a run for ~1 token each (3-5% of the run)
+# with the 4-row GEMV a 1-token probe beside 3 other streams made the pass a 5-row one
+# (+0.85 steps), and SmolLM2's 4-stream server paid ~8 of those a run for ~1 token each
+# (3-5% of the run); with the 8-row GEMV the step is at the ninth row
 SHARED_PROBE_EXTRA = 0.5
 
 MIN_ROW_COST = 0.02   # the least a verify row can add to a step (its head row, its attention)
@@ -195,7 +196,8 @@ class CostGate:
         """Draft tokens worth verifying: the k maximising expected committed tokens per
         cost under the acceptance rate a (each draft token survives with a).
         `shared`: rows other streams put in the same pass (the server's batch); then the
-        pass's cost is that of all its rows (past 4 rows a pass costs a step more).
+        pass's cost is that of all its rows (past the decode GEMV's rows, 8 on AVX-512,
+        a pass costs a step more).
         `bucket` (match_bucket of the draft's evidence): a is that bucket's acceptance,
         and k = 0 (no draft, a plain step) wins where drafting does not pay; such a
         bucket is re-probed after BUCKET_PROBE skipped steps (twice as long after each
