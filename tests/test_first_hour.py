@@ -156,7 +156,9 @@ def test_run_is_greedy_and_chat_samples_with_a_fresh_seed(models, tmp_path, caps
         ids = tmp_path / f"ids{i}.txt"
         assert main(["chat", models["chat"], "hello", "--gen", "12", "--ids-out", str(ids), *flat]) == 0
         replies.add(ids.read_text())
-        assert len(ids.read_text().split()) >= 1
+    # a draw may end at once (2 of the 260 tokens end a turn: ~0.8% a reply at --temp 10, which
+    # failed one CI run in ~30), so the ids written are checked over the four draws
+    assert any(r.split() for r in replies)
     assert len(replies) > 1                                          # not one draw every time
     capsys.readouterr()
     for flags in (["--greedy"], ["--temp", "0"], ["--seed", "5", *flat]):
