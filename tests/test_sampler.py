@@ -182,6 +182,28 @@ def test_all_masked_is_typed_error():
         Sampler().next(torch.tensor([0.0, float("nan")]))
 
 
+def test_a_nan_anywhere_is_a_typed_error_and_ties_take_the_first():
+    from fucina.text.sampler import first_argmax
+    row = torch.randn(49152)
+    row[7] = row[40000] = row.max() + 1.0
+    assert first_argmax(row) == 7 == int(torch.argmax(row))       # the first maximum
+    for where in (0, 123, 49151):                  # a NaN below the top still stops the draw
+        bad = row.clone()
+        bad[where] = float("nan")
+        for cfg in (SamplingConfig(), SamplingConfig(temperature=0.8, seed=1)):
+            with pytest.raises(SamplingError, match="NaN"):
+                Sampler(cfg).next(bad)
+
+
+def test_the_callers_logits_are_left_as_they_were():
+    row = torch.tensor([0.5, 2.0, 1.0, -1.0])
+    kept = row.clone()
+    Sampler(SamplingConfig(repeat_penalty=1.5, frequency_penalty=0.5)).next(row, [1, 1, 2])
+    Sampler(processor=BanTokens([1])).next(row)
+    Sampler(SamplingConfig(temperature=0.7, seed=3)).next(row)
+    assert torch.equal(row, kept)
+
+
 def test_masked_tokens_never_drawn():
     s = Sampler(SamplingConfig(temperature=1.0, seed=1), processor=BanTokens([0]))
     assert all(s.next(torch.tensor([5.0, 0.0, 0.0])) != 0 for _ in range(200))

@@ -156,10 +156,31 @@ def test_cost_gate_rescales_by_measured_times():
         g.record(0, 0.010)
         g.record(4, 0.025)
     assert g.cost(4) == pytest.approx(2.5)
-    assert g.cost(2) == table_cost(DEFAULT_COST_TABLE, 2)   # too few timings of this shape: the table
+    # a shape not timed yet: the table's extra-row cost (0.2 at k = 2) scaled as the
+    # nearest timed shape's (k = 4: 1.5 measured over 0.5 in the table)
+    assert g.cost(2) == pytest.approx(1 + 0.2 * 3)
     for _ in range(4):
         g.record(8, 0.500)                 # a noisy outlier is clamped to 2x the table
     assert g.cost(8) == pytest.approx(2 * table_cost(DEFAULT_COST_TABLE, 8))
+
+
+def test_streams_on_one_model_share_their_measured_costs():
+    from fucina.text.speculative.gate import TIMED_AFTER, shared_costs
+
+    class M:
+        pass
+    model, other = M(), M()
+    a, b = CostGate(), CostGate()
+    a.bind(shared_costs(model))
+    assert b.cost(4) == table_cost(DEFAULT_COST_TABLE, 4)
+    for _ in range(TIMED_AFTER):                 # stream a times its passes ...
+        a.record(0, 0.010)
+        a.record(4, 0.030)
+    b.bind(shared_costs(model))                  # ... a later stream on the model starts from them
+    assert b.cost(4) == pytest.approx(3.0) == a.cost(4)
+    c = CostGate()
+    c.bind(shared_costs(other))                  # another model: its own
+    assert c.cost(4) == table_cost(DEFAULT_COST_TABLE, 4)
 
 
 def test_cost_gate_never_counts_a_verify_row_as_free():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from fucina.models.cache_q8 import make_cache
 from fucina.serve.metrics import Metrics
 from fucina.text.batch import SegmentError, ragged_step
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix
-from fucina.text.sampler import Sampler, SamplingConfig
+from fucina.text.sampler import Sampler, SamplingConfig, first_argmax
 from fucina.text.speculative.decoder import pass_clock
 
 log = logging.getLogger("fucina.serve")
@@ -122,8 +123,10 @@ class ServeSampler(Sampler):
         """The greedy token, or None when the row needs the full checks (NaN, +-inf at
         the top: torch's argmax ranks NaN highest, so a NaN row always lands here)."""
         row = logits.detach().reshape(-1)
-        best = int(torch.argmax(row))
-        return best if bool(torch.isfinite(row[best])) else None
+        if row.dtype != torch.float32:
+            return None
+        best = first_argmax(row)
+        return best if math.isfinite(float(row[best])) else None
 
     def next(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         tok = self._plain_argmax(logits) if self.fast else None

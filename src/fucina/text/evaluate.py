@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from fucina.errors import FucinaError
+from fucina.text.sampler import first_argmax
 
 
 def greedy(model, prompt: Sequence[int], n: int, stop: Callable[[int], bool] | None = None,
@@ -20,7 +21,7 @@ def greedy(model, prompt: Sequence[int], n: int, stop: Callable[[int], bool] | N
     logits = model.forward_step(cache, list(prompt), 0)
     out: list[int] = []
     for _ in range(n):
-        t = int(torch.argmax(logits))
+        t = first_argmax(logits.detach().reshape(-1).float())
         if stop is not None and stop(t):
             break
         out.append(t)

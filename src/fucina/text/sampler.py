@@ -104,6 +104,15 @@ class MT19937:
         return u if u < 1.0 else math.nextafter(1.0, 0.0)
 
 
+def first_argmax(row: torch.Tensor) -> int:
+    """The first maximum of a 1-D float32 CPU row (torch.argmax's and llama.cpp's greedy
+    choice) by numpy's vectorised scan: ~4 us on a 49k vocabulary where torch.argmax takes
+    ~34 and torch.isnan(row).any() ~47 more (262k: 15 us against 170 + 245). numpy ranks
+    NaN highest, so the row holds a NaN iff row[first_argmax(row)] is one: one pass checks
+    both."""
+    return int(np.argmax(row.numpy()))
+
+
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> None:
     """llama_sampler_penalties on a float32 [n_vocab] row, in place."""
     if not cfg.penalties_on or not history:
@@ -204,16 +213,20 @@ class Sampler:
         """Pick the next token from one logits row [n_vocab] (or [1, n_vocab]).
         The caller's tensor is not modified."""
         cfg = self.config
-        row = logits.detach().reshape(-1).to(torch.float32).clone()
+        row = logits.detach().reshape(-1).to(torch.float32)
         proc = self.processor
         masked = proc if proc is not None and type(proc).allows is not LogitProcessor.allows else None
-        if proc is not None and masked is None:
-            proc.process(row, history)
-        apply_penalties(row, history, cfg)
-        if bool(torch.isnan(row).any()):
+        edits = proc is not None and masked is None
+        if edits or (cfg.penalties_on and history):
+            row = row.clone()          # processed in place: the caller's row stays as it was
+            if edits:
+                proc.process(row, history)
+            apply_penalties(row, history, cfg)
+        best = first_argmax(row)
+        top = float(row[best])
+        if top != top:
             raise SamplingError("logits contain NaN")
-        best = int(torch.argmax(row))
-        if not bool(row[best] > float("-inf")):
+        if not top > float("-inf"):
             raise SamplingError("every token is masked: nothing can be sampled")
         if masked is not None:
             token = self._pick_constrained(row, best, masked)
@@ -243,8 +256,9 @@ class Sampler:
             token = sample_candidates(row.numpy(), cfg, self.rng.uniform())
             if constraint.allows(token):
                 return token
+        row = row.clone()              # may be the caller's row: masked in a copy
         constraint.process(row, ())
-        best = int(torch.argmax(row))
+        best = first_argmax(row)
         if not bool(row[best] > float("-inf")):
             raise SamplingError("every token is masked: nothing can be sampled")
         if cfg.greedy:

@@ -34,7 +34,7 @@ import torch
 
 from fucina.errors import FucinaError
 from fucina.text.generate import Reply, ReplyDecoder
-from fucina.text.speculative.gate import CostGate, match_bucket
+from fucina.text.speculative.gate import CostGate, match_bucket, shared_costs
 from fucina.text.speculative.source import DraftSource
 
 
@@ -143,6 +143,7 @@ class SpeculativeDecoder:
         shared batch pass that are bitwise the single steps) before the next `next()`."""
         self.source.sync(rd.history)
         self.clock = pass_clock()
+        self.gate.bind(shared_costs(model))
         try:
             tok, piece = rd.step(logits)
             if piece:

@@ -4,7 +4,10 @@ The estimate is committed tokens per plain-step-equivalent of verify cost over t
 `rate_window` verify passes, where cost(k) is what a verify of 1 + k rows costs against
 one plain step: a table measured on this project's CPU kernels, rescaled online by the
 decoder's own timings (an EWMA per draft length over an EWMA of plain steps, clamped so
-one noisy measurement cannot swing it). Below `min_speedup` the gate switches
+one noisy measurement cannot swing it). The timings live in a `CostModel` that every
+stream decoding on the same model, thread count and ISA shares (`shared_costs`), so a
+new conversation or server request starts from the costs the earlier ones measured,
+and a draft length not timed yet follows the measured ones' scale. Below `min_speedup` the gate switches
 speculation off; it re-probes after `reprobe_after` plain steps (doubling up to
 `reprobe_max` each time a probe fails) and switches back on only with a
 `probe_margin` of headroom. The draft budget follows the rolling acceptance rate.
@@ -76,6 +79,56 @@ def table_cost(table, k: int) -> float:
     return c1 + (c1 - c0) * (k - k1) / (k1 - k0)
 
 
+class CostModel:
+    """Measured forward times by draft length k (k = 0: a plain step; k > 0: a verify of
+    1 + k rows on one cache), as EWMAs; `version` moves whenever a ratio a gate reads may
+    have changed (the gates memoize their budgets by it)."""
+
+    def __init__(self):
+        self.plain_time: float | None = None
+        self.verify_time: dict[int, float] = {}
+        self.samples: dict[int, int] = {}     # timings seen per draft length (the first is warm-up)
+        self.version = 0
+
+    def record(self, k: int, seconds: float) -> None:
+        self.samples[k] = self.samples.get(k, 0) + 1
+        n = self.samples[k]
+        if n == 1:
+            return
+        if n == TIMED_AFTER or n % BUDGET_REFRESH == 0:
+            self.version += 1
+        if k == 0:
+            self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
+        else:
+            old = self.verify_time.get(k)
+            self.verify_time[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def ratio(self, k: int) -> float | None:
+        """t(1 + k rows) / t(1 row), once both shapes have TIMED_AFTER samples."""
+        t = self.verify_time.get(k)
+        if t is None or not self.plain_time or min(self.samples.get(k, 0), self.samples.get(0, 0)) < TIMED_AFTER:
+            return None
+        return t / self.plain_time
+
+    def timed(self) -> list[int]:
+        return [k for k in self.verify_time if self.ratio(k) is not None]
+
+
+def shared_costs(model) -> CostModel:
+    """The CostModel of every stream speculating on `model` at the current thread count
+    and ISA (kept on the model object: its lifetime is the model's)."""
+    from fucina import kernels
+    attrs = getattr(model, "__dict__", None)
+    if attrs is None:
+        return CostModel()
+    table = attrs.setdefault("_spec_costs", {})
+    key = (kernels.get_threads(), kernels.isa())
+    cm = table.get(key)
+    if cm is None:
+        cm = table[key] = CostModel()
+    return cm
+
+
 class CostGate:
     def __init__(self, *, max_draft: int = 16, min_draft: int = 2, rate_window: int = 16,
                  min_window_drafted: int = 4, min_speedup: float = 1.0, probe_margin: float = 0.10,
@@ -93,9 +146,8 @@ class CostGate:
         self._pass_costs: dict[int, float] = {}
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
-        self.plain_time: float | None = None
-        self.verify_time: dict[int, float] = {}
-        self.samples: dict[int, int] = {}     # timings seen per draft length (the first is warm-up)
+        self.costs = CostModel()      # this gate's own until bind() shares one
+        self._costs_seen = 0          # the CostModel version the memoized budgets were made with
         self.on = True
         self.off_for = 0              # plain steps left before the next probe
         self.backoff = reprobe_after
@@ -110,30 +162,34 @@ class CostGate:
 
     # -- costs --------------------------------------------------------------------------
 
+    def bind(self, costs: CostModel) -> None:
+        """Read (and record) timings in `costs`, shared with other streams on the model."""
+        if costs is not self.costs:
+            self.costs = costs
+            self._budgets.clear()
+            self._costs_seen = costs.version
+
     def cost(self, k: int) -> float:
         prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
-        t = self.verify_time.get(k)
-        if not self.timed or k == 0 or t is None or not self.plain_time \
-                or min(self.samples.get(k, 0), self.samples.get(0, 0)) < TIMED_AFTER:
+        if not self.timed or k == 0:
             return prior
+        r = self.costs.ratio(k)
+        if r is None:
+            # not timed yet: the table's extra-row cost scaled as the nearest timed length's
+            near = min(self.costs.timed(), key=lambda j: (abs(j - k), j), default=None)
+            if near is None:
+                return prior
+            p = table_cost(self.table, near)
+            scale = (self.costs.ratio(near) - 1.0) / (p - 1.0) if p > 1.0 else 1.0
+            r = 1.0 + (prior - 1.0) * min(max(scale, 0.25), 3.0)
         # clamped: one noisy timing cannot swing it, and more rows never cost less than
         # one step (a loaded box's wall clock can say so; a zero-gain pass must lose)
-        return max(min(max(t / self.plain_time, 0.5 * prior), 2.0 * prior), 1.0 + MIN_ROW_COST * k)
+        return max(min(max(r, 0.5 * prior), 2.0 * prior), 1.0 + MIN_ROW_COST * k)
 
     def record(self, k: int, seconds: float) -> None:
         """The forward time of a pass with k draft tokens (k = 0: a plain step). The
         first pass of each shape is not timed (one-off allocations, cold caches)."""
-        self.samples[k] = self.samples.get(k, 0) + 1
-        n = self.samples[k]
-        if n == 1:
-            return
-        if n == TIMED_AFTER or n % BUDGET_REFRESH == 0:
-            self._budgets.clear()
-        if k == 0:
-            self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
-        else:
-            old = self.verify_time.get(k)
-            self.verify_time[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.costs.record(k, seconds)
 
     # -- the estimate -------------------------------------------------------------------
 
@@ -205,6 +261,9 @@ class CostGate:
         shared pass: the best k >= min_draft (the on/off decision is the gate's)."""
         if not self.adapt_budget and not shared and bucket is None:
             return self.max_draft
+        if self._costs_seen != self.costs.version:
+            self._costs_seen = self.costs.version
+            self._budgets.clear()
         key = (shared, bucket)
         k = self._budgets.get(key)
         if k is None:
