@@ -558,7 +558,7 @@ def test_timings_reach_the_memoized_budget():
 def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
     from fucina.text.speculative.cascade import RECYCLING_DECIDE_AFTER
 
-    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1)
+    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1, short_matches=False)
     index.observe([1, 2])
     for i in range(RECYCLING_DECIDE_AFTER):
         assert not index.rec_gate.muted()
@@ -567,6 +567,28 @@ def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
         index.observe([40 + i])                  # never the chain's token
     assert index.rec_gate.muted()
     assert index.conv_gate.total_drafted == 0
+
+
+def test_a_one_token_match_drafts_on_its_own_gate_before_the_recycling_chain():
+    from fucina.text.speculative.cascade import RECYCLING_DECIDE_AFTER
+
+    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1)
+    index.observe([5, 6, 7, 8, 9])
+    index.observe([5])                           # "5" seen before: what followed it drafts
+    assert index.conv.match_len() == 1
+    assert index.suggest(index.conv.tokens, 3) == [6, 7, 8] and index._pending[0] is index.short_gate
+    index.observe([6, 7, 8])
+    assert index.short_gate.total_accepted == 3
+    for i in range(4 * RECYCLING_DECIDE_AFTER):  # losing one-token drafts mute that source alone
+        if index.short_gate.muted():
+            break
+        index.observe([7])                       # after a new token: a match of one
+        assert index.conv.match_len() == 1 and index.suggest(index.conv.tokens, 1)
+        assert index._pending[0] is index.short_gate
+        index.observe([50 + i])                  # never the drafted token
+    assert index.short_gate.muted() and not index.conv_gate.muted()
+    index.observe([7])                           # muted: the recycling chain drafts instead
+    assert index.suggest(index.conv.tokens, 1) and index._pending[0] is index.rec_gate
 
 
 def test_a_draft_is_clamped_to_the_rows_the_cache_can_take_back():

@@ -91,7 +91,7 @@ class SpeculationIndex(DraftSource):
 
     def __init__(self, n_vocab: int, *, beta: int = 2, min_match: int = 2, recycling_chain: int = 8,
                  mute_acceptance: float = 0.20, mute_commits: int = 128, accounting_min_draft: int = 2,
-                 recycling: bool = True):
+                 recycling: bool = True, short_matches: bool = True):
         self.beta, self.min_match, self.recycling_chain = beta, min_match, recycling_chain
         self.mute_acceptance, self.mute_commits = mute_acceptance, mute_commits
         self.accounting_min_draft = accounting_min_draft
@@ -100,6 +100,8 @@ class SpeculationIndex(DraftSource):
         self.refs: list[FrozenRef] = []
         self.recycling = TokenRecycling(n_vocab) if recycling else None
         self.rec_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
+        self.short_matches = short_matches
+        self.short_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
         self._rec_idle = 0     # committed tokens since the recycling table last drafted
         self._pending: tuple[Gate, list[int]] | None = None
 
@@ -146,6 +148,12 @@ class SpeculationIndex(DraftSource):
                 draft, gate = self.conv.draft(budget, periodic=True), self.conv_gate
             else:
                 draft, gate = best.index.draft_from(best.cursor, budget), best.gate
+        if not draft and best_len == 1 and self.short_matches and not self.short_gate.muted():
+            # a one-token match: what followed the token's latest earlier occurrence (the
+            # prompt's next word after a word the reply shares with it), on its own gate
+            draft = self.conv.draft(min(n, 2 * self.beta), min_match=1) if best is None else \
+                best.index.draft_from(best.cursor, min(n, 2 * self.beta), min_match=1)
+            gate = self.short_gate
         if not draft and self.recycling is not None and not self.rec_gate.muted() and context:
             draft = self.recycling.draft_chain(context[-1], min(n, self.recycling_chain))
             gate, self._rec_idle = self.rec_gate, 0
@@ -220,11 +228,13 @@ class SpeculationIndex(DraftSource):
             self._rec_idle += n
         self.conv_gate.tick(n)
         self.rec_gate.tick(n)
+        self.short_gate.tick(n)
 
     def source_summary(self) -> str:
         def one(name, g):
             rate = g.total_accepted / g.total_drafted if g.total_drafted else 0.0
             return f"{name} {g.total_accepted}/{g.total_drafted} ({rate:.0%}){' muted' if g.muted() else ''}"
-        parts = [one("conversation", self.conv_gate), one("recycling", self.rec_gate)]
+        parts = [one("conversation", self.conv_gate), one("one-token matches", self.short_gate),
+                 one("recycling", self.rec_gate)]
         parts += [one(f"ref{i}", r.gate) for i, r in enumerate(self.refs)]
         return ", ".join(parts)

@@ -109,12 +109,13 @@ class SamIndex:
             return 0
         return self.length[self.link[self.last]]
 
-    def draft(self, n: int | None = None, periodic: bool = False) -> list[int]:
+    def draft(self, n: int | None = None, periodic: bool = False, min_match: int | None = None) -> list[int]:
         """The tokens that followed the match's latest earlier occurrence (at most n).
         `periodic`: where they run out at the stream's end, continue into the draft
-        itself, LZ77-style (a loop of period p drafts n tokens, not just p)."""
+        itself, LZ77-style (a loop of period p drafts n tokens, not just p).
+        `min_match`: the least match that drafts (default: the index's)."""
         n = self.max_draft if n is None else n
-        if self.match_len() < self.min_match or self._prior_end < 0:
+        if self.match_len() < (self.min_match if min_match is None else min_match) or self._prior_end < 0:
             return []
         start = self._prior_end + 1
         out = self.tokens[start:start + n]
@@ -140,9 +141,9 @@ class SamIndex:
         else:
             cursor.state, cursor.len = 0, 0
 
-    def draft_from(self, cursor: Cursor, n: int | None = None) -> list[int]:
+    def draft_from(self, cursor: Cursor, n: int | None = None, min_match: int | None = None) -> list[int]:
         n = self.max_draft if n is None else n
-        if self.poisoned or cursor.len < self.min_match:
+        if self.poisoned or cursor.len < (self.min_match if min_match is None else min_match):
             return []
         start = self.latest[cursor.state] + 1
         return self.tokens[start:start + n]
