@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [MODEL.gguf ...] [--reps 2] [--max-tokens 160] [--threads 2]
                                      [--json OUT] [--exact] [--costs] [--ragged-costs] [--llama-server DIR]
-                                     [--serve 1,4]
+                                     [--serve 1,4] [--priced]
 
 Workloads: verbatim copy of a given text, an edit of a given function, a grounded answer
 about a given document, a multi-turn chat whose last turn quotes the first, a free-form
@@ -16,7 +16,10 @@ verify pass of 1 + k rows in plain steps (the CostGate's table); `--ragged-costs
 a server-style ragged pass by rows per cache. `--serve 1,4` measures
 the server instead (the engine and its worker thread in process, no HTTP): aggregate
 completion tokens/s with 1 and with 4 requests at once, plain against `--spec` (the
-speculative streams' verify rows riding the ragged batch pass).
+speculative streams' verify rows riding the ragged batch pass). `--priced` measures the
+verify cost table first, then runs each workload once with the gate deciding on that
+table and prices every pass by it: the speedup those decisions give on these kernels,
+reproducible on a shared box whose clock swings +-10% between runs.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import time
 
 import fucina
 from fucina import kernels
-from fucina.text.speculative import Speculation
+from fucina.text.speculative import CostGate, Speculation, Stats, table_cost
 
 PASSAGE = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was "
            "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it "
@@ -83,13 +86,19 @@ def decode_clock():
     return time.process_time if kernels.get_threads() == 1 else time.perf_counter
 
 
-def one_run(llm, turns, spec: bool, max_tokens: int, options=None):
+def one_run(llm, turns, spec: bool, max_tokens: int, options=None, priced=None):
+    """One chat through `turns`, the last one timed. `priced` (a measured cost table):
+    the gate decides on that table, untimed, and the reply's passes are priced by it."""
     clock = decode_clock()
     conv = llm.chat(speculative=spec, max_tokens=max_tokens, temperature=0,   # greedy: comparable streams
                     **(options or {}))
+    if spec and priced is not None:
+        dec = conv.spec.decoder
+        dec.gate = CostGate(max_draft=dec.max_draft, min_draft=dec.min_draft, cost_table=priced, timed=False)
     for t in turns[:-1]:
         conv.send(t)
-    before = dict(conv.spec.stats.__dict__) if spec else None
+    before = {k: v for k, v in conv.spec.stats.__dict__.items() if isinstance(v, int)} if spec else None
+    before_passes = dict(conv.spec.stats.by_draft) if spec else None
     first = []
     t0 = clock()
     conv.send(turns[-1], on_piece=lambda p: first or first.append(clock()))
@@ -99,17 +108,24 @@ def one_run(llm, turns, spec: bool, max_tokens: int, options=None):
            "decode_tok_s": (n - 1) / (t1 - first[0]) if first and n > 1 and t1 > first[0] else 0.0,
            "ids": list(conv.last.tokens)}
     if spec:
-        d = {k: v - before[k] for k, v in conv.spec.stats.__dict__.items()}
+        st = conv.spec.stats
+        d = {k: getattr(st, k) - v for k, v in before.items()}
         row.update(acceptance=d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
                    tokens_per_step=d["committed"] / d["steps"] if d["steps"] else 0.0,
                    drafted=d["drafted"], accepted=d["accepted"], verify_steps=d["spec_steps"])
+        if priced is not None:    # this reply's passes priced by the measured table
+            turn = Stats(steps=d["steps"], spec_steps=d["spec_steps"], committed=d["committed"],
+                         by_draft={k: n - before_passes.get(k, 0) for k, n in st.by_draft.items()})
+            row["priced_speedup"] = turn.priced_speedup(lambda k: table_cost(priced, k))
     return row
 
 
-def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
+def bench_model(path: str, reps: int, max_tokens: int, names, priced: bool = False) -> list[dict]:
     llm = fucina.load(path)
     one_run(llm, ["Hello!"], True, 8)        # warm-up: both paths' first calls
     out = []
+    if priced:
+        return priced_model(llm, path, max_tokens, names)
     for name in names:
         runs = {False: [], True: []}
         for _ in range(reps):
@@ -133,12 +149,29 @@ def bench_model(path: str, reps: int, max_tokens: int, names) -> list[dict]:
     return out
 
 
-def costs(path: str, ks=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), reps: int = 9) -> dict:
+def priced_model(llm, path: str, max_tokens: int, names) -> list[dict]:
+    """Each workload once, speculative, its verify passes priced by this model's cost
+    table measured first in the same process (`costs`): a speedup free of the box's
+    noise, for comparing gate and drafting decisions (it leaves out the per-token
+    bookkeeping, ~1% of a SmolLM2 step)."""
+    measured = costs(path, llm=llm)
+    table = ((0, 1.0),) + tuple(sorted(measured.items()))
+    out = []
+    for name in names:
+        r = one_run(llm, WORKLOADS[name], True, max_tokens, OPTIONS.get(name), priced=table)
+        out.append({"model": os.path.basename(path), "workload": name, "tokens": r["tokens"],
+                    "priced_speedup": r["priced_speedup"], "acceptance": r["acceptance"],
+                    "tokens_per_step": r["tokens_per_step"], "cost_table": measured})
+        print(f"{out[-1]['model']:<36} {name:<10} {r['tokens']:>4} tok  priced x{r['priced_speedup']:.3f}  "
+              f"accept {r['acceptance']:.0%}  {r['tokens_per_step']:.2f} tok/step", flush=True)
+    return out
+
+
+def costs(path: str, ks=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), reps: int = 9, llm=None) -> dict:
     """Median time of a verify pass of 1 + k rows over a plain step, paired per rep. On one
     thread the clock is the process's CPU time (a shared box's waits for a core left out)."""
     clock = time.process_time if kernels.get_threads() == 1 else time.perf_counter
-    llm = fucina.load(path)
-    m = llm.model
+    m = (llm or fucina.load(path)).model
     cache = m.init_cache(1024)
     m.forward_step(cache, list(range(100, 400)), 0)
     base = cache.len
@@ -341,6 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--exact", action="store_true", help="row-by-row verify (bitwise; no speedup)")
     ap.add_argument("--costs", action="store_true", help="measure the verify cost table instead")
+    ap.add_argument("--priced", action="store_true", help="instead: measure the cost table, then run each "
+                    "workload once with the gate on that table and price its passes by it (a speedup "
+                    "free of the clock's noise)")
     ap.add_argument("--ragged-costs", action="store_true", help="instead: the cost of a server-style "
                     "ragged pass by rows per cache (e.g. 2+1+1+1: a 1-token draft beside 3 streams)")
     ap.add_argument("--llama-server", metavar="DIR", help="instead: llama.cpp's llama-server from DIR "
@@ -372,7 +408,7 @@ def main(argv=None) -> int:
             rows += bench_serve(path, a.reps, a.max_tokens, a.workloads.split(","),
                                 [int(w) for w in a.serve.split(",")])
         else:
-            rows += bench_model(path, a.reps, a.max_tokens, a.workloads.split(","))
+            rows += bench_model(path, a.reps, a.max_tokens, a.workloads.split(","), a.priced)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -27,7 +27,7 @@ At the end of a reply len(history) == cache.len, as after the plain loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
 import torch
@@ -49,6 +49,15 @@ class Stats:
     rejected_steps: int = 0   # verify passes that ended on a correction
     bonus: int = 0
     committed: int = 0
+    by_draft: dict[int, int] = field(default_factory=dict)   # verify passes by draft length
+
+    def priced_speedup(self, cost) -> float:
+        """Committed tokens per plain-step-equivalent, each verify pass of k draft tokens
+        priced at cost(k) plain steps (a measured table): the speedup these decisions
+        give on kernels with those costs, free of a noisy clock."""
+        plain = self.steps - self.spec_steps
+        total = plain + sum(n * cost(k) for k, n in self.by_draft.items())
+        return self.committed / total if total else 0.0
 
     def tokens_per_step(self) -> float:
         return self.committed / self.steps if self.steps else 0.0
@@ -273,6 +282,7 @@ class SpeculativeDecoder:
             return []
         s.spec_steps += 1
         s.drafted += len(draft)
+        s.by_draft[len(draft)] = s.by_draft.get(len(draft), 0) + 1
         return draft
 
     def _shape(self, rd: ReplyDecoder, draft: list[int]) -> list[int]:
