@@ -155,7 +155,10 @@ def priced_model(llm, path: str, max_tokens: int, names) -> list[dict]:
     noise, for comparing gate and drafting decisions (it leaves out the per-token
     bookkeeping, ~1% of a SmolLM2 step)."""
     measured = costs(path, llm=llm)
-    table = ((0, 1.0),) + tuple(sorted(measured.items()))
+    table, top = [(0, 1.0)], 1.0
+    for k, c in sorted(measured.items()):   # more rows never cost less: a loaded box's
+        top = max(top, c)                    # clock can say so, the kernels cannot
+        table.append((k, top))
     out = []
     for name in names:
         r = one_run(llm, WORKLOADS[name], True, max_tokens, OPTIONS.get(name), priced=table)
