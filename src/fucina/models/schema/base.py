@@ -181,9 +181,6 @@ class Tensors:
         """Listed and present in the file."""
         return self._checked.get(name) is not None
 
-    def __len__(self) -> int:
-        return len(self._checked)
-
 
 class Schema:
     """A dense family's schema (llama's; a family overrides what differs): the config, then
