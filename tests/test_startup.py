@@ -217,10 +217,12 @@ def test_load_errors_still_come_from_load(tmp_path):
         fucina.load(good, lora=str(tmp_path / "nope.gguf"))
 
 
-def test_a_schema_error_surfaces_at_the_first_compute_and_again_after(tmp_path):
-    # the family's tensor schema lives with its (torch) module: checked when the decoder builds
+def test_a_schema_error_surfaces_at_load_and_from_a_direct_build(tmp_path):
+    # the family's tensor schema is torch-free (models/schema/): load() checks it, and the
+    # decoder build runs the same check (tests/test_load_schema.py: every family, every kind)
     import fucina
     from fucina.errors import GGUFError
+    from fucina.models import load_model
     from synth import write_model
 
     good = write_model(tmp_path / "m.gguf", "llama")
@@ -228,12 +230,11 @@ def test_a_schema_error_surfaces_at_the_first_compute_and_again_after(tmp_path):
     assert raw.count(b"blk.1.ffn_up.weight") == 1
     bad = tmp_path / "bad.gguf"                       # a valid file whose layer 1 lacks ffn_up
     bad.write_bytes(raw.replace(b"blk.1.ffn_up.weight", b"blk.1.ffn_uq.weight"))
-    llm = fucina.load(bad)
-    assert llm.tokenize("ab")
-    for _ in range(2):                                # a failed build leaves nothing half-made
+    for _ in range(2):
         with pytest.raises(GGUFError, match="missing tensor 'blk.1.ffn_up.weight'"):
-            llm.generate("ab", 2, temperature=0)
-    assert not llm.built
+            fucina.load(bad)
+        with pytest.raises(GGUFError, match="missing tensor 'blk.1.ffn_up.weight'"):
+            load_model(bad)
 
 
 ONE_GOMP = """

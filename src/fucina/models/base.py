@@ -1,24 +1,27 @@
 """The decoder contract every generic layer relies on, and the math families share.
 
-A family module (llama.py, qwen3.py, gemma3.py) defines `Config.from_gguf` and a
-`Model` meeting `Decoder`. Blocks read like the math; everything here is plain torch
-so it is also the reference the native kernels are checked against.
+A family module (llama.py, qwen3.py, gemma3.py) re-exports its torch-free schema
+(models/schema/<family>.py: `Config`, `Schema`, the tensor lists) and defines a `Model`
+meeting `Decoder`, built from the tensors `Schema.check` lists and checks. Blocks read
+like the math; everything here is plain torch so it is also the reference the native
+kernels are checked against.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
 from typing import Protocol, Sequence, runtime_checkable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fucina import kernels
-from fucina.errors import FucinaError, GGUFError, KVCacheError
-from fucina.gguf import GGUFFile, Zero, meta_float_opt, meta_int_opt
+from fucina.errors import FucinaError, KVCacheError
+from fucina.gguf import TensorInfo
 from fucina.models.cache import KVCache, KVMemory, WindowKV
+# the config reader and the tensor schemas are torch-free (models/schema/base.py): re-exported here
+from fucina.models.schema.base import (REQUIRED, BaseConfig, LayerSpec, Tensors, TensorSpec,  # noqa: F401
+                                       meta_field, tensor_dims)
 from fucina.weights import ExpertStack, LinearWeight
 
 Tokens = Sequence[int] | torch.Tensor
@@ -41,134 +44,29 @@ class Decoder(Protocol):
         """Cacheless: logits of the last position of `tokens`."""
 
 
-REQUIRED = object()   # a meta_field default: the key must be present
+def linear(t: TensorInfo | None) -> LinearWeight | None:
+    """A checked tensor (a `Tensors` entry) as a LinearWeight; None stays None."""
+    return LinearWeight.from_tensor(t) if t is not None else None
 
 
-def meta_field(key: str, default=REQUIRED, *, kind: type = int, zero_ok: bool = False, derive=None):
-    """A config field read from GGUF `<arch>.<key>`: absent (or zero, unless zero_ok) takes
-    `derive(values so far)` when given, else `default`; REQUIRED raises."""
-    return field(default=None if default is REQUIRED else default,
-                 metadata=dict(gguf=key, kind=kind, zero_ok=zero_ok, derive=derive, required=default is REQUIRED))
+def vector(t: TensorInfo | None) -> torch.Tensor | None:
+    """A checked vector tensor dequantized (f32, 1-d); None stays None."""
+    return LinearWeight.from_tensor(t).dequantize().reshape(-1) if t is not None else None
 
 
-def _read(meta: dict, arch: str, fl) -> object:
-    md = fl.metadata
-    key = f"{arch}.{md['gguf']}"
-    if md["kind"] is float:
-        v = meta_float_opt(meta, arch, md["gguf"])
-    else:
-        v = meta_int_opt(meta, arch, md["gguf"], Zero.ACCEPT if md["zero_ok"] else Zero.REJECT)
-        if v is None and key in meta and not isinstance(meta[key], (int, np.integer)):
-            raise GGUFError(f"metadata {key} = {meta[key]!r} is not an integer")
-    return v
-
-
-@dataclass
-class LayerSpec:
-    """What one layer is: its mixer and ffn kinds, its KV geometry, window, RoPE table."""
-    mixer: str = "attention"
-    ffn: str = "dense"
-    n_head: int = 0
-    n_head_kv: int = 0
-    head_dim: int = 0
-    v_dim: int = 0
-    window: int = 0        # 0: every position; > 0: sliding window (a WindowKV memory)
-    rope: int = 0          # which of the model's RoPE tables
-
-
-@dataclass
-class BaseConfig:
-    """Every family's config: fields declared once with their GGUF key and default, read
-    by one generic reader (`from_gguf`); a family adds fields the same way and derives
-    the rest in `finish`."""
-    arch: str = ""
-    n_embd: int = meta_field("embedding_length")
-    n_layer: int = meta_field("block_count")
-    n_head: int = meta_field("attention.head_count")
-    n_head_kv: int = meta_field("attention.head_count_kv", derive=lambda v: v["n_head"])
-    head_dim: int = meta_field("attention.key_length", derive=lambda v: v["n_embd"] // v["n_head"])
-    v_dim: int = meta_field("attention.value_length", derive=lambda v: v["head_dim"])
-    n_ff: int = meta_field("feed_forward_length")
-    n_ctx_train: int = meta_field("context_length", 4096)
-    rms_eps: float = meta_field("attention.layer_norm_rms_epsilon", kind=float)
-    rope_base: float = meta_field("rope.freq_base", 10000.0, kind=float)
-    n_rot: int = meta_field("rope.dimension_count", derive=lambda v: v["head_dim"])
-    n_vocab: int = meta_field("vocab_size", 0)
-    rope_scale: float = 1.0
-    layers: list[LayerSpec] = field(default_factory=list)
-
-    @classmethod
-    def from_gguf(cls, f: GGUFFile) -> "BaseConfig":
-        m, a = f.metadata, f.architecture
-        vals: dict = {"arch": a}
-        for fl in fields(cls):
-            if "gguf" not in fl.metadata:
-                continue
-            v = _read(m, a, fl)
-            if v is None and fl.metadata["derive"] is not None:
-                v = fl.metadata["derive"](vals)
-            if v is None and fl.metadata["required"]:
-                raise GGUFError(f"{f.path}: missing metadata key {a}.{fl.metadata['gguf']}")
-            vals[fl.name] = fl.default if v is None else v
-        c = cls(**vals)
-        c.finish(f)
-        if not c.layers:
-            c.layers = [c.layer_spec(i) for i in range(c.n_layer)]
-        return c
-
-    def finish(self, f: GGUFFile) -> None:
-        """Values that need more than one key (a family extends it)."""
-        if not self.n_vocab:
-            self.n_vocab = f.tensor("token_embd.weight").ne[1]
-        if f.metadata.get(f"{self.arch}.rope.scaling.type") == "linear":
-            self.rope_scale = 1.0 / (meta_float_opt(f.metadata, self.arch, "rope.scaling.factor") or 1.0)
-
-    def layer_spec(self, i: int) -> LayerSpec:
-        return LayerSpec(n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=self.head_dim,
-                         v_dim=self.v_dim)
-
-    def extra_dims(self) -> dict[str, int]:
-        """Named dims a family's schema adds (MoE: n_expert, n_ff_exp)."""
-        return {}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One per-layer tensor of a family's schema: `blk.{i}.<name>.weight` (or .bias) with
-    its shape as named dims (out, in) or (size,); loading and tests/synth.py both read it."""
-    name: str
-    shape: tuple[str, ...]
-    required: bool = True
-    role: str = "mat"          # "mat", "norm" (1 + noise in synth) or "bias"
-    suffix: str = "weight"
-
-    @property
-    def key(self) -> str:
-        return self.name if self.suffix == "weight" else f"{self.name}_{self.suffix}"
-
-    def gguf_name(self, i: int) -> str:
-        return f"blk.{i}.{self.name}.{self.suffix}"
-
-
-def tensor_dims(c: BaseConfig) -> dict[str, int]:
-    """The named dims a schema's shapes use."""
-    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    return dict(n_embd=c.n_embd, q_out=q, kv_out=kv, v_out=c.n_head_kv * c.v_dim, qkv_out=q + kv + c.n_head_kv * c.v_dim,
-                n_ff=c.n_ff, gu_out=2 * c.n_ff, head_dim=c.head_dim, **c.extra_dims())
-
-
-def load_layer_tensors(f: GGUFFile, i: int, schema: Sequence[TensorSpec], dims: dict[str, int]) -> dict:
-    """The schema's tensors of layer i (absent optional ones are None), shapes checked."""
+def layer_tensors(t: Tensors, i: int, schema: Sequence[TensorSpec]) -> dict:
+    """The schema's tensors of layer i from the checked table, by spec key: vectors
+    dequantized, expert stacks [n_expert, out, in] as ExpertStacks, matrices as
+    LinearWeights (absent optional ones are None)."""
     out = {}
-    for t in schema:
-        shape = tuple(dims[d] for d in t.shape)
-        if len(shape) == 1:
-            out[t.key] = load_vector(f, t.gguf_name(i), shape[0], t.required)
-        elif len(shape) == 3:   # an expert stack [n_expert, out, in]
-            out[t.key] = load_experts(f, t.gguf_name(i), shape, t.required)
+    for s in schema:
+        info = t[s.gguf_name(i)]
+        if info is None or len(s.shape) == 2:
+            out[s.key] = linear(info)
+        elif len(s.shape) == 1:
+            out[s.key] = vector(info)
         else:
-            w = load_linear(f, t.gguf_name(i), t.required)
-            out[t.key] = check_shape(w, *shape) if w is not None else None
+            out[s.key] = ExpertStack.from_tensor(info)
     return out
 
 
@@ -317,44 +215,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | R
         c.append(layer, k[r:r + 1], v[r:r + 1])
         out.append(attention(q[r:r + 1], c, layer, p, scale, window, softcap))
     return torch.cat(out)
-
-
-def find_tensor(f: GGUFFile, name: str, required: bool = True):
-    """The file's tensor `name`; None when absent and optional, a GGUFError when required."""
-    t = f.tensors.get(name)
-    if t is None and required:
-        raise GGUFError(f"{f.path}: missing tensor {name!r}")
-    return t
-
-
-def load_linear(f: GGUFFile, name: str, required: bool = True) -> LinearWeight | None:
-    t = find_tensor(f, name, required)
-    return LinearWeight.from_tensor(t) if t is not None else None
-
-
-def load_experts(f: GGUFFile, name: str, shape: tuple[int, ...], required: bool = True) -> ExpertStack | None:
-    t = find_tensor(f, name, required)
-    if t is None:
-        return None
-    if tuple(t.shape) != tuple(shape):
-        raise GGUFError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    return ExpertStack.from_tensor(t)
-
-
-def load_vector(f: GGUFFile, name: str, size: int, required: bool = True) -> torch.Tensor | None:
-    w = load_linear(f, name, required)
-    if w is None:
-        return None
-    v = w.dequantize().reshape(-1)
-    if v.numel() != size:
-        raise GGUFError(f"{f.path}: tensor {name!r} has {v.numel()} elements, expected {size}")
-    return v
-
-
-def check_shape(w: LinearWeight, out_f: int, in_f: int) -> LinearWeight:
-    if w.shape != (out_f, in_f):
-        raise GGUFError(f"tensor {w.name!r} has shape {w.shape}, expected {(out_f, in_f)}")
-    return w
 
 
 def as_ids(tokens: Tokens, n_vocab: int) -> torch.Tensor:

@@ -11,55 +11,26 @@ native plan. RoPE is GGML's NORM mode (adjacent pairs) unless the config says NE
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fucina import kernels
 from fucina.gguf import GGUFFile
-from fucina.models.base import (BaseConfig, DecoderBase, Rope, TensorSpec, attend, attn_scale, check_shape,
-                                load_layer_tensors, load_linear, load_vector, rms_norm, tensor_dims)
+from fucina.models.base import DecoderBase, Rope, Tensors, TensorSpec, attend, attn_scale, layer_tensors, linear, \
+    rms_norm, tensor_dims, vector
 from fucina.models.cache import KVCache
+# the config and tensor schema (torch-free: fucina.load() checks a file with them)
+from fucina.models.schema.llama import QK_NORMS, TENSORS, Config, Schema, T, norm, with_qk_norms  # noqa: F401
 from fucina.weights import LinearWeight
-
-
-@dataclass
-class Config(BaseConfig):
-    rope_neox: bool = False
-
-
-def T(name: str, *shape: str, required: bool = True, role: str = "mat", suffix: str = "weight") -> TensorSpec:
-    return TensorSpec(name, shape, required, role, suffix)
-
-
-def norm(name: str, size: str = "n_embd", required: bool = True) -> TensorSpec:
-    return T(name, size, required=required, role="norm")
-
-
-# the llama layer; other families start from it (qwen2 adds biases, phi3 fuses, gemma3 post-norms)
-TENSORS: tuple[TensorSpec, ...] = (
-    norm("attn_norm"),
-    T("attn_q", "q_out", "n_embd"), T("attn_k", "kv_out", "n_embd"), T("attn_v", "v_out", "n_embd"),
-    T("attn_output", "n_embd", "q_out"),
-    norm("ffn_norm"),
-    T("ffn_gate", "n_ff", "n_embd"), T("ffn_up", "n_ff", "n_embd"), T("ffn_down", "n_embd", "n_ff"),
-)
-QK_NORMS = (norm("attn_q_norm", "head_dim"), norm("attn_k_norm", "head_dim"))
-
-
-def with_qk_norms(schema: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    """The schema with per-head q/k norms after the attention output (the synth order)."""
-    at = [t.name for t in schema].index("attn_output") + 1
-    return schema[:at] + QK_NORMS + schema[at:]
 
 
 class Layer:
     """One layer's tensors, named as the schema says, in the shape the block uses:
     wqkv (fused) or wq/wk/wv, bqkv (fused bias) or None, w_gate_up (fused) or gate/up."""
 
-    def __init__(self, f: GGUFFile, i: int, c: Config, schema: tuple[TensorSpec, ...]):
-        t = load_layer_tensors(f, i, schema, tensor_dims(c))
+    def __init__(self, tensors: Tensors, i: int, c: Config, schema: tuple[TensorSpec, ...]):
+        f, t = tensors.f, layer_tensors(tensors, i, schema)
         self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
         self.q_norm, self.k_norm = t.get("attn_q_norm"), t.get("attn_k_norm")
         self.post_attn_norm, self.post_ffn_norm = t.get("post_attention_norm"), t.get("post_ffw_norm")
@@ -111,7 +82,7 @@ ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 class Model(DecoderBase):
     supports_batch = True
-    config_class = Config
+    schema = Schema         # the config and every tensor read, checked (models/schema/llama.py)
     tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
     layer_class = Layer     # what loads one layer's tensors (gemma4 adds its own, a MoE family its experts)
     act = "silu"            # the ffn's activation (ACTS)
@@ -119,21 +90,28 @@ class Model(DecoderBase):
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
 
     def __init__(self, f: GGUFFile, config: Config | None = None):
-        c = self.config = config or self.config_class.from_gguf(f)
-        self.tok_embd = check_shape(load_linear(f, "token_embd.weight"), c.n_vocab, c.n_embd)
-        self.output_norm = load_vector(f, "output_norm.weight", c.n_embd)
-        out = load_linear(f, "output.weight", required=False)
-        self.output = check_shape(out, c.n_vocab, c.n_embd) if out else self.tok_embd  # tied
-        self.layers = [self.layer_class(f, i, c, self.tensors) for i in range(c.n_layer)]
+        t = self.check_and_embed(f, config)
+        c = self.config
+        self.layers = [self.layer_class(t, i, c, self.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
-        freqs = self.rope_factors(f)
+        freqs = self.rope_factors(t)
         if freqs is not None:  # long-context factors divide the frequencies
             self.rope.inv_freq = self.rope.inv_freq / freqs.double()
         self.scale = attn_scale(c.head_dim)
         self.native_plan = self.build_plan()
 
-    def rope_factors(self, f: GGUFFile) -> torch.Tensor | None:
-        return load_vector(f, "rope_freqs.weight", self.config.n_rot // 2, required=False)
+    def check_and_embed(self, f: GGUFFile, config: Config | None) -> Tensors:
+        """load()'s check of `f` (the schema lists every tensor read below and in the
+        layers), then the embeddings and the head; returns the checked table."""
+        t = self.checked = self.schema.check(f, config)
+        self.config = t.config
+        self.tok_embd = linear(t["token_embd.weight"])
+        self.output_norm = vector(t["output_norm.weight"])
+        self.output = linear(t["output.weight"]) or self.tok_embd   # absent: tied
+        return t
+
+    def rope_factors(self, t: Tensors) -> torch.Tensor | None:
+        return vector(t["rope_freqs.weight"])
 
     # -- the block, as hooks ---------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -17,29 +17,16 @@ with llama.cpp's pre-scaling (`yarn_scales`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from fucina.errors import GGUFError
 from fucina.models.base import Ragged, Rope, rms_norm
 from fucina.models.cache import KVCache
-from fucina.weights import LinearWeight
+# the geometry and YaRN parameters are plain data (torch-free: deepseek2's config holds them)
+from fucina.models.schema.mla import MLAGeometry, YarnParams  # noqa: F401
 
 
 # -- YaRN ---------------------------------------------------------------------------
-
-@dataclass
-class YarnParams:
-    """What llama.cpp's context derives from the rope.scaling.* keys."""
-    freq_scale: float = 1.0     # 1 / rope.scaling.factor (1 when the type is "none")
-    ext_factor: float = 0.0     # 1 for YaRN, else 0
-    log_mul: float = 0.0        # rope.scaling.yarn_log_multiplier / 0.1 (deepseek2's converter fix)
-    attn_factor: float = 1.0    # rope.scaling.attn_factor
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    n_ctx_orig: int = 4096
-
 
 def _get_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
@@ -87,16 +74,6 @@ def yarn_rope(n_rot: int, base: float, y: YarnParams, attn_factor: float) -> Rop
 
 # -- the weights --------------------------------------------------------------------
 
-@dataclass
-class MLAGeometry:
-    n_head: int
-    q_lora: int      # 0: one attn_q
-    kv_lora: int     # the latent's width
-    nope: int        # per-head key dims without RoPE
-    rope: int        # the rope key's dims (shared by all heads)
-    v_dim: int       # per-head value dims
-
-
 def split_kv_b(kv_b: torch.Tensor, g: MLAGeometry) -> tuple[torch.Tensor, torch.Tensor]:
     """The older GGUFs' attn_kv_b [n_head * (nope + v), rank] (per head nope key rows then
     v value rows) as the split the newer ones store: k_b [n_head, rank, nope] (transposed,
@@ -110,30 +87,22 @@ class MLAWeights:
     """One layer's attention tensors. k_b/v_b are small (n_head x rank x head dims) and
     are read per head in batched matmuls, so they are kept dequantized (f32)."""
 
-    def __init__(self, t: dict, g: MLAGeometry, where: str):
+    def __init__(self, t: dict, g: MLAGeometry):
+        # the schema (models/schema/deepseek2.py) checked the shapes and that one q path
+        # and one k_b/v_b generation are complete
         self.g = g
         self.q_a, self.q_a_norm, self.q_b, self.q = t.get("attn_q_a"), t.get("attn_q_a_norm"), t.get("attn_q_b"), t.get("attn_q")
-        if (self.q is None) == (self.q_a is None or self.q_b is None or self.q_a_norm is None):
-            raise GGUFError(f"{where}: needs attn_q, or attn_q_a + attn_q_a_norm + attn_q_b")
         self.kv_a, self.kv_a_norm, self.wo = t["attn_kv_a_mqa"], t["attn_kv_a_norm"], t["attn_output"]
         if t.get("attn_k_b") is not None and t.get("attn_v_b") is not None:
-            self.k_b = _stack(t["attn_k_b"], g.n_head, g.kv_lora, g.nope, where)
-            self.v_b = _stack(t["attn_v_b"], g.n_head, g.v_dim, g.kv_lora, where)
-        elif t.get("attn_kv_b") is not None:
-            self.k_b, self.v_b = split_kv_b(t["attn_kv_b"].dequantize(), g)
+            self.k_b = t["attn_k_b"].dequantize().reshape(g.n_head, g.kv_lora, g.nope)
+            self.v_b = t["attn_v_b"].dequantize().reshape(g.n_head, g.v_dim, g.kv_lora)
         else:
-            raise GGUFError(f"{where}: needs attn_k_b + attn_v_b or attn_kv_b")
+            self.k_b, self.v_b = split_kv_b(t["attn_kv_b"].dequantize(), g)
 
     def query(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.q is not None:
             return self.q(x)
         return self.q_b(rms_norm(self.q_a(x), self.q_a_norm, eps))
-
-
-def _stack(w: LinearWeight, heads: int, rows: int, cols: int, where: str) -> torch.Tensor:
-    if w.shape != (heads * rows, cols):
-        raise GGUFError(f"{where}: {w.name} is {w.shape}, expected {heads} x [{rows}, {cols}]")
-    return w.dequantize().reshape(heads, rows, cols)
 
 
 # -- the mixer ----------------------------------------------------------------------

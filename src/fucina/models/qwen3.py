@@ -2,19 +2,11 @@
 projection is usually tied to the embeddings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fucina.models import llama
-
-
-@dataclass
-class Config(llama.Config):
-    rope_neox: bool = True
-
-
-TENSORS = llama.with_qk_norms(llama.TENSORS)
+# the config and tensor schema (torch-free: fucina.load() checks a file with them)
+from fucina.models.schema.qwen3 import TENSORS, Config, Schema  # noqa: F401
 
 
 class Model(llama.Model):
-    config_class = Config
+    schema = Schema
     tensors = TENSORS

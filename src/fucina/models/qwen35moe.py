@@ -8,41 +8,19 @@ ffn has no shared expert yet), the DeltaNet decode recurrence natively per layer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from fucina.gguf import GGUFFile
-from fucina.models import llama, moe, qwen3moe, qwen35
-from fucina.models.base import meta_field
-
-T = llama.T
-
-
-@dataclass
-class Config(qwen35.Config, qwen3moe.Config):
-    """qwen35's hybrid settings and qwen3moe's experts and routing (its finish checks them),
-    plus the shared expert's width."""
-    n_ff_shexp: int = meta_field("expert_shared_feed_forward_length", derive=lambda v: v["n_ff"])
-
-    def dims(self) -> dict[str, int]:
-        return dict(super().dims(), n_expert=self.n_expert, n_ff_exp=self.n_ff_exp, n_ff_sh=self.n_ff_shexp)
-
-
-# the router stays f32 (llama-quantize keeps ffn_gate_inp); the shared gate is one row [n_embd]
-MOE_FFN = (T("ffn_gate_inp", "n_expert", "n_embd", role="router"),
-           T("ffn_gate_exps", "n_expert", "n_ff_exp", "n_embd"), T("ffn_up_exps", "n_expert", "n_ff_exp", "n_embd"),
-           T("ffn_down_exps", "n_expert", "n_embd", "n_ff_exp"),
-           T("ffn_gate_inp_shexp", "n_embd", role="bias"),
-           T("ffn_gate_shexp", "n_ff_sh", "n_embd"), T("ffn_up_shexp", "n_ff_sh", "n_embd"),
-           T("ffn_down_shexp", "n_embd", "n_ff_sh"))
+from fucina.models import llama, moe, qwen35
+# the config and tensor schemas (torch-free: fucina.load() checks a file with them)
+from fucina.models.schema.qwen35moe import MOE_FFN, Config, Schema, layer_schema  # noqa: F401
 
 
 class Model(qwen35.Model):
-    config_class = Config
+    schema = Schema
     ffn_tensors = MOE_FFN
-    tensors = qwen35.layer_schema(False, MOE_FFN)
+    tensors = Schema.tensors
 
     def _load_ffn(self, f: GGUFFile, L) -> None:
         L.experts = moe.Experts(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
@@ -59,6 +37,3 @@ class Model(qwen35.Model):
     def build_plan(self) -> None:
         return None   # the native MoE ffn (csrc/generic/moe_impl.inc) has no shared expert yet
 
-
-def layer_schema(recurrent: bool, ffn=MOE_FFN):
-    return qwen35.layer_schema(recurrent, ffn)

@@ -7,62 +7,27 @@ the native step's is csrc/generic/moe_impl.inc; `--moe-ram` streams the stacks u
 budget (models/expert_store.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fucina.errors import GGUFError
-from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
-from fucina.models.base import LayerSpec, load_layer_tensors, meta_field, tensor_dims
-
-
-@dataclass
-class Config(llama.Config):
-    rope_neox: bool = True
-    n_expert: int = meta_field("expert_count")
-    n_expert_used: int = meta_field("expert_used_count")
-    n_ff_exp: int = meta_field("expert_feed_forward_length", derive=lambda v: v["n_ff"] // v["n_expert_used"])
-    routing: moe.Routing | None = None
-
-    def finish(self, f: GGUFFile) -> None:
-        super().finish(f)
-        if not 0 < self.n_expert_used <= self.n_expert:
-            raise GGUFError(f"{f.path}: {self.n_expert_used} experts used of {self.n_expert}")
-        self.routing = moe.Routing(self.n_expert, self.n_expert_used, norm=True)
-
-    def layer_spec(self, i: int) -> LayerSpec:
-        s = super().layer_spec(i)
-        s.ffn = "moe"
-        return s
-
-    def extra_dims(self) -> dict[str, int]:
-        return dict(n_expert=self.n_expert, n_ff_exp=self.n_ff_exp)
-
-
-MOE_TENSORS = (
-    llama.T("ffn_gate_inp", "n_expert", "n_embd", role="router"),
-    llama.T("ffn_gate_exps", "n_expert", "n_ff_exp", "n_embd"),
-    llama.T("ffn_up_exps", "n_expert", "n_ff_exp", "n_embd"),
-    llama.T("ffn_down_exps", "n_expert", "n_embd", "n_ff_exp"),
-)
-ATTENTION = tuple(t for t in llama.TENSORS if t.name == "ffn_norm" or not t.name.startswith("ffn_"))
-TENSORS = llama.with_qk_norms(ATTENTION) + MOE_TENSORS
+from fucina.models.base import Tensors, layer_tensors
+# the config and tensor schema (torch-free: fucina.load() checks a file with them)
+from fucina.models.schema.qwen3moe import ATTENTION, MOE_TENSORS, TENSORS, Config, Schema  # noqa: F401
 
 
 class Layer(llama.Layer):
     """The llama layer without a dense ffn, plus the router and the expert stacks."""
 
-    def __init__(self, f: GGUFFile, i: int, c: Config, schema):
+    def __init__(self, tensors: Tensors, i: int, c: Config, schema):
         names = {t.name for t in MOE_TENSORS}
-        super().__init__(f, i, c, tuple(t for t in schema if t.name not in names))
-        t = load_layer_tensors(f, i, [t for t in schema if t.name in names], tensor_dims(c))
+        super().__init__(tensors, i, c, tuple(t for t in schema if t.name not in names))
+        t = layer_tensors(tensors, i, [t for t in schema if t.name in names])
         self.router = t["ffn_gate_inp"]
         self.experts = moe.Experts(t["ffn_gate_exps"], t["ffn_up_exps"], t["ffn_down_exps"])
 
 
 class Model(llama.Model):
-    config_class = Config
+    schema = Schema
     tensors = TENSORS
     layer_class = Layer
 

@@ -1,7 +1,9 @@
-"""One registry: `general.architecture` -> the family module that implements it.
+"""One registry: `general.architecture` -> the family module that implements it, and its
+torch-free schema (`fucina.models.schema.<family>`: config and tensors).
 
-Torch-free: `fucina.load()` checks the architecture and reads the context length here
-without importing a family module (each imports torch); the decoder is built later."""
+Torch-free: `fucina.load()` checks the architecture, the family's config and every tensor
+the decoder will read here (`check`) without importing a family module (each imports
+torch); the decoder is built later, from the same schema."""
 from __future__ import annotations
 
 import importlib
@@ -40,6 +42,19 @@ def family(arch: str):
     return importlib.import_module(family_module(arch))
 
 
+def schema_module(arch: str) -> str:
+    """The module name of `arch`'s torch-free schema (not imported)."""
+    return "fucina.models.schema." + family_module(arch).rsplit(".", 1)[1]
+
+
+def check(f: GGUFFile):
+    """`f` checked against its family's schema, without torch: the config (required
+    metadata, consistency), then every tensor the decoder reads (present, shaped as the
+    config says). Returns the checked `schema.base.Tensors` (with `.config`); raises the
+    GGUFError the decoder build would."""
+    return importlib.import_module(schema_module(f.architecture)).Schema.check(f)
+
+
 def context_length(f: GGUFFile) -> int:
     """The trained context (`<arch>.context_length`) as every family's config reads it:
     absent, zero or negative -> 4096; a value that is not an integer is a GGUFError."""
@@ -50,9 +65,10 @@ def context_length(f: GGUFFile) -> int:
     return 4096 if v is None else v
 
 
-def load_model(path_or_file: str | os.PathLike | GGUFFile):
-    """Open a GGUF and build its family's Model (weights stay in the mmap)."""
+def load_model(path_or_file: str | os.PathLike | GGUFFile, config=None):
+    """Open a GGUF and build its family's Model (weights stay in the mmap); `config`: the
+    one `check(f)` parsed (the build then re-checks only the tensors)."""
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
-    model = family(f.architecture).Model(f)
+    model = family(f.architecture).Model(f, config)
     model.gguf = f
     return model

@@ -94,10 +94,11 @@ class LLM:
 
     def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
                  n_ctx: int | None = None, cache_type: str = "f16",
-                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None):
+                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None):
         if (model is None) == (build is None):
             raise InvalidArgument("LLM takes a built model or a build function (with gguf), not both or neither")
         self._model, self._build, self._build_lock = model, build, threading.Lock()
+        self._config = config       # the checked config the build will use (fucina.load())
         self.gguf = gguf if gguf is not None else getattr(model, "gguf", None)
         self.tokenizer = tokenizer
         meta = self.metadata
@@ -152,16 +153,15 @@ class LLM:
         self._sampling = cfg
 
     def _context_length(self) -> int:
-        if self._model is None:
+        if self._model is None and self._config is None:
             from fucina.models.registry import context_length
             return context_length(self.gguf)
-        return self._model.config.n_ctx_train
+        return self.config.n_ctx_train
 
     @property
     def config(self):
-        """The family's config (it builds the decoder: the config classes live with the
-        family modules, which import torch)."""
-        return self.model.config
+        """The family's config: the one load() checked (no build, no torch), else the decoder's."""
+        return self._config if self._model is None and self._config is not None else self.model.config
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
@@ -304,22 +304,23 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     or lru), with the same output.
 
     Computes nothing: the file is parsed and checked (structure, tensor data in bounds, a
-    supported architecture), the tokenizer and template are built, and the decoder (torch,
-    the family's config and tensor schema checks, weight fusing) is built on the first
-    compute. With `lora` or `moe_ram` it is built here: both are checked against it."""
+    supported architecture, the family's config and every tensor's presence and shape, from
+    the torch-free schemas in models/schema/), the tokenizer and template are built, and the
+    decoder (torch, weight fusing) is built on the first compute. With `lora` or `moe_ram`
+    it is built here: both are checked against it."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
-    from fucina.models.registry import family_module
+    from fucina.models.registry import check
     from fucina.text.tokenizer import Tokenizer
 
     f = GGUFFile(resolve_model(path))
-    family_module(f.architecture)            # UnsupportedArchitecture now, not at the first token
+    config = check(f).config    # the family's config and tensor schema (torch-free): a broken file fails here
 
     def build():
         from fucina.models.registry import load_model
 
         with one_thread():
-            model = load_model(f)
+            model = load_model(f, config)
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
@@ -329,7 +330,8 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
             load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
         return model
 
-    llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f)
+    llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
+              config=config)
     if lora or moe_ram is not None:
         llm.model
     return llm
