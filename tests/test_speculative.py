@@ -154,14 +154,14 @@ def test_cost_gate_rescales_by_measured_times():
     g.record(4, 0.500)                     # the first pass of a shape is warm-up: not timed
     for _ in range(4):
         g.record(0, 0.010)
-        g.record(4, 0.025)
-    assert g.cost(4) == pytest.approx(2.5)
-    # a shape not timed yet: the table's extra-row cost (0.2 at k = 2) scaled as the
-    # nearest timed shape's (k = 4: 1.5 measured over 0.5 in the table)
-    assert g.cost(2) == pytest.approx(1 + 0.2 * 3)
+        g.record(4, 0.0175)                # 1.75 steps where the table says 1.5
+    assert g.cost(4) == pytest.approx(1.75)
+    # every length follows one factor on the table's extra-row cost (0.75 / 0.5 here)
+    assert g.cost(2) == pytest.approx(1 + 1.5 * (table_cost(DEFAULT_COST_TABLE, 2) - 1))
     for _ in range(4):
-        g.record(8, 0.500)                 # a noisy outlier is clamped to 2x the table
-    assert g.cost(8) == pytest.approx(2 * table_cost(DEFAULT_COST_TABLE, 8))
+        g.record(8, 0.500)                 # a noisy outlier: the factor is clamped at 2
+    assert g.cost(8) == pytest.approx(1 + 2 * (table_cost(DEFAULT_COST_TABLE, 8) - 1))
+    assert all(g.cost(k) <= g.cost(k + 1) for k in range(1, 16))   # more rows never cost less
 
 
 def test_streams_on_one_model_share_their_measured_costs():
@@ -175,9 +175,9 @@ def test_streams_on_one_model_share_their_measured_costs():
     assert b.cost(4) == table_cost(DEFAULT_COST_TABLE, 4)
     for _ in range(TIMED_AFTER):                 # stream a times its passes ...
         a.record(0, 0.010)
-        a.record(4, 0.030)
+        a.record(4, 0.0175)
     b.bind(shared_costs(model))                  # ... a later stream on the model starts from them
-    assert b.cost(4) == pytest.approx(3.0) == a.cost(4)
+    assert b.cost(4) == pytest.approx(1.75) == a.cost(4)
     c = CostGate()
     c.bind(shared_costs(other))                  # another model: its own
     assert c.cost(4) == table_cost(DEFAULT_COST_TABLE, 4)
@@ -539,20 +539,25 @@ def test_a_bucket_probe_that_fails_waits_twice_as_long():
 def test_timings_reach_the_memoized_budget():
     from fucina.text.speculative.gate import BUDGET_REFRESH, TIMED_AFTER
 
+    def timed(g, factor, n):                     # verify rows at `factor` x the table's extra cost
+        for _ in range(n):
+            g.record(0, 1.0)
+            for k in range(1, 9):
+                g.record(k, 1 + factor * (table_cost(DEFAULT_COST_TABLE, k) - 1))
+
     g = CostGate(max_draft=8)
     for _ in range(8):
-        g.settle(4, 2, 3, 3)                     # 50% acceptance after 8-15-token matches
-    assert g.budget(0, 3) >= 2
-    for _ in range(TIMED_AFTER):                 # measured: verify rows cost 3x the table (read as 2x: the clamp)
-        g.record(0, 1.0)
-        for k in range(1, 9):
-            g.record(k, 3.0 * table_cost(DEFAULT_COST_TABLE, k))
-    assert g.budget(0, 3) == 0                   # seen from the first timed samples on
-    for n in range(TIMED_AFTER, BUDGET_REFRESH):  # then the memo is refreshed every BUDGET_REFRESH
-        g.record(0, 1.0)
-        for k in range(1, 9):
-            g.record(k, 1.0)
-    assert g.budget(0, 3) >= 2
+        g.settle(4, 3, 4, 3)                     # 75% acceptance after 8-15-token matches
+    assert g.budget(0, 3) == 4
+    timed(g, 0.5, TIMED_AFTER)                   # rows half as dear: seen from the first timed samples on
+    assert g.scale() == pytest.approx(0.5) and g.budget(0, 3) == 5
+    timed(g, 6.0, BUDGET_REFRESH - TIMED_AFTER)  # then the memo is refreshed every BUDGET_REFRESH
+    assert g.scale() == 2.0                      # clamped
+    assert g.cost(4) == pytest.approx(2.0) and g.budget_cost(4) == table_cost(DEFAULT_COST_TABLE, 4)
+    assert g.budget(0, 3) == 4                   # dearer rows never lengthen nor shorten the budget ...
+    for _ in range(3):
+        g.settle(4, 0, 1, 3)                     # ... but the on/off estimate reads them
+    assert g.window[-1][3] == pytest.approx(2.0)
 
 
 def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
