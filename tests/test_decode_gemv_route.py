@@ -8,6 +8,7 @@ import pytest
 
 import fucina.kernels as K
 from fucina.gguf import GGMLType as T
+from test_batch_invariance import canonical_route  # noqa: F401  (autouse: the canonical route)
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
@@ -36,3 +37,27 @@ def test_decode_gemv_reach(name):
     finally:
         K.set_isa(before)
     assert got == {qt: REACH[name].get(qt, 0) for qt in FORMATS}
+
+
+@pytest.mark.parametrize("qt", NIBBLE + KQ + (T.IQ4_NL, T.Q8_0), ids=lambda t: t.name)
+def test_one_block_rows_equal_rows_alone_and_scalar(qt, isa):
+    """The smallest rows the GEMV takes: one block (one superblock), 1 and 9 weight rows (a
+    partial tile, a full one and one row past it): 1..8 activation rows == each alone ==
+    the scalar unit."""
+    import numpy as np
+    import torch
+    from test_kernels import rand_weight
+
+    k = 256 if qt in KQ else 32
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    for n in (1, 9):
+        raw = torch.from_numpy(rand_weight(qt, n, k, np.random.default_rng(300 + n)))
+        alone = torch.cat([K.matmul(raw, qt, n, k, x[i:i + 1]) for i in range(8)])
+        K.set_isa("scalar")
+        try:
+            ref = K.matmul(raw, qt, n, k, x)
+        finally:
+            K.set_isa(isa)
+        for m in range(1, 9):
+            got = K.matmul(raw, qt, n, k, x[:m])
+            assert torch.equal(got, alone[:m]) and torch.equal(got, ref[:m]), f"{qt.name} n={n} m={m} on {isa}"
