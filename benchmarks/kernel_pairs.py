@@ -8,7 +8,8 @@ process CPU time per call at one thread, median over rounds.
 
 The last column is the second side's time over the first's (new / base, canon / legacy).
 --rows 1,5,8 times each distinct weight of the table at those m instead (the decode
-GEMV's reach is 1-8 rows); --weights Q4_1,Q8_0 keeps those formats. `builds` loads both
+GEMV's reach is 1-8 rows); --weights Q4_1,Q8_0 keeps those formats; --shapes
+Q8_0:65536x640,Q4_1:49152x576 times those weights instead (fewer calls a round for big ones). `builds` loads both
 extension files side by side (one shared libgomp) and checks that they return the same bits
 (so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
 """
@@ -67,12 +68,15 @@ def main() -> None:
     ap.add_argument("--cases", choices=["default", "prefill"], default="default")
     ap.add_argument("--rows", help="comma-separated m for every distinct weight (default: the table's)")
     ap.add_argument("--weights", help="comma-separated formats to keep (default: all)")
+    ap.add_argument("--shapes", help="comma-separated FORMAT:NxK weights instead of the table's (with --rows)")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
     names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
     if args.mode == "isas" and len(names) != 2:
         ap.error("isas: name two levels with --isa A --isa B")
     cases = PREFILL if args.cases == "prefill" else CASES
+    if args.shapes:
+        cases = [(f, *map(int, nk.split("x")), 1) for f, nk in (sh.split(":") for sh in args.shapes.split(","))]
     if args.rows:
         shapes = dict.fromkeys((f, n, k) for f, n, k, _ in cases)
         cases = [(f, n, k, int(m)) for f, n, k in shapes for m in args.rows.split(",")]
@@ -101,7 +105,10 @@ def main() -> None:
                     mod.set_prefill(route)
                     mod.matmul(int(qt), raw.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
                 return call
-            ta, tb = paired(side(0), side(1), 200 if m == 1 else (60 if m <= 8 else 6), args.rounds)
+            reps = 200 if m == 1 else (60 if m <= 8 else 6)
+            if args.shapes:  # about 0.2 GB of weights read per side and round
+                reps = max(2, min(reps, int(2e8 / raw.numel())))
+            ta, tb = paired(side(0), side(1), reps, args.rounds)
             if args.mode != "routes":
                 assert torch.equal(ys[0], ys[1]), f"{f} m={m}: the two sides' bits differ"
             print(f"| {isa} | {f} {n}x{k} | {m} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | {tb / ta:.3f} |", flush=True)

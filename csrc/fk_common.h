@@ -84,6 +84,8 @@ typedef struct {
     /* every layer of the plan over m rows (generic/step_impl.inc); its matmuls go through
      * a->matmul, which module.cpp sets to this table's */
     void (*step)(fk_step_args *a);
+    /* test probe: the most activation rows (0..8) the canonical decode GEMV takes for a format */
+    int (*gemv_rows)(int qtype);
 } fk_isa;
 
 #ifdef __cplusplus
@@ -101,7 +103,7 @@ extern const fk_isa fk_isa_avx512;
 #define FK_ISA_TABLE(level)                                                                                  \
     extern "C" const fk_isa fk_isa_##level = {#level, fk_##level##_ns::fk_matmul, fk_##level##_ns::fk_act_roundtrip, \
                                               fk_##level##_ns::fk_dequant_row, fk_##level##_ns::attn::fk_attn_decode_impl, \
-                                              fk_##level##_ns::attn::fk_step_impl};
+                                              fk_##level##_ns::attn::fk_step_impl, fk_##level##_ns::fk_gemv_rows};
 
 /* f16 -> f32 without F16C (scalar units) */
 static inline float fk_h2f_portable(uint16_t h) {

@@ -605,6 +605,13 @@ static PyObject *py_get_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(g_isa->name);
 }
 
+static PyObject *py_gemv_rows(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long qt = PyLong_AsLong(arg);
+    if (qt == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(g_isa->gemv_rows ? g_isa->gemv_rows((int)qt) : 0);
+}
+
 static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     PyObject *l = PyList_New(0);
@@ -648,6 +655,7 @@ static PyMethodDef methods[] = {
     {"get_prefill", py_get_prefill, METH_NOARGS, ""},
     {"prefill_min_m", py_prefill_min_m, METH_NOARGS, ""},
     {"supported_isas", py_supported_isas, METH_NOARGS, ""},
+    {"gemv_rows", py_gemv_rows, METH_O, "route probe: the most rows the current ISA's canonical decode GEMV takes for a GGML type"},
     {"omp_max_threads", py_omp_max_threads, METH_NOARGS, ""},
     {NULL, NULL, 0, NULL},
 };
