@@ -11,6 +11,7 @@ from fucina.text.sampler import Sampler, SamplingConfig
 from fucina.text.speculative import (DEFAULT_COST_TABLE, CostGate, DraftSource, SamIndex, Speculation,
                                      SpeculationIndex, SpeculativeDecoder, TokenRecycling, batch_invariant,
                                      table_cost)
+from fucina.text.speculative.gate import default_cost_table as isa_cost_table
 from fucina.text.speculative.sam import Cursor, SpeculationError, frozen_index
 from test_chat_support import FakeTokenizer, tiny_llama
 
@@ -127,6 +128,27 @@ def test_sync_rebuilds_after_a_rewind():
 
 
 # -- the cost gate ---------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def avx512_cost_table(monkeypatch):
+    """The gate's unit cases price on AVX-512's table whatever ISA the host runs (an
+    AVX2-only machine's default table is AVX2's)."""
+    from fucina.text.speculative import gate as gate_mod
+    monkeypatch.setattr(gate_mod, "default_cost_table", lambda: DEFAULT_COST_TABLE)
+
+
+def test_the_default_cost_table_is_the_running_isas():
+    from fucina import kernels
+    from fucina.text.speculative.gate import COST_TABLES
+
+    before = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            assert isa_cost_table() == COST_TABLES.get(isa, DEFAULT_COST_TABLE)
+    finally:
+        kernels.set_isa(before)
+    assert COST_TABLES["avx2"][4][1] > COST_TABLES["avx2vnni"][4][1] > DEFAULT_COST_TABLE[4][1]
 
 def test_cost_gate_switches_off_reprobes_with_backoff_and_recovers():
     g = CostGate(max_draft=8, reprobe_after=4, reprobe_max=16, probe_steps=2, timed=False)

@@ -127,9 +127,9 @@ def test_a_failing_pass_rewinds_the_speculative_stream(synth_llm, monkeypatch):
 
 
 def test_the_draft_budget_weighs_the_rows_a_shared_pass_already_carries():
-    from fucina.text.speculative import CostGate
+    from fucina.text.speculative import DEFAULT_COST_TABLE, CostGate
 
-    g = CostGate(max_draft=16, timed=False)
+    g = CostGate(max_draft=16, timed=False, cost_table=DEFAULT_COST_TABLE)   # AVX-512's rows, on any host
     assert g.budget(0) == g.budget()                 # alone: the solo budget
     for _ in range(4):
         g.settle(4, 2, 3)                            # 50% acceptance
@@ -141,10 +141,10 @@ def test_the_draft_budget_weighs_the_rows_a_shared_pass_already_carries():
 
 
 def test_a_bucket_probe_beside_other_streams_stays_cheap():
-    from fucina.text.speculative import CostGate
+    from fucina.text.speculative import DEFAULT_COST_TABLE, CostGate
     from fucina.text.speculative.gate import BUCKET_PROBE, SHARED_PROBE_EXTRA, match_bucket
 
-    g = CostGate(max_draft=16, timed=False)
+    g = CostGate(max_draft=16, timed=False, cost_table=DEFAULT_COST_TABLE)   # AVX-512's rows, on any host
     short = match_bucket(1)
     for _ in range(6):
         g.settle(2, 0, 1, short)                     # the chain never pays: skipped

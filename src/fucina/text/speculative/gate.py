@@ -22,15 +22,30 @@ from fucina.errors import FucinaError
 
 # (draft tokens k, cost of a verify of 1 + k rows in plain steps): measured on the
 # batch-invariant native kernels with SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M on this
-# project's Zen 5 box (AVX-512; median of 9 paired, process CPU time, 1 thread, two runs
-# per model on a shared box: benchmarks/speculative.py --costs), the mean of the two models.
-# Up to 8 rows share one pass over the weights (the m <= 8 decode GEMV); from 9 rows the
-# panel (GEMM) route costs a step more, then grows slowly. On AVX2 the 4-bit formats take
-# the panel route from 5 rows and the K-quants from 3 (there 5-8 rows cost the old
-# ~2.3-2.9). Interpolated between points, extrapolated past the last.
+# project's Zen 5 box (median of 9 paired, process CPU time, 1 thread, two runs per model
+# on a shared box: benchmarks/speculative.py --costs), the mean of the two models, per
+# ISA level. Up to 8 rows share one pass over the weights (the m <= 8 decode GEMV); from
+# 9 rows the panel (GEMM) route costs a step more, then grows slowly. AVX2's rows cost
+# more (its integer dots bound every layout: ~0.3-0.45 of a step an extra row, and the
+# K-quants take the panel route from 3 rows without VNNI). Interpolated between points,
+# extrapolated past the last.
 DEFAULT_COST_TABLE: tuple[tuple[int, float], ...] = (
     (0, 1.0), (1, 1.05), (2, 1.2), (3, 1.4), (4, 1.5), (5, 1.65), (6, 1.85), (7, 1.95), (8, 3.15), (12, 3.85),
     (16, 4.5))
+COST_TABLES: dict[str, tuple[tuple[int, float], ...]] = {
+    "avx512": DEFAULT_COST_TABLE,
+    "avx2vnni": ((0, 1.0), (1, 1.12), (2, 1.3), (3, 1.53), (4, 1.77), (5, 2.0), (6, 2.29), (7, 2.44), (8, 3.52),
+                 (12, 4.37), (16, 5.17)),
+    "avx2": ((0, 1.0), (1, 1.17), (2, 1.47), (3, 1.75), (4, 2.02), (5, 2.26), (6, 2.48), (7, 2.74), (8, 4.05),
+             (12, 5.03), (16, 6.12)),
+}
+
+
+def default_cost_table() -> tuple[tuple[int, float], ...]:
+    """The cost table of the ISA level the kernels run with now (AVX-512's elsewhere:
+    the timings rescale it)."""
+    from fucina import kernels
+    return COST_TABLES.get(kernels.isa(), DEFAULT_COST_TABLE)
 
 
 # a draft's acceptance depends on the evidence behind it: the exact match it follows.
@@ -137,7 +152,9 @@ class CostGate:
     def __init__(self, *, max_draft: int = 16, min_draft: int = 2, rate_window: int = 16,
                  min_window_drafted: int = 4, min_speedup: float = 1.0, probe_margin: float = 0.10,
                  reprobe_after: int = 128, reprobe_max: int = 1024, probe_steps: int = 4,
-                 cost_table=DEFAULT_COST_TABLE, adapt_budget: bool = True, timed: bool = True):
+                 cost_table=None, adapt_budget: bool = True, timed: bool = True):
+        if cost_table is None:
+            cost_table = default_cost_table()
         if rate_window < 2 or probe_steps < 1 or reprobe_after < 1 or not cost_table:
             raise FucinaError("cost gate: rate_window >= 2, probe_steps >= 1, reprobe_after >= 1 "
                               "and a non-empty cost table are required")
