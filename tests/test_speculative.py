@@ -585,7 +585,7 @@ def test_timings_reach_the_memoized_budget():
 def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
     from fucina.text.speculative.cascade import RECYCLING_DECIDE_AFTER
 
-    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1, short_matches=False)
+    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1)
     index.observe([1, 2])
     for i in range(RECYCLING_DECIDE_AFTER):
         assert not index.rec_gate.muted()
@@ -599,7 +599,7 @@ def test_the_recycling_chain_is_muted_after_a_few_losing_drafts():
 def test_a_one_token_match_drafts_on_its_own_gate_before_the_recycling_chain():
     from fucina.text.speculative.cascade import RECYCLING_DECIDE_AFTER
 
-    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1)
+    index = SpeculationIndex(64, mute_commits=10, accounting_min_draft=1, short_matches=True)
     index.observe([5, 6, 7, 8, 9])
     index.observe([5])                           # "5" seen before: what followed it drafts
     assert index.conv.match_len() == 1
