@@ -58,8 +58,8 @@ class Model(llama.Model):
     schema = Schema
     tensors = TENSORS
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        t = self.check_and_embed(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        t = self.check_and_embed(f, checked)
         c = self.config
         self.layers = [Layer(t, i, c) for i in range(c.n_layer)]
         self.routing = Routing(c.n_expert, c.n_expert_used, GATING[c.gating_func], c.expert_weights_norm,

@@ -10,7 +10,7 @@ import math
 
 from fucina.gguf import GGUFFile
 from fucina.models import llama
-from fucina.models.base import Rope
+from fucina.models.base import Rope, Tensors
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.gemma3 import TENSORS, Config, Schema  # noqa: F401
 
@@ -20,8 +20,8 @@ class Model(llama.Model):
     tensors = TENSORS
     act = "gelu_tanh"
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        super().__init__(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        super().__init__(f, checked)
         c = self.config
         self.rope_global = self.rope   # NEOX at the global base
         self.rope_local = Rope(c.n_rot, c.rope_base_swa, True)

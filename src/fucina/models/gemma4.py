@@ -104,8 +104,8 @@ class Model(llama.Model):
     layer_class = Layer
     act = "gelu_tanh"
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        super().__init__(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        super().__init__(f, checked)
         c, t = self.config, self.checked
         self.rope_local = Rope(c.n_rot_swa, c.rope_base_swa, True)
         self.embed_scale = math.sqrt(c.n_embd)

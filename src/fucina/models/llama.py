@@ -89,8 +89,8 @@ class Model(DecoderBase):
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        t = self.check_and_embed(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        t = self.check_and_embed(f, checked)
         c = self.config
         self.layers = [self.layer_class(t, i, c, self.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
@@ -100,10 +100,11 @@ class Model(DecoderBase):
         self.scale = attn_scale(c.head_dim)
         self.native_plan = self.build_plan()
 
-    def check_and_embed(self, f: GGUFFile, config: Config | None) -> Tensors:
+    def check_and_embed(self, f: GGUFFile, checked: Tensors | None) -> Tensors:
         """load()'s check of `f` (the schema lists every tensor read below and in the
-        layers), then the embeddings and the head; returns the checked table."""
-        t = self.checked = self.schema.check(f, config)
+        layers; `checked`: the table load() already made), then the embeddings and the
+        head; returns the checked table."""
+        t = self.checked = checked if checked is not None else self.schema.check(f)
         self.config = t.config
         self.tok_embd = linear(t["token_embd.weight"])
         self.output_norm = vector(t["output_norm.weight"])

@@ -18,8 +18,8 @@ class Model(llama.Model):
     schema = Schema
     tensors = TENSORS
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        super().__init__(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        super().__init__(f, checked)
         c = self.config
         self.rope.mscale = c.rope_attn_factor
         self.rope_long = None

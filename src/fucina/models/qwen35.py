@@ -66,8 +66,8 @@ class Model(llama.Model):
     state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
     ffn_tensors = DENSE_FFN      # qwen35moe: the routed and shared experts
 
-    def __init__(self, f: GGUFFile, config: Config | None = None):
-        t = self.check_and_embed(f, config)
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        t = self.check_and_embed(f, checked)
         c = self.config
         dims = c.dims()
         self.layers = [self._layer(t, i, dims) for i in range(c.n_layer)]

@@ -65,10 +65,10 @@ def context_length(f: GGUFFile) -> int:
     return 4096 if v is None else v
 
 
-def load_model(path_or_file: str | os.PathLike | GGUFFile, config=None):
-    """Open a GGUF and build its family's Model (weights stay in the mmap); `config`: the
-    one `check(f)` parsed (the build then re-checks only the tensors)."""
+def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None):
+    """Open a GGUF and build its family's Model (weights stay in the mmap); `checked`: the
+    table `check(f)` returned for this file (the build then checks nothing again)."""
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
-    model = family(f.architecture).Model(f, config)
+    model = family(f.architecture).Model(f, checked)
     model.gguf = f
     return model

@@ -314,13 +314,13 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     from fucina.text.tokenizer import Tokenizer
 
     f = GGUFFile(resolve_model(path))
-    config = check(f).config    # the family's config and tensor schema (torch-free): a broken file fails here
+    checked = check(f)          # the family's config and tensor schema (torch-free): a broken file fails here
 
     def build():
         from fucina.models.registry import load_model
 
         with one_thread():
-            model = load_model(f, config)
+            model = load_model(f, checked)
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
@@ -331,7 +331,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         return model
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
-              config=config)
+              config=checked.config)
     if lora or moe_ram is not None:
         llm.model
     return llm
