@@ -69,8 +69,9 @@ def match_bucket(match: int) -> int:
 # plus ~0.03-0.12 steps a cache, so the table prices the draft rows' extra right) and
 # replayed on the 4-request server runs (every pass's shape priced by the measured
 # tables): margin 0.3 left speculation nearly off (est. 1.00-1.16x), 0.1 gave 1.02-1.19x
-# (SmolLM2 default mix, a copy-heavy one, Gemma-3) and 1.00 where every stream but one is free-form; 0.0 lost
-# there (0.99). A pass is kept within the rows the cost table measured (1 + 16).
+# (SmolLM2 default mix, a copy-heavy one, Gemma-3) and 1.00 where every stream but one
+# is free-form; 0.0 lost there (0.99). A pass is kept within the rows the cost table
+# measured (1 + 16).
 SHARED_MARGIN = 0.10
 SHARED_MAX_ROWS = 17
 # a bucket's re-probe in a shared pass may add at most this much to the pass (in steps):
@@ -168,8 +169,8 @@ class CostGate:
         self.adapt_budget, self.timed = adapt_budget, timed
         self.window: deque[tuple[int, int, int, float]] = deque()  # (drafted, accepted, committed, cost)
         self.costs = CostModel()      # this gate's own until bind() shares one
-        self._costs_seen = 0          # the CostModel version the memoized budgets were made with
-        self._scale, self._scale_seen = 1.0, -1
+        self._costs_seen = 0          # the CostModel version the scale and memoized budgets were made with
+        self._scale = 1.0
         self.on = True
         self.off_for = 0              # plain steps left before the next probe
         self.backoff = reprobe_after
@@ -188,19 +189,14 @@ class CostGate:
         """Read (and record) timings in `costs`, shared with other streams on the model."""
         if costs is not self.costs:
             self.costs = costs
-            self._budgets.clear()
-            self._costs_seen = costs.version
-            self._scale_seen = -1
+            self._costs_seen = -1      # refit at the next read
 
     def cost(self, k: int) -> float:
         """A verify of 1 + k rows in plain steps as measured: the table's extra-row cost
         times one factor fitted to every timed draft length (per-length EWMAs drifted
         apart in the real loop: SmolLM2 after five chats read k = 3 at 2.2 steps, k = 4 at
         1.8). The on/off decision and the speedup estimate use it."""
-        prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
-        if not self.timed or k == 0:
-            return prior
-        return max(1.0 + (prior - 1.0) * self.scale(), 1.0 + MIN_ROW_COST * k)
+        return self._scaled(k, lambda s: s)
 
     def budget_cost(self, k: int) -> float:
         """The cost the draft budget is solved with: the table's, lowered where the
@@ -212,28 +208,36 @@ class CostGate:
         thread: summary 1.60 vs 1.72, edit 1.22 vs 1.28, copy 2.13 vs 2.29). The gate's
         on/off decision keeps the measured costs, so a machine where rows cost more
         than the table still turns speculation off when it stops paying."""
+        return self._scaled(k, lambda s: min(s, 1.0))
+
+    def _scaled(self, k: int, factor) -> float:
         prior = self._prior[k] if k < len(self._prior) else table_cost(self.table, k)
         if not self.timed or k == 0:
             return prior
-        return max(1.0 + (prior - 1.0) * min(self.scale(), 1.0), 1.0 + MIN_ROW_COST * k)
+        return max(1.0 + (prior - 1.0) * factor(self.scale()), 1.0 + MIN_ROW_COST * k)
 
     def scale(self) -> float:
         """Measured over tabled extra-row cost, summed over the timed draft lengths
         (samples capped at 16 a length, so one common shape does not decide alone; a
         ratio of sums, so k = 1's small and noisy extra weighs little), clamped to
         [0.5, 2]: one noisy timing cannot swing it. 1.0 until timed."""
-        v = self.costs.version
-        if self._scale_seen != v:
-            num = den = 0.0
-            for k in self.costs.timed():
-                p = table_cost(self.table, k) - 1.0
-                if p > 0:
-                    w = min(self.costs.samples[k], BUDGET_REFRESH)
-                    num += w * (self.costs.ratio(k) - 1.0)
-                    den += w * p
-            self._scale = min(max(num / den, 0.5), 2.0) if den else 1.0
-            self._scale_seen = v
+        self._sync_costs()
         return self._scale
+
+    def _sync_costs(self) -> None:
+        """After the CostModel moved: the scale refitted, the memoized budgets dropped."""
+        if self._costs_seen == self.costs.version:
+            return
+        self._costs_seen = self.costs.version
+        self._budgets.clear()
+        num = den = 0.0
+        for k in self.costs.timed():
+            p = table_cost(self.table, k) - 1.0
+            if p > 0:
+                w = min(self.costs.samples[k], BUDGET_REFRESH)
+                num += w * (self.costs.ratio(k) - 1.0)
+                den += w * p
+        self._scale = min(max(num / den, 0.5), 2.0) if den else 1.0
 
     def record(self, k: int, seconds: float) -> None:
         """The forward time of a pass with k draft tokens (k = 0: a plain step). The
@@ -310,9 +314,7 @@ class CostGate:
         shared pass: the best k >= min_draft (the on/off decision is the gate's)."""
         if not self.adapt_budget and not shared and bucket is None:
             return self.max_draft
-        if self._costs_seen != self.costs.version:
-            self._costs_seen = self.costs.version
-            self._budgets.clear()
+        self._sync_costs()
         key = (shared, bucket)
         k = self._budgets.get(key)
         if k is None:
