@@ -289,3 +289,50 @@ def test_rows_equal_reference_dequant(isa, qt):
         w.kernel.rows(torch.tensor([9]))
     with pytest.raises(K.KernelError):
         w.kernel.rows(torch.tensor([-1]))
+
+
+# -- first_max: the greedy choice (numpy's argmax order) -----------------------------------
+
+def _first_max_rows_cases():
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 15, 16, 17, 63, 64, 65, 1000, 49152, 262144 + 3):
+        x = rng.standard_normal(n).astype(np.float32)
+        yield f"{n}-random", x
+        t = np.round(x * 2) / 2                               # many ties at the top
+        yield f"{n}-ties", t
+        z = np.zeros(n, np.float32)
+        z[rng.integers(n, size=2)] = -0.0                     # signed zeros are equal
+        yield f"{n}-zeros", z
+        yield f"{n}-all-minus-inf", np.full(n, -np.inf, np.float32)
+        p = x.copy()
+        p[rng.integers(n, size=2)] = np.inf
+        yield f"{n}-plus-inf", p
+        for where in {0, n // 2, n - 1}:
+            q = x.copy()
+            q[where] = np.nan                                 # a NaN anywhere ranks highest
+            if n > 1:
+                q[n - 1 - where] = np.nan                     # the first one wins
+            yield f"{n}-nan-{where}", q
+
+
+@pytest.mark.skipif(K._native is None, reason="native kernels not built")
+@pytest.mark.parametrize("name,x", list(_first_max_rows_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_first_max_is_numpys_argmax(name, x):
+    want = int(np.argmax(x))
+    i, v = K.first_max(torch.from_numpy(x))
+    assert i == want
+    assert (v != v and x[want] != x[want]) or v == x[want]
+    rows = np.stack([x, x[::-1].copy(), np.roll(x, 5)])
+    assert K.first_max_rows(torch.from_numpy(rows)) == [int(j) for j in np.argmax(rows, axis=-1)]
+
+
+def test_first_max_takes_any_row_and_rejects_a_bad_call():
+    x = torch.randn(8, 100)
+    col = x[:, 3]                                            # not contiguous: numpy's path
+    assert K.first_max(col)[0] == int(np.argmax(col.numpy()))
+    assert K.first_max(x[2].double())[0] == int(np.argmax(x[2].numpy()))
+    if K._native is not None:
+        with pytest.raises(ValueError, match="argmax_rows"):
+            K._native.argmax_rows(0, 1, 100)                 # validated before any read
+        with pytest.raises(ValueError, match="argmax_rows"):
+            K._native.argmax_rows(x.data_ptr(), 1, 0)

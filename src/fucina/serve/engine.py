@@ -46,11 +46,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fucina.errors import ContextFull, FucinaError
+from fucina.kernels import first_max
 from fucina.models.cache_q8 import make_cache
 from fucina.serve.metrics import Metrics
 from fucina.text.batch import SegmentError, ragged_step
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix
-from fucina.text.sampler import Sampler, SamplingConfig, first_argmax
+from fucina.text.sampler import Sampler, SamplingConfig
 from fucina.text.speculative.decoder import pass_clock
 
 log = logging.getLogger("fucina.serve")
@@ -125,8 +126,8 @@ class ServeSampler(Sampler):
         row = logits.detach().reshape(-1)
         if row.dtype != torch.float32:
             return None
-        best = first_argmax(row)
-        return best if math.isfinite(float(row[best])) else None
+        best, top = first_max(row)
+        return best if math.isfinite(top) else None
 
     def next(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         tok = self._plain_argmax(logits) if self.fast else None

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fucina.errors import SamplingError
+from fucina.kernels import first_max
 from fucina.text.logit_processor import LogitProcessor
 
 
@@ -106,11 +107,11 @@ class MT19937:
 
 def first_argmax(row: torch.Tensor) -> int:
     """The first maximum of a 1-D float32 CPU row (torch.argmax's and llama.cpp's greedy
-    choice) by numpy's vectorised scan: ~4 us on a 49k vocabulary where torch.argmax takes
-    ~34 and torch.isnan(row).any() ~47 more (262k: 15 us against 170 + 245). numpy ranks
-    NaN highest, so the row holds a NaN iff row[first_argmax(row)] is one: one pass checks
-    both."""
-    return int(np.argmax(row.numpy()))
+    choice), `kernels.first_max`: one vectorised scan where torch.argmax took ~34 us on a
+    49k vocabulary and torch.isnan(row).any() ~47 more (262k: 170 + 245). A NaN ranks
+    highest, so the row holds a NaN iff its value at first_argmax(row) is one: one pass
+    checks both."""
+    return first_max(row)[0]
 
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> None:
@@ -213,7 +214,9 @@ class Sampler:
         """Pick the next token from one logits row [n_vocab] (or [1, n_vocab]).
         The caller's tensor is not modified."""
         cfg = self.config
-        row = logits.detach().reshape(-1).to(torch.float32)
+        row = logits
+        if row.dim() != 1 or row.dtype != torch.float32 or row.requires_grad:
+            row = logits.detach().reshape(-1).to(torch.float32)
         proc = self.processor
         masked = proc if proc is not None and type(proc).allows is not LogitProcessor.allows else None
         edits = proc is not None and masked is None
@@ -222,8 +225,7 @@ class Sampler:
             if edits:
                 proc.process(row, history)
             apply_penalties(row, history, cfg)
-        best = first_argmax(row)
-        top = float(row[best])
+        best, top = first_max(row)
         if top != top:
             raise SamplingError("logits contain NaN")
         if not top > float("-inf"):

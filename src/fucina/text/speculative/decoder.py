@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
-import numpy as np
 import torch
 
 from fucina.errors import FucinaError
+from fucina.kernels import first_max_rows
 from fucina.text.generate import Reply, ReplyDecoder
 from fucina.text.speculative.gate import CostGate, match_bucket, shared_costs
 from fucina.text.speculative.source import DraftSource
@@ -309,13 +309,13 @@ class SpeculativeDecoder:
     def _feedback(self, inputs: list[int], rows: torch.Tensor) -> None:
         """Top-k of the rows whose input was committed (a row after a rejected draft
         token speaks of a context that never happened). k = 1 (the default) is each
-        row's argmax by numpy: the recycling chain drafts from a row's first slot only,
-        which a top-1 feed fills as a top-8 one does, at ~4 us a row where torch.topk
-        took ~70 (SmolLM2's 49k vocabulary; a 1-token draft's feedback was ~3% of a step)."""
+        row's first maximum (`kernels.first_max_rows`): the recycling chain drafts from a
+        row's first slot only, which a top-1 feed fills as a top-8 one does, at a few us a
+        row where torch.topk took ~70 (SmolLM2's 49k vocabulary; a 1-token draft's
+        feedback was ~3% of a step)."""
         k = min(self.topk_feedback, rows.shape[-1])
         if k == 1:
-            best = np.argmax(rows.float().numpy(), axis=-1)
-            self.source.observe_topk(inputs, [[int(t)] for t in best])
+            self.source.observe_topk(inputs, [[t] for t in first_max_rows(rows)])
             return
         self.source.observe_topk(inputs, torch.topk(rows.float(), k, dim=-1).indices.tolist())
 
