@@ -537,8 +537,8 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize
  * ties go to the lowest index. Two passes, both SSE (x86-64's baseline; the compiler will
  * not vectorise a max whose NaN order it must keep): the row's max and whether it holds a
  * NaN, then the first index equal to it (or the first NaN). Called on a row the kernels just
- * wrote, right after a step (two threads; the code and the row cold): numpy's argmax took
- * 50-73 us on a 49k vocabulary and 100-138 on 262k, this 17-24 and 67-77. */
+ * wrote, right after a step (the code and the row cold): numpy's argmax took 50-84 us on a
+ * 49k vocabulary and 100-155 on 262k, this 17-27 and 67-106. */
 static long long first_max_f32(const float *x, long long n, float *value) {
     long long i = 0;
     float m = x[0];
