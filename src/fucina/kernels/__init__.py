@@ -199,8 +199,9 @@ def matmul(raw: torch.Tensor, qtype: GGMLType, n: int, k: int, x: torch.Tensor) 
 def first_max(row: torch.Tensor) -> tuple[int, float]:
     """The first maximum of a 1-D float32 CPU row and its value, in numpy's argmax order (a
     NaN ranks highest, ties go to the lowest index): torch.argmax's and llama.cpp's greedy
-    choice. Native on a contiguous row: right after a step numpy's scan of a 49k-vocabulary
-    row took ~45 us (its code and the row cold; ~110 at 262k), the native one ~5 (~20)."""
+    choice. Native on a contiguous row: right after a step (its code and the row cold)
+    numpy's scan of a 49k-vocabulary row took 50-84 us and 100-155 at 262k, the native one
+    17-27 and 67-106 (benchmarks/greedy_pick.py)."""
     if _native is not None and row.is_cpu and row.dtype == torch.float32 and row.dim() == 1 \
             and row.is_contiguous() and row.numel() > 0:
         return _native.argmax_rows(row.data_ptr(), 1, row.numel())
