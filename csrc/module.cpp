@@ -605,11 +605,6 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "argmax_rows: null pointer or empty / oversized rows");
         return NULL;
     }
-    if (rows == 1) {
-        float val;
-        const long long i = first_max_f32(x, cols, &val);
-        return Py_BuildValue("(Ld)", i, (double)val);
-    }
     PyObject *out = PyList_New(rows);
     if (!out) return NULL;
     for (long long r = 0; r < rows; r++) {
@@ -742,8 +737,8 @@ static PyMethodDef methods[] = {
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
-     "argmax_rows(ptr, rows, cols): each f32 row's first maximum as (index, value), numpy's order (NaN highest); "
-     "one row: the tuple, else a list"},
+     "argmax_rows(ptr, rows, cols): each f32 row's first maximum as a list of (index, value), numpy's order "
+     "(NaN highest)"},
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},

@@ -196,15 +196,21 @@ def matmul(raw: torch.Tensor, qtype: GGMLType, n: int, k: int, x: torch.Tensor) 
     return y
 
 
+def _native_f32(t: torch.Tensor, dim: int) -> bool:
+    """Whether the native scans can read `t` in place: a non-empty contiguous float32 CPU
+    tensor of `dim` dimensions."""
+    return _native is not None and t.is_cpu and t.dtype == torch.float32 and t.dim() == dim \
+        and t.is_contiguous() and t.numel() > 0
+
+
 def first_max(row: torch.Tensor) -> tuple[int, float]:
     """The first maximum of a 1-D float32 CPU row and its value, in numpy's argmax order (a
     NaN ranks highest, ties go to the lowest index): torch.argmax's and llama.cpp's greedy
     choice. Native on a contiguous row: right after a step (its code and the row cold)
     numpy's scan of a 49k-vocabulary row took 50-84 us and 100-155 at 262k, the native one
     17-27 and 67-106 (benchmarks/greedy_pick.py)."""
-    if _native is not None and row.is_cpu and row.dtype == torch.float32 and row.dim() == 1 \
-            and row.is_contiguous() and row.numel() > 0:
-        return _native.argmax_rows(row.data_ptr(), 1, row.numel())
+    if _native_f32(row, 1):
+        return _native.argmax_rows(row.data_ptr(), 1, row.numel())[0]
     a = row.detach().reshape(-1).float().numpy()
     i = int(np.argmax(a))
     return i, float(a[i])
@@ -212,10 +218,7 @@ def first_max(row: torch.Tensor) -> tuple[int, float]:
 
 def first_max_rows(rows: torch.Tensor) -> list[int]:
     """`first_max`'s index for each row of a 2-D float32 CPU tensor."""
-    if _native is not None and rows.is_cpu and rows.dtype == torch.float32 and rows.dim() == 2 \
-            and rows.is_contiguous() and rows.numel() > 0:
-        if rows.shape[0] == 1:
-            return [_native.argmax_rows(rows.data_ptr(), 1, rows.shape[1])[0]]
+    if _native_f32(rows, 2):
         return [i for i, _ in _native.argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1])]
     return [int(i) for i in np.argmax(rows.detach().float().numpy(), axis=-1)]
 

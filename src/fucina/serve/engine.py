@@ -51,7 +51,7 @@ from fucina.models.cache_q8 import make_cache
 from fucina.serve.metrics import Metrics
 from fucina.text.batch import SegmentError, ragged_step
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix
-from fucina.text.sampler import Sampler, SamplingConfig
+from fucina.text.sampler import Sampler, SamplingConfig, as_row
 from fucina.text.speculative.decoder import pass_clock
 
 log = logging.getLogger("fucina.serve")
@@ -123,10 +123,7 @@ class ServeSampler(Sampler):
     def _plain_argmax(logits: torch.Tensor) -> int | None:
         """The greedy token, or None when the row needs the full checks (NaN, +-inf at
         the top: torch's argmax ranks NaN highest, so a NaN row always lands here)."""
-        row = logits.detach().reshape(-1)
-        if row.dtype != torch.float32:
-            return None
-        best, top = first_max(row)
+        best, top = first_max(as_row(logits))
         return best if math.isfinite(top) else None
 
     def next(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:

@@ -21,7 +21,7 @@ def greedy(model, prompt: Sequence[int], n: int, stop: Callable[[int], bool] | N
     logits = model.forward_step(cache, list(prompt), 0)
     out: list[int] = []
     for _ in range(n):
-        t = first_argmax(logits.detach().reshape(-1).float())
+        t = first_argmax(logits)
         if stop is not None and stop(t):
             break
         out.append(t)

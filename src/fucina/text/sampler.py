@@ -105,6 +105,14 @@ class MT19937:
         return u if u < 1.0 else math.nextafter(1.0, 0.0)
 
 
+def as_row(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` as a 1-D float32 row: the caller's tensor itself when it already is one (no
+    torch call: right after a step each costs several us), else a flat float32 view/copy."""
+    if logits.dim() == 1 and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits
+    return logits.detach().reshape(-1).to(torch.float32)
+
+
 def first_argmax(row: torch.Tensor) -> int:
     """The first maximum of a 1-D float32 CPU row (torch.argmax's and llama.cpp's greedy
     choice), `kernels.first_max`: one vectorised scan where torch.argmax took ~34 us on a
@@ -214,9 +222,7 @@ class Sampler:
         """Pick the next token from one logits row [n_vocab] (or [1, n_vocab]).
         The caller's tensor is not modified."""
         cfg = self.config
-        row = logits
-        if row.dim() != 1 or row.dtype != torch.float32 or row.requires_grad:
-            row = logits.detach().reshape(-1).to(torch.float32)
+        row = as_row(logits)
         proc = self.processor
         masked = proc if proc is not None and type(proc).allows is not LogitProcessor.allows else None
         edits = proc is not None and masked is None
@@ -260,8 +266,8 @@ class Sampler:
                 return token
         row = row.clone()              # may be the caller's row: masked in a copy
         constraint.process(row, ())
-        best = first_argmax(row)
-        if not bool(row[best] > float("-inf")):
+        best, top = first_max(row)
+        if not top > float("-inf"):
             raise SamplingError("every token is masked: nothing can be sampled")
         if cfg.greedy:
             return best
