@@ -1,8 +1,8 @@
 """Tiny random-weight GGUF models written in-process, for unit and parity tests.
 
 `write_model(path, arch, ...)` writes a decoder of any registered family with seeded
-random weights; its per-layer tensors are the family's own schema (`Model.tensors`, the
-one loading reads), so a new family needs no change here beyond its metadata quirks. The vocabulary is either a small synthetic byte-level one or copied
+random weights; its per-layer tensors are the family's own schema (`Model.schema.tensors`,
+the one loading reads), so a new family needs no change here beyond its metadata quirks. The vocabulary is either a small synthetic byte-level one or copied
 from a vocab-only GGUF (e.g. ../shared/data/vocab/vocab-qwen3.gguf) so llama.cpp can
 tokenize with it too.
 """
@@ -127,7 +127,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
             w.add_uint32(f"{arch}.{key}", v)
         w.add_rope_dimension_count(head_dim // 2)
         w.add_array(f"{arch}.rope.dimension_sections", [3, 1, 1, 1] if head_dim == 32 else [head_dim // 4 - 2 * (head_dim // 12), head_dim // 12, head_dim // 12, 0])
-    if any("n_expert" in t.shape for t in family(arch).Model.tensors):
+    if any("n_expert" in t.shape for t in family(arch).Model.schema.tensors):
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
         w.add_expert_feed_forward_length(moe_ffn)
@@ -163,7 +163,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     for i in range(layers):
         fam = family(arch)
         schema = (fam.layer_schema((i + 1) % 2 != 0, fam.Model.ffn_tensors) if arch in ("qwen35", "qwen35moe")
-                  else fam.Model.tensors)
+                  else fam.Model.schema.tensors)
         for t in schema:
             shape = [dims[d] for d in t.shape]
             if t.role == "norm":

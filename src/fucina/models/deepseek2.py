@@ -56,7 +56,6 @@ class Layer:
 class Model(llama.Model):
     supports_batch = True
     schema = Schema
-    tensors = TENSORS
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         t = self.check_and_embed(f, checked)

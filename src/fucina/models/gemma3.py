@@ -17,7 +17,6 @@ from fucina.models.schema.gemma3 import TENSORS, Config, Schema  # noqa: F401
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS
     act = "gelu_tanh"
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):

@@ -100,7 +100,6 @@ class Layer(llama.Layer):
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS
     layer_class = Layer
     act = "gelu_tanh"
 

@@ -11,7 +11,6 @@ native plan. RoPE is GGML's NORM mode (adjacent pairs) unless the config says NE
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -82,8 +81,8 @@ ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 class Model(DecoderBase):
     supports_batch = True
-    schema = Schema         # the config and every tensor read, checked (models/schema/llama.py)
-    tensors = TENSORS       # the per-layer schema (tests/synth.py writes the same one)
+    schema = Schema         # the config and every tensor read, checked (models/schema/llama.py);
+                            # schema.tensors: the per-layer list (tests/synth.py writes the same one)
     layer_class = Layer     # what loads one layer's tensors (gemma4 adds its own, a MoE family its experts)
     act = "silu"            # the ffn's activation (ACTS)
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
@@ -92,7 +91,7 @@ class Model(DecoderBase):
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         t = self.check_and_embed(f, checked)
         c = self.config
-        self.layers = [self.layer_class(t, i, c, self.tensors) for i in range(c.n_layer)]
+        self.layers = [self.layer_class(t, i, c, self.schema.tensors) for i in range(c.n_layer)]
         self.rope = Rope(c.n_rot, c.rope_base, c.rope_neox, c.rope_scale)
         freqs = self.rope_factors(t)
         if freqs is not None:  # long-context factors divide the frequencies

@@ -16,7 +16,6 @@ from fucina.models.schema.phi3 import TENSORS, Config, Schema  # noqa: F401
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         super().__init__(f, checked)

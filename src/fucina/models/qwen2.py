@@ -8,4 +8,3 @@ from fucina.models.schema.qwen2 import TENSORS, Config, Schema  # noqa: F401
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS

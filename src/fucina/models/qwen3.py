@@ -9,4 +9,3 @@ from fucina.models.schema.qwen3 import TENSORS, Config, Schema  # noqa: F401
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS

@@ -62,7 +62,6 @@ def imrope(n_rot: int, base: float, sections: list[int]) -> Rope:
 class Model(llama.Model):
     supports_batch = True
     schema = Schema
-    tensors = ATTENTION          # the attention layers' schema; DeltaNet layers use DELTA_NET
     state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
     ffn_tensors = DENSE_FFN      # qwen35moe: the routed and shared experts
 

@@ -20,7 +20,6 @@ from fucina.models.schema.qwen35moe import MOE_FFN, Config, Schema, layer_schema
 class Model(qwen35.Model):
     schema = Schema
     ffn_tensors = MOE_FFN
-    tensors = Schema.tensors
 
     def _load_ffn(self, f: GGUFFile, L) -> None:
         L.experts = moe.Experts(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)

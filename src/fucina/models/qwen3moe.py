@@ -28,7 +28,6 @@ class Layer(llama.Layer):
 
 class Model(llama.Model):
     schema = Schema
-    tensors = TENSORS
     layer_class = Layer
 
     def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
