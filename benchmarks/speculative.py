@@ -123,9 +123,9 @@ def one_run(llm, turns, spec: bool, max_tokens: int, options=None, priced=None):
 def bench_model(path: str, reps: int, max_tokens: int, names, priced: bool = False) -> list[dict]:
     llm = fucina.load(path)
     one_run(llm, ["Hello!"], True, 8)        # warm-up: both paths' first calls
-    out = []
     if priced:
         return priced_model(llm, path, max_tokens, names)
+    out = []
     for name in names:
         runs = {False: [], True: []}
         for _ in range(reps):
