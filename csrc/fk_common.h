@@ -43,6 +43,28 @@ typedef struct {
     int prefill;      /* FK_PREFILL_*: the route family (canonical, or a legacy opt-out) */
 } fk_matmul_args;
 
+/* Read bytes [p, p + n) in address order, one load a cache line, before a decode GEMV
+ * computes on them: its tile of 16 (AVX2: 8) weight rows, one contiguous span. The GEMV
+ * walks the tile's rows side by side, as many short streams, which the hardware prefetcher
+ * does not follow, and its dots fill the out-of-order window, so only about one step's
+ * lines are in flight at a time: on Zen 4 that access order alone, with no arithmetic, reads
+ * DRAM at 5.5 GB/s a core against 18-22 in address order. A tight loop of loads keeps many
+ * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. It
+ * replaces per-row software prefetches, which gained ~nothing there and, beside the touch,
+ * cancelled its gain (they fill the miss buffers with the next tile's lines). BENCHMARK.md,
+ * session 9. A span past FK_TOUCH_MAX (more than L2 holds beside the rest) is left to the
+ * kernel's own reads. */
+#define FK_TOUCH_MAX (256 * 1024)
+static inline void fk_touch(const uint8_t *p, size_t n) {
+    if (n == 0 || n > FK_TOUCH_MAX) return;
+    uint32_t acc = p[n - 1];
+    for (size_t i = 0; i < n; i += 64) {
+        acc |= p[i];
+        __asm__("" : "+r"(acc));    /* one plain load a line (no vectorised gather of them) */
+    }
+    __asm__ volatile("" : : "r"(acc));   /* the loads must happen: their result is kept */
+}
+
 /* FK_PREFILL_CANON (the default): every m takes the canonical arithmetic of generic/matmul_impl.inc
  * (batch invariant: a row's result never depends on the rows computed with it).
  * INT8 / BF16: the legacy routes (FUCINA_INVARIANT=0): per-m GEMV / tiles, and for
