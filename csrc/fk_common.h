@@ -49,12 +49,16 @@ typedef struct {
  * does not follow, and its dots fill the out-of-order window, so only about one step's
  * lines are in flight at a time: on Zen 4 that access order alone, with no arithmetic, reads
  * DRAM at 5.5 GB/s a core against 18-22 in address order. A tight loop of loads keeps many
- * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. It
- * replaces per-row software prefetches, which gained ~nothing there and, beside the touch,
- * cancelled its gain (they fill the miss buffers with the next tile's lines). BENCHMARK.md,
- * session 9. A span past FK_TOUCH_MAX (more than L2 holds beside the rest) is left to the
- * kernel's own reads. */
+ * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. Up to
+ * FK_TOUCH_ROWS activation rows it replaces the per-row software prefetches, which gained
+ * ~nothing there and, beside the touch, cancelled its gain (they fill the miss buffers with
+ * the next tile's lines). BENCHMARK.md, session 9. A span past FK_TOUCH_MAX (more than L2
+ * holds beside the rest) is left to the kernel's own reads. */
 #define FK_TOUCH_MAX (256 * 1024)
+/* activation rows up to which the decode GEMV touches its tiles (and drops the per-row
+ * prefetches): past them the dots are long enough to hide the reads the old way, and the
+ * touch's serial read phase costs more than it saves (8 rows: SmolLM2 +10%, Gemma-3 +4-14%) */
+#define FK_TOUCH_ROWS 5
 static inline void fk_touch(const uint8_t *p, size_t n) {
     if (n == 0 || n > FK_TOUCH_MAX) return;
     uint32_t acc = p[n - 1];
