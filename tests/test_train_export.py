@@ -103,13 +103,19 @@ def test_llama_cpp_logits_on_our_merged_export(oracle, base, tmp_path):
 
 
 def _llama_ppl(oracle, model_path, text, *extra, chunks=False):
-    """llama-perplexity's final figure (or, `chunks`, its running figure after each chunk)."""
+    """llama-perplexity's final figure (or, `chunks`, its running figure after each chunk).
+    Run again once when its output lacks the final line: once in a CI dry run (session 9)
+    the tool's output stopped after the last chunk's figure, the same run passing three
+    times after; the oracle is not what is under test here."""
     import subprocess
-    r = subprocess.run([str(oracle / "llama-perplexity"), "-m", str(model_path), "-f", str(text),
-                        "-c", "128", "-b", "128", "-t", "2", *extra], capture_output=True, text=True,
-                       env={"LD_LIBRARY_PATH": str(oracle)}, timeout=600)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    assert m, (r.stdout + r.stderr)[-2000:]
+    for attempt in range(2):
+        r = subprocess.run([str(oracle / "llama-perplexity"), "-m", str(model_path), "-f", str(text),
+                            "-c", "128", "-b", "128", "-t", "2", *extra], capture_output=True, text=True,
+                           env={"LD_LIBRARY_PATH": str(oracle)}, timeout=600)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+        if m:
+            break
+    assert m, f"exit {r.returncode}: " + (r.stdout + r.stderr)[-2000:]
     if chunks:
         return [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", r.stdout + r.stderr)]
     return float(m.group(1))
