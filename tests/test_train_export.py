@@ -108,7 +108,7 @@ def _llama_ppl(oracle, model_path, text, *extra, chunks=False):
     the tool's output stopped after the last chunk's figure, the same run passing three
     times after; the oracle is not what is under test here."""
     import subprocess
-    for attempt in range(2):
+    for _ in range(2):
         r = subprocess.run([str(oracle / "llama-perplexity"), "-m", str(model_path), "-f", str(text),
                             "-c", "128", "-b", "128", "-t", "2", *extra], capture_output=True, text=True,
                            env={"LD_LIBRARY_PATH": str(oracle)}, timeout=600)
