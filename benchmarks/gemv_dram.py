@@ -15,24 +15,12 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from fucina import kernels
 from fucina.gguf.types import GGMLType
-
-BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
-         "Q6_K": (256, 210)}
-# offset of each block's f16 scale words, set to small finite values (random bytes can be inf/nan)
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def weights(qtype: str, n: int, k: int) -> torch.Tensor:
-    qk, bs = BLOCK[qtype]
-    raw = torch.randint(0, 256, (n, k // qk * bs), dtype=torch.uint8)
-    blocks = raw.view(-1, bs)
-    for off in SCALES[qtype]:
-        blocks[:, off], blocks[:, off + 1] = 0x1F, 0x21     # f16 ~0.0078
-    return raw
+from kernels import rand_raw
 
 
 def rate(fn, nbytes: int, reps: int) -> float:
@@ -54,7 +42,7 @@ def main() -> None:
     for spec in a.shapes.split(","):
         qtype, n, k = spec.split(":")
         n, k = int(n), int(k)
-        raw = weights(qtype, n, k)
+        raw = rand_raw(getattr(GGMLType, qtype), n, k, np.random.default_rng(0))
         seq = torch.ones(raw.numel() // 4)
         for t in (int(x) for x in a.threads.split(",")):
             kernels.set_threads(t)
