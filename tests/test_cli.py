@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from fucina import kernels
 from fucina.cli.main import main, parse_ids
 from fucina.errors import FucinaError
 from synth import write_model
@@ -51,6 +52,7 @@ def test_tokenize_info_bench(tiny, capsys):
     assert main(["bench", tiny, "--pp", "8", "--tg", "4", "--reps", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert d["prefill_tok_s"] > 0 and d["decode_tok_s"] > 0 and d["load_s"] >= 0
+    assert d["kernels"] == kernels.status()
 
 
 def test_errors_are_one_line(tmp_path, capsys):

@@ -336,3 +336,34 @@ def test_first_max_takes_any_row_and_rejects_a_bad_call():
             K._native.argmax_rows(0, 1, 100)                 # validated before any read
         with pytest.raises(ValueError, match="argmax_rows"):
             K._native.argmax_rows(x.data_ptr(), 1, 0)
+
+
+def test_missing_extension_is_reported_once(monkeypatch):
+    """A native module that fails to import (a broken or foreign build) leaves every matmul
+    on the reference path: the loader warns once, with the import error, and `status()`
+    (shown by `fucina bench`) says so."""
+    import warnings
+
+    monkeypatch.setattr(K, "_native", None)
+    monkeypatch.setattr(K, "_native_error", "undefined symbol: g_x")
+    monkeypatch.setattr(K, "_warned_missing", False)
+    assert not K.available()
+    assert "undefined symbol: g_x" in K.status() and K.status().startswith("reference")
+    with pytest.warns(RuntimeWarning, match="undefined symbol: g_x.*pip install -e"):
+        K.warn_if_missing()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K.warn_if_missing()          # once per process
+
+
+def test_kernels_status_names_the_isa_or_the_opt_out(monkeypatch):
+    if K._native is None:
+        pytest.skip("native extension not built")
+    assert K.status() == K.isa() and K.unavailable_reason() is None
+    monkeypatch.setattr(K, "_enabled", False)
+    assert K.status() == "reference (FUCINA_KERNELS=0)"
+    monkeypatch.setattr(K, "_warned_missing", False)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K.warn_if_missing()          # a choice, not a fault: no warning

@@ -265,8 +265,10 @@ def cmd_bench(args) -> int:
     if args.streams > 1:
         from fucina.text.batch import bench_streams
         res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
+    from fucina import kernels
+
     res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg, depth=args.depth,
-               model=os.path.basename(str(model.gguf.path)))
+               model=os.path.basename(str(model.gguf.path)), kernels=kernels.status())
     if getattr(model, "expert_store", None) is not None:
         res["moe_store"] = model.expert_store.report()
     try:

@@ -25,8 +25,10 @@ from fucina.gguf import TYPE_SIZES, GGMLType
 
 try:
     from fucina.kernels import _native
-except ImportError:  # not built (e.g. a source checkout without the extension)
+    _native_error: str | None = None
+except ImportError as e:  # not built (a source checkout without the extension), or a broken build
     _native = None
+    _native_error = str(e) or type(e).__name__
 
 
 class KernelError(FucinaError):
@@ -48,6 +50,38 @@ _enabled = os.environ.get("FUCINA_KERNELS", "1") != "0"
 def available() -> bool:
     """True when the native extension is built and enabled."""
     return _native is not None and _enabled
+
+
+def unavailable_reason() -> str | None:
+    """Why the weights run on the torch reference path instead of the native kernels
+    (None when the kernels are in use)."""
+    if _native is None:
+        return f"the native extension did not load: {_native_error}"
+    if not _enabled:
+        return "FUCINA_KERNELS=0"
+    return None
+
+
+_warned_missing = False
+
+
+def warn_if_missing() -> None:
+    """Once per process, when the extension failed to import (FUCINA_KERNELS=0 is a
+    choice, not a fault): without it every matmul runs the torch reference path, tens
+    of times slower, which a user would otherwise see only as a slow model."""
+    global _warned_missing
+    if _native is None and not _warned_missing:
+        _warned_missing = True
+        import warnings
+        warnings.warn(f"fucina: {unavailable_reason()}; every matmul runs on the torch reference "
+                      "path, tens of times slower. Rebuild it in this environment: `pip install -e .` "
+                      "in a source checkout, or reinstall fucina.", RuntimeWarning, stacklevel=3)
+
+
+def status() -> str:
+    """The kernels in use, for reports: the ISA level, or 'reference (why)'."""
+    why = unavailable_reason()
+    return isa() if why is None else f"reference ({why})"
 
 
 def set_enabled(on: bool) -> None:

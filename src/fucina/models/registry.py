@@ -68,6 +68,9 @@ def context_length(f: GGUFFile) -> int:
 def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None):
     """Open a GGUF and build its family's Model (weights stay in the mmap); `checked`: the
     table `check(f)` returned for this file (the build then checks nothing again)."""
+    from fucina import kernels
+
+    kernels.warn_if_missing()
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     model = family(f.architecture).Model(f, checked)
     model.gguf = f
