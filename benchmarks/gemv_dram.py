@@ -41,13 +41,12 @@ def main() -> None:
     print(f"ISA {kernels.isa()}")
     for spec in a.shapes.split(","):
         qtype, n, k = spec.split(":")
-        n, k = int(n), int(k)
-        raw = rand_raw(getattr(GGMLType, qtype), n, k, np.random.default_rng(0))
+        n, k, qt = int(n), int(k), getattr(GGMLType, qtype)
+        raw = rand_raw(qt, n, k, np.random.default_rng(0))
         seq = torch.ones(raw.numel() // 4)
         for t in (int(x) for x in a.threads.split(",")):
-            kernels.set_threads(t)
-            torch.set_num_threads(t)
-            row = {m: rate(lambda x=torch.randn(m, k): kernels.matmul(raw, getattr(GGMLType, qtype), n, k, x),
+            kernels.set_threads(t)     # torch's threads too (the sequential read's)
+            row = {m: rate(lambda x=torch.randn(m, k): kernels.matmul(raw, qt, n, k, x),
                            raw.numel(), a.reps) for m in (1, 4)}
             s = rate(seq.sum, raw.numel(), a.reps)
             print(f"{qtype} {n}x{k} ({raw.numel() / 1e6:.0f} MB) threads {t}: GEMV m=1 {row[1]:.1f} GB/s, "
