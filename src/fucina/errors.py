@@ -47,3 +47,8 @@ class GrammarError(FucinaError):
 
 class QuantError(FucinaError):
     """A GGML block buffer is malformed (wrong length) or its type is unknown or not encodable."""
+
+
+class PipelineError(FucinaError):
+    """A pipeline stage group (torch.distributed) cannot serve: a stage died, stopped
+    answering, or the ranks disagree on the model or the split."""

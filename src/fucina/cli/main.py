@@ -41,9 +41,11 @@ def resume_gc() -> None:
 
 def _load(args, *, threads: int | None = None):
     import fucina.kernels as kernels
+
+    from fucina.cli.pipeline_args import pipeline_kwargs, stage_threads
     from fucina.models import load_model, resolve_model
 
-    n = threads or getattr(args, "threads", None) or os.cpu_count() or 1
+    n = threads or getattr(args, "threads", None) or stage_threads(args) or os.cpu_count() or 1
     if hasattr(kernels, "set_threads"):
         kernels.set_threads(n)
     else:
@@ -53,8 +55,13 @@ def _load(args, *, threads: int | None = None):
 
     path = resolve_model(args.model)
     t = time.perf_counter()
-    with one_thread():
-        model = load_model(path)
+    stages = pipeline_kwargs(args)
+    if stages:            # under torchrun: ranks other than 0 serve rank 0's steps, then exit here
+        from fucina.models.pipeline import start
+        model = start(path, split=stages["split"], timeout=stages["pipeline_timeout"])
+    else:
+        with one_thread():
+            model = load_model(path)
     from fucina.cli.moe_args import apply_moe_args
     apply_moe_args(model, args)
     model.load_s = time.perf_counter() - t
@@ -366,9 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name in sub.choices:
             add_lora_args(sub.choices[name])
     from fucina.cli.moe_args import add_moe_args
+    from fucina.cli.pipeline_args import add_pipeline_args
     for name in ("run", "chat", "serve", "bench"):
         if name in sub.choices:
             add_moe_args(sub.choices[name])
+            add_pipeline_args(sub.choices[name])
     return p
 
 

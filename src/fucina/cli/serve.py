@@ -11,6 +11,7 @@ import sys
 
 from fucina.cli.chat import MODEL_HELP, load_llm
 from fucina.cli.moe_args import moe_budget
+from fucina.cli.pipeline_args import pipeline_kwargs
 
 
 def _port(text: str) -> int:
@@ -88,10 +89,12 @@ def cmd_serve(args) -> int:
                     ("--chunk", args.chunk), ("--kv-budget", args.kv_budget)):
         if v is not None and v < 1:
             raise FucinaError(f"{name} must be at least 1, got {v}")
-    check_bind(args.host, args.port)
+    if not args.pipeline or os.environ.get("RANK", "0") == "0":   # a pipeline's other ranks serve no HTTP
+        check_bind(args.host, args.port)
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
-                   moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"))
+                   moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
+                   **pipeline_kwargs(args))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

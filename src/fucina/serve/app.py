@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fucina.errors import ContextFull, FucinaError, InvalidArgument, SamplingError
+from fucina.errors import ContextFull, FucinaError, InvalidArgument, PipelineError, SamplingError
 from fucina.serve import anthropic, openai
 from fucina.serve.engine import Engine, QueueFull, Scheduler, check_fits
 from fucina.serve.protocol import ApiError, check_depth
@@ -97,6 +97,9 @@ class Server:
                             headers={"Retry-After": "1"})
         if isinstance(e, ContextFull):
             return ApiError(400, str(e), code="context_length_exceeded")
+        if isinstance(e, PipelineError):       # a stage of the model is down: try again later
+            return ApiError(503, str(e), kind="server_error", code="pipeline_unavailable",
+                            headers={"Retry-After": "5"})
         if isinstance(e, (SamplingError, InvalidArgument)):
             return ApiError(400, str(e))
         if not isinstance(e, FucinaError):
@@ -219,10 +222,29 @@ class Server:
             self.guard(request, auth=False)
         except ApiError as e:
             return self.error_response(e, "openai")
-        return JSONResponse({"status": "ok", "model": self.model_id, "queue": self.scheduler.depth,
-                             "max_queue": self.scheduler.max_queue, "batch": self.engine.batch,
-                             "n_ctx": self.engine.n_ctx, "slots": self.engine.pool.stats(),
-                             "requests": dict(self.engine.stats)})
+        body = {"status": "ok", "model": self.model_id, "queue": self.scheduler.depth,
+                "max_queue": self.scheduler.max_queue, "batch": self.engine.batch,
+                "n_ctx": self.engine.n_ctx, "slots": self.engine.pool.stats(),
+                "requests": dict(self.engine.stats)}
+        stages = getattr(self.engine.model, "describe", None)    # a pipeline: red while a stage is down
+        if stages is not None:
+            body["pipeline"] = stages()
+            if not body["pipeline"]["healthy"]:
+                body["status"] = "error"
+                return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
+
+    async def load(self, request: Request) -> Response:
+        """The load report routers poll (vllm-router / sglang-router `GET /get_load`, for their
+        load-aware policies): requests running plus waiting."""
+        try:
+            self.guard(request, auth=False)
+        except ApiError as e:
+            return self.error_response(e, "openai")
+        running = sum(s["busy"] for s in self.engine.pool.stats())
+        waiting = self.scheduler.depth
+        return JSONResponse({"load": running + waiting, "num_reqs": running, "num_waiting_reqs": waiting,
+                             "num_tokens": sum(s["tokens"] for s in self.engine.pool.stats() if s["busy"])})
 
     async def metrics(self, request: Request) -> Response:
         try:
@@ -277,6 +299,7 @@ def create_app(server: Server) -> Starlette:
     ]
     routes = [Route(prefix + path, fn, methods=[method]) for prefix in ("/v1", "") for path, fn, method in api]
     routes.append(Route("/health", server.health, methods=["GET"]))
+    routes.append(Route("/get_load", server.load, methods=["GET"]))
     routes.append(Route("/metrics", server.metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: not_found, Exception: crashed})

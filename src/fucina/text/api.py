@@ -296,7 +296,8 @@ def one_thread():
 def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
-         moe_policy: str = "heat") -> LLM:
+         moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
+         pipeline_timeout: float | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -307,20 +308,31 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     supported architecture, the family's config and every tensor's presence and shape, from
     the torch-free schemas in models/schema/), the tokenizer and template are built, and the
     decoder (torch, weight fusing) is built on the first compute. With `lora` or `moe_ram`
-    it is built here: both are checked against it."""
+    it is built here: both are checked against it.
+
+    `pipeline=True` (under torchrun, on every rank): the layers split over the group's ranks
+    (`split`: layers per rank; default balanced by bytes), each mapping only its own
+    (models/pipeline.py). Rank 0 gets the LLM; every other rank serves rank 0's steps inside
+    this call and leaves with SystemExit(0) when rank 0's process ends."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
     from fucina.text.tokenizer import Tokenizer
 
+    if pipeline and (lora or moe_ram is not None):
+        raise InvalidArgument("pipeline stages take neither LoRA adapters nor an expert RAM budget yet")
     f = GGUFFile(resolve_model(path))
     checked = check(f)          # the family's config and tensor schema (torch-free): a broken file fails here
 
     def build():
         from fucina.models.registry import load_model
 
-        with one_thread():
-            model = load_model(f, checked)
+        if pipeline:      # outside one_thread(): the other ranks compute inside this call
+            from fucina.models.pipeline import start
+            model = start(f, split=split, timeout=pipeline_timeout, checked=checked)
+        else:
+            with one_thread():
+                model = load_model(f, checked)
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
@@ -332,6 +344,6 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
               config=checked.config)
-    if lora or moe_ram is not None:
+    if lora or moe_ram is not None or pipeline:
         llm.model
     return llm
