@@ -97,6 +97,8 @@ def test_models_and_health(real):
     assert ids == [server.model_id]
     h = httpx.get(url + "/health").json()
     assert h["status"] == "ok" and h["n_ctx"] == 1024 and len(h["slots"]) == 4
+    load = httpx.get(url + "/get_load").json()      # what a router's load-aware policy polls
+    assert load["load"] == load["num_reqs"] + load["num_waiting_reqs"] and load["load"] >= 0
 
 
 def test_chat_plain_equals_stream(real):

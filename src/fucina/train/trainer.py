@@ -290,12 +290,25 @@ class Trainer:
         self.lm.detach()
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's environment; starts a gloo group when world > 1."""
+#: how long a rank waits for the others at a collective (the gradient all-reduce, the
+#: start-up rendezvous) before the run fails, in seconds: torch's default is 30 minutes,
+#: long enough to hide a dead or hung rank; FUCINA_DIST_TIMEOUT overrides it
+DIST_TIMEOUT_S = 300.0
+
+
+def init_distributed(timeout: float | None = None) -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment; starts a gloo group when world > 1,
+    with `timeout` seconds per collective (FUCINA_DIST_TIMEOUT, else DIST_TIMEOUT_S)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
+    from datetime import timedelta
+
     import torch.distributed as dist
+    if timeout is None:
+        timeout = float(os.environ.get("FUCINA_DIST_TIMEOUT", DIST_TIMEOUT_S))
+    if not timeout > 0:
+        raise FucinaError(f"distributed timeout must be positive, got {timeout}")
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
