@@ -185,12 +185,14 @@ def _ids(path: Path) -> list[int]:
 
 
 def test_torchrun_two_and_three_stages_print_the_one_process_text(tmp_path):
+    """Greedy on 2 stages; speculation (verify passes of many rows, rewinds) under a regex
+    constraint on 3: each the one-process tokens."""
     model = write_model(tmp_path / "m.gguf", "qwen3", layers=4, qtype=Q.Q8_0, **_geometry("qwen3"))
-    common = ["run", model, "--tokens", "1,2,3,4,5,6,7", "--gen", "12", "--threads", "1"]
-    one = _fucina(*common, "--ids-out", str(tmp_path / "one.ids"))
-    assert one.returncode == 0, one.stderr
-    for n in (2, 3):
-        r = _torchrun(n, *common, "--pipeline", "--ids-out", str(tmp_path / f"{n}.ids"))
+    common = ["run", model, "--tokens", "1,2,3,4,5,6,7,1,2,3,4,5,6,7", "--gen", "16", "--threads", "1"]
+    for n, extra in ((2, []), (3, ["--spec", "--regex", "[a-d]{4}( [a-d]{4})*"])):
+        one = _fucina(*common, *extra, "--ids-out", str(tmp_path / "one.ids"))
+        assert one.returncode == 0, one.stderr
+        r = _torchrun(n, *common, *extra, "--pipeline", "--ids-out", str(tmp_path / f"{n}.ids"))
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout == one.stdout
         assert _ids(tmp_path / f"{n}.ids") == _ids(tmp_path / "one.ids")
