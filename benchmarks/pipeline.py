@@ -9,7 +9,8 @@ one thread, so the difference per token is the pipeline's (the stages of one str
 one after the other: a pipeline buys capacity, not single-stream speed). Configurations
 alternate round by round (A B C A B C ...) so a shared machine's drift hits them alike;
 medians are printed. Each rank's peak resident memory is read from /proc while it runs
-(VmHWM) and printed beside the bytes of the layers it holds.
+(VmHWM) and printed again less the runtime's own memory (the one process's peak less the
+file's size: interpreter, torch, caches), beside the bytes of the layers it holds.
 """
 from __future__ import annotations
 
@@ -56,10 +57,8 @@ def _peak_rss(pids: list[int], peaks: dict) -> None:
         except OSError:
             pass
         for line in status.splitlines():
-            key = line.split(":")[0]
-            if key in ("VmHWM", "RssFile"):    # peak resident; resident pages of mapped files (the GGUF)
-                kb = int(line.split()[1])
-                peaks[(key, env_rank)] = max(peaks.get((key, env_rank), 0), kb)
+            if line.startswith("VmHWM:"):     # peak resident set
+                peaks[("VmHWM", env_rank)] = max(peaks.get(("VmHWM", env_rank), 0), int(line.split()[1]))
 
 
 def run(model: str, stages: int, a) -> dict:
@@ -85,8 +84,7 @@ def run(model: str, stages: int, a) -> dict:
         return dict(stages=stages, rc=p.returncode, stderr=err[-600:])
     res = json.loads(out.strip().splitlines()[-1])
     return dict(res, stages=stages, rc=0,
-                rss_mb={r: kb / 1024 for (k, r), kb in sorted(peaks.items()) if k == "VmHWM"},
-                file_mb={r: kb / 1024 for (k, r), kb in sorted(peaks.items()) if k == "RssFile"})
+                rss_mb={r: kb / 1024 for (k, r), kb in sorted(peaks.items()) if k == "VmHWM"})
 
 
 def shares(model: str, stages: int) -> list[float]:
@@ -126,7 +124,7 @@ def main() -> None:
         print(f"\n{os.path.basename(model)}: pp{a.pp} / tg{a.tg}, one thread per rank, "
               f"medians of {a.rounds} rounds")
         print("| stages | prefill tok/s | decode tok/s | decode ms/token | hop ms/token (decode) | "
-              "prefill ms/token | peak RSS per rank (MB) | file pages resident per rank (MB) | "
+              "prefill ms/token | peak RSS per rank (MB) | RSS above the runtime per rank (MB) | "
               "layers + head per rank (MB) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         base_tg = statistics.median(1000 / r["decode_tok_s"] for r in runs[1])
@@ -135,7 +133,9 @@ def main() -> None:
             tg = statistics.median(r["decode_tok_s"] for r in runs[n])
             ms = statistics.median(1000 / r["decode_tok_s"] for r in runs[n])
             rss = {k: statistics.median(r["rss_mb"].get(k, 0) for r in runs[n]) for k in runs[n][0]["rss_mb"]}
-            mapped = {k: statistics.median(r["file_mb"].get(k, 0) for r in runs[n]) for k in runs[n][0]["file_mb"]}
+            # the runtime's own memory (interpreter, torch, caches): the one process's peak less the file
+            runtime = statistics.median(r["rss_mb"]["0"] for r in runs[1]) - os.path.getsize(model) / 2 ** 20
+            mapped = {k: v - runtime for k, v in rss.items()}
             share = f"{os.path.getsize(model) / 2 ** 20:.0f} (file)" if n == 1 else \
                 ", ".join(f"{s:.0f}" for s in shares(model, n))
             print(f"| {n} | {pp:.1f} | {tg:.1f} | {ms:.2f} | {ms - base_tg:+.2f} | {1000 / pp:.2f} | "
