@@ -236,4 +236,15 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, qwen3_vocab, tmp_
         oracle_mod.run("llama-logits", path, ",".join(map(str, seq)), str(out), "--last", "1")
         theirs.append(int(np.argmax(np.fromfile(out, dtype="<f4"))))
         seq.append(theirs[-1])
-    assert greedy(model, ids, 8) == theirs
+    mine = greedy(model, ids, 8)
+    if mine != theirs:
+        # two Q8_0 engines may part at a near tie of the exact model (seen on AVX2 llama.cpp at
+        # token 7): allowed only where the exact top-two gap is inside our measured logit noise
+        i = next(j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        K.set_enabled(False)
+        try:
+            last = teacher_forced_logits(load_model(path), ids + theirs[:i]).numpy()[-1]
+        finally:
+            K.set_enabled(True)
+        noise = float(np.abs(ours - exact).max())
+        assert i >= 4 and abs(last[mine[i]] - last[theirs[i]]) < noise, (i, mine, theirs, noise)
