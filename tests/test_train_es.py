@@ -206,3 +206,70 @@ def test_jsonl_answer_field(model_path, tmp_path):
     (ex,) = read_es_jsonl(f, tok, tpl)
     assert ex.answer == "4" and ex.reply and ex.prompt
     assert tok.decode(ex.reply).startswith("It is 4.")
+
+
+# -- the two-spirals toy: ES optimizes from random init ---------------------------------------
+
+def _spirals(n: int = 100, turns: float = 1.0):
+    t = torch.linspace(0.15, 1.0, n)
+    arm = torch.stack([t * torch.cos(t * turns * 2 * math.pi), t * torch.sin(t * turns * 2 * math.pi)], 1)
+    return torch.cat([arm, -arm]), torch.cat([torch.zeros(n), torch.ones(n)]).long()
+
+
+def _mlp(theta, x):
+    w1, b1, w2, b2, w3, b3 = theta
+    h = torch.tanh(torch.tanh(x @ w1.T + b1) @ w2.T + b2)
+    return h @ w3.T + b3
+
+
+def test_two_spirals_from_scratch():
+    """A 2-16-16-2 tanh MLP from random init, no gradient anywhere: rewards are minus the
+    cross-entropy of each member; the centre must classify >= 95% of both arms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny matmuls: a thread team costs more than it computes
+    try:
+        x, y = _spirals()
+        g = torch.Generator().manual_seed(0)
+        shapes = [(16, 2), (16,), (16, 16), (16,), (2, 16), (2,)]
+        theta = [torch.randn(s, generator=g) / math.sqrt(s[-1]) if len(s) > 1 else torch.zeros(s)
+                 for s in shapes]
+        es = Strategy(theta, ESConfig(population=32, sigma=0.1, lr=0.05, norm="zscore"))
+        start = float((_mlp(es.theta, x).argmax(1) == y).float().mean())
+        acc = start
+        for it in range(600):
+            es.update([-float(torch.nn.functional.cross_entropy(_mlp(es.member(m), x), y))
+                       for m in range(32)])
+            if it % 20 == 19:
+                acc = float((_mlp(es.theta, x).argmax(1) == y).float().mean())
+                if acc >= 0.95:
+                    break
+        assert start < 0.7 and acc >= 0.95, (start, acc, es.iteration)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- the command line -------------------------------------------------------------------------
+
+def test_cli_es(model_path, tmp_path, capsys):
+    from fucina.cli.main import main
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path / "run"
+    argv = ["finetune", model_path, "--method", "es", "--reward", "nll", "--data", str(data), "--out", str(out),
+            "--iterations", "2", "--population", "4", "--sigma", "0.05", "--seed", "3", "--targets", "q,v",
+            "--rank", "2", "--threads", "1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "es 1/2: reward mean" in err and "es 2/2" in err and " s\n" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 2 and len(summary["history"]) == 2
+    from fucina.weights.lora import read_adapter
+    ad = read_adapter(out / "adapter.gguf")
+    assert set(ad.pairs) == {f"blk.{i}.attn_{p}.weight" for i in range(2) for p in "qv"}
+    more = argv[:11] + ["3"] + argv[12:] + ["--resume", str(out)]   # --iterations 3
+    assert main(more) == 0
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 3
+    assert "resumed at iteration 2" in capsys.readouterr().err
+    assert main(["finetune", model_path, "--data", str(data), "--out", str(tmp_path / "x"),
+                 "--reward", "nll"]) != 0    # an ES flag without --method es
+    assert "only with --method es" in capsys.readouterr().err

@@ -645,8 +645,8 @@ class ESTrainer:
     def resume(self, path: str) -> None:
         s = ckpt.load(path)
         if s.get("method") != "es":
-            raise ckpt.CheckpointError(f"{path}: not an ES checkpoint (a gradient run's? resume it with "
-                                       "fucina finetune --method lora)")
+            raise ckpt.CheckpointError(f"{path}: not an ES checkpoint (a gradient run's? resume it without "
+                                       "--method es)")
         ckpt.check_compatible(s["config"], asdict(self.cfg), _RESUME_KEYS)
         theta = s["theta"]
         if [t.shape for t in theta] != [t.shape for t in self.theta]:
