@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     s.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     s.add_argument("--targets", default="q,v", help="projections: q,k,v,o,gate,up,down or all (default q,v)")
     s.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-4; ES: step "
-                                                         "size, default 0.02)")
+                                                         "size, default 0.002)")
     s.add_argument("--optimizer", choices=("adamw", "sgd", "muon"), default="adamw")
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the run)")

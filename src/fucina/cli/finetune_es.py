@@ -18,7 +18,7 @@ from fucina.errors import FucinaError
 #: the flags only ES reads (the gradient path refuses them), with their ES defaults
 ES_DEFAULTS = dict(reward=None, iterations=100, population=8, sigma=0.02, mode="lora", workers=1,
                    norm="rank", anchor="none", anchor_lambda=0.0, max_tokens=32)
-ES_LR, ES_BATCH = 0.02, 8
+ES_LR, ES_BATCH = 0.002, 8
 
 
 def add_es_args(s) -> None:

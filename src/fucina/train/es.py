@@ -76,7 +76,7 @@ class ESError(FucinaError):
 class ESConfig:
     population: int = 8          # members per iteration (even: mirrored pairs)
     sigma: float = 0.02          # perturbation scale
-    lr: float = 0.01             # step size
+    lr: float = 0.002            # step size (lr / (population sigma) scales the pairs' sum)
     seed: int = 0
     mode: str = "lora"
     rank: int = 4                # LoRA rank (mode lora)
