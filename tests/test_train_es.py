@@ -65,10 +65,10 @@ def test_update_equals_numpy():
     es = Strategy(theta0, cfg)
     rewards = [0.3, -1.0, 2.0, 0.3, 5.0, -2.5]
     es.update(rewards)
-    # numpy: centred ranks (ties by index), mirrored pairs, lr / (P sigma) * sum (C+ - C-) e
-    order = np.lexsort((np.arange(6), np.array(rewards)))
-    c = np.empty(6)
-    c[order] = np.arange(6) / 5 - 0.5
+    # numpy: centred ranks (ties share their mean rank), mirrored pairs, lr / (P sigma) * sum (C+ - C-) e
+    r = np.array(rewards)
+    rank = np.array([(r < v).sum() + ((r == v).sum() - 1) / 2 for v in r])   # mean rank of ties
+    c = rank / 5 - 0.5
     for k, t0 in enumerate(theta0):
         g = sum((c[2 * j] - c[2 * j + 1]) * pair_noise(7, 0, j, [t0.shape for t0 in theta0])[k].double().numpy()
                 for j in range(3))
@@ -86,7 +86,11 @@ def test_members_are_mirrored_and_regenerated():
 
 
 def test_centred_ranks_and_anchor():
-    assert centred_ranks([1.0, 1.0, 0.0]) == [0.0, 0.5, -0.5]
+    assert centred_ranks([1.0, 1.0, 0.0]) == [0.25, 0.25, -0.5]
+    assert centred_ranks([3.0, 1.0, 2.0]) == [0.5, -0.5, 0.0]
+    flat = Strategy([torch.ones(3)], ESConfig(population=4))
+    flat.update([0.0] * 4)                                   # no signal: no step
+    assert torch.equal(flat.theta[0], torch.ones(3)) and flat.iteration == 1
     theta = [torch.ones(4)]
     es = Strategy(theta, ESConfig(population=2, sigma=0.1, lr=0.5, anchor="l2", anchor_lambda=1.0))
     es.update([1.0, 0.0])

@@ -4,7 +4,7 @@ One iteration (OpenAI-ES with mirrored sampling and centred-rank shaping):
 
     e_j  ~ N(0, I), j = 0 .. P/2 - 1         regenerated, never stored
     R_2j = reward(theta + sigma e_j),  R_2j+1 = reward(theta - sigma e_j)
-    C_m  = rank(R_m) / (P - 1) - 1/2          (ties: lower member index ranks first)
+    C_m  = rank(R_m) / (P - 1) - 1/2          (tied rewards share their mean rank)
     theta += lr / (P sigma) * sum_j (C_2j - C_2j+1) e_j
     then, with anchored decay, theta is pulled toward its start theta_0:
     l2: theta_0 + (theta - theta_0)(1 - lr lambda);  l1: soft-threshold at lr lambda
@@ -122,12 +122,19 @@ def pair_noise(seed: int, iteration: int, pair: int, shapes: list[torch.Size]) -
 
 
 def centred_ranks(rewards: list[float]) -> list[float]:
-    """rank / (n - 1) - 1/2 in [-1/2, 1/2]; equal rewards rank by member index."""
+    """rank / (n - 1) - 1/2 in [-1/2, 1/2]; equal rewards share their mean rank, so a pair
+    that scored the same contributes nothing and an iteration without signal takes no step."""
     n = len(rewards)
-    order = sorted(range(n), key=lambda m: (rewards[m], m))
+    order = sorted(range(n), key=lambda m: rewards[m])
     out = [0.0] * n
-    for r, m in enumerate(order):
-        out[m] = r / (n - 1) - 0.5
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and rewards[order[j + 1]] == rewards[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 / (n - 1) - 0.5
+        i = j + 1
     return out
 
 
