@@ -129,3 +129,41 @@ def test_other_geometry_is_refused(tmp_path):
         cart.check_model(b)
     tensors, meta = read_safetensors(cart.save(tmp_path / "a.safetensors"))
     assert meta["format"] == "fucina.cartridge" and tensors["layers.0.k"].shape == (5, 2, 16)
+
+
+def test_equiv_cli_on_a_tiny_model(tmp_path, capsys):
+    import json
+
+    from fucina.cli.main import main
+
+    path = write_model(tmp_path / "m.gguf", "qwen3", hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2)
+    (tmp_path / "doc.txt").write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    assert main(["cartridge", "equiv", str(path), "--corpus", str(tmp_path / "doc.txt"), "--p", "40",
+                 "--suffix", "8", "--greedy", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["bitwise"] and res["greedy_agree"] == 4 and res["max_abs"] == 0.0
+    assert main(["cartridge", "equiv", str(path), "--corpus", str(tmp_path / "doc.txt"), "--p", "400"]) == 1
+    assert "the corpus has" in capsys.readouterr().err
+
+
+REAL = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf",
+        "qwen2.5-coder": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REAL))
+def test_equivalence_bitwise_on_real_models(name):
+    """The gate on real quantized models (p + suffix inside gemma3's 512 window)."""
+    from pathlib import Path
+
+    from fucina.models.cartridge import equivalence
+    from fucina.text.tokenizer import Tokenizer
+
+    path = Path.home() / ".cache" / "fucina" / REAL[name]
+    if not path.exists():
+        pytest.skip(f"{path} absent")
+    model = load_model(path)
+    tok = Tokenizer.from_metadata(model.gguf.metadata)
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    res = equivalence(model, tok.encode(text, add_special=True), 128, suffix=16, greedy=8)
+    assert res["bitwise"] and res["max_abs"] == 0.0 and res["greedy_agree"] == 8

@@ -312,3 +312,46 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         out[name] = torch.frombuffer(bytearray(body[a:b]), dtype=dtype).reshape(shape) if count else \
             torch.zeros(shape, dtype=dtype)
     return out, meta
+
+
+def equivalence(model, ids: Sequence[int], p: int, *, suffix: int = 32, greedy: int = 16,
+                cache_type: str = "f16") -> dict:
+    """The gate: a cartridge captured from ids[:p], untrained, written into an empty
+    cache, against the real prefill of ids[:p] in the same kind of cache: logits of the
+    next `suffix` corpus tokens and a `greedy` continuation after them. Also reports the
+    logits of one prefill of p + suffix tokens in a single pass (another schedule, so
+    equal only up to its rounding) as `one_pass_max_abs`."""
+    ids = [int(i) for i in ids]
+    if p < 1:
+        raise CartridgeError("p must be at least 1")
+    if len(ids) < p + suffix:
+        raise CartridgeError(f"the corpus has {len(ids)} tokens: p = {p} + a suffix of {suffix} needs "
+                             f"{p + suffix} (a longer corpus, or a smaller --p/--suffix)")
+    cap = p + suffix + greedy + 1
+    if cap > model.config.n_ctx_train:
+        raise CartridgeError(f"p = {p} + suffix {suffix} + {greedy} greedy tokens exceed the model's "
+                             f"context of {model.config.n_ctx_train}")
+    tail = ids[p:p + suffix]
+
+    def follow(cache):
+        logits = model.forward_step_all_logits(cache, tail, cache.len)
+        out, tok = [], int(logits[-1].argmax())
+        for _ in range(greedy):
+            out.append(tok)
+            tok = int(model.forward_step(cache, [tok], cache.len).argmax())
+        return logits, out
+
+    real = model.init_cache(cap, cache_type=cache_type)
+    model.forward_step(real, ids[:p], 0)
+    want, want_greedy = follow(real)
+    cart = Cartridge.capture(model, ids[:p], cache_type=cache_type)
+    served = model.init_cache(cap, cache_type=cache_type)
+    cart.write_to_cache(served)
+    got, got_greedy = follow(served)
+    one = model.forward_step_all_logits(model.init_cache(cap, cache_type=cache_type), ids[:p + suffix], 0)[p:]
+    agree = next((i for i, (a, b) in enumerate(zip(got_greedy, want_greedy)) if a != b), len(want_greedy))
+    return {"p": p, "suffix": suffix, "max_abs": float((got - want).abs().max()),
+            "bitwise": bool(torch.equal(got, want)), "greedy_agree": agree, "greedy": greedy,
+            "argmax_agree": int((got.argmax(-1) == want.argmax(-1)).sum()),
+            "one_pass_max_abs": float((one - want).abs().max()),
+            "kv_bytes": cart.nbytes(cache_type)}
