@@ -16,6 +16,8 @@ CASES = {
     "qwen3": ("qwen3", dict(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2)),
     # window 5 < p: the cartridge's oldest rows fall out of the local layers' window
     "gemma3-window": ("gemma3", dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=3, sliding_window=5)),
+    # per-layer embeddings, and a last layer reading another layer's K/V (no rows of its own)
+    "gemma4-shared": ("gemma4", dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=4)),
 }
 
 IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9,

@@ -58,8 +58,10 @@ def test_loss_and_gradient_match_a_dense_formulation():
     assert torch.allclose(gk, gr, atol=1e-9)
 
 
-def test_student_forward_behind_a_capture_is_the_real_forward(tiny):
-    model, _ = tiny
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+def test_student_forward_behind_a_capture_is_the_real_forward(tiny, arch, tmp_path):
+    """(gemma4: windows, per-layer embeddings and a layer reading another's K/V)"""
+    model = tiny[0] if arch == "qwen3" else load_model(write_model(tmp_path / "g.gguf", "gemma4", layers=4))
     ids = list(range(10, 40))
     p = 18
     cart = Cartridge.capture(model, ids[:p])
