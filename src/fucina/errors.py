@@ -52,3 +52,8 @@ class QuantError(FucinaError):
 class PipelineError(FucinaError):
     """A pipeline stage group (torch.distributed) cannot serve: a stage died, stopped
     answering, or the ranks disagree on the model or the split."""
+
+
+class CartridgeError(FucinaError):
+    """A cartridge (a trained KV prefix) does not fit the model or cache it is given, its
+    file is corrupt, or its prefix does not fit the context."""

@@ -160,6 +160,7 @@ class ChatSession:
                                  max_tokens=args.gen, think=not args.no_think, sampling=self.sampling,
                                  stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
                                  processor=None if self.raw else reply_constraint(llm, args, think=not args.no_think),
+                                 cartridge=llm.prefix.cart if llm.prefix is not None else None,
                                  **spec_options(args))
 
     @property
@@ -219,6 +220,7 @@ def cmd_chat(args) -> int:
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
                    **pipeline_kwargs(args))
+    llm.cartridge = getattr(args, "cartridge", None) or None
     session = ChatSession(llm, args)
     if session.raw:
         print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "

@@ -95,6 +95,7 @@ def cmd_serve(args) -> int:
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
                    **pipeline_kwargs(args))
+    llm.cartridge = getattr(args, "cartridge", None) or None   # every conversation starts behind it
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

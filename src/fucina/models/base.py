@@ -92,8 +92,9 @@ class Rope:
         """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
         if self.cis.shape[0] < end:
             n = max(end, 2 * self.cis.shape[0], 256)
-            ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
+            with torch.inference_mode(False):   # grown during inference, read by training too
+                ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+                self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
         return self.cis
 
     def table(self, end: int) -> torch.Tensor:

@@ -94,7 +94,8 @@ class LLM:
 
     def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
                  n_ctx: int | None = None, cache_type: str = "f16",
-                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None):
+                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None,
+                 cartridge=None):
         if (model is None) == (build is None):
             raise InvalidArgument("LLM takes a built model or a build function (with gguf), not both or neither")
         self._model, self._build, self._build_lock = model, build, threading.Lock()
@@ -116,6 +117,8 @@ class LLM:
         self._history: list[int] = []
         self.last: Reply | None = None
         self.spec: Speculation | None = None     # the raw-completion speculative state
+        self.cartridge = cartridge   # path(s) or Cartridge(s): every cache starts behind it (text.cartridge)
+        self._prefix = None
 
     @property
     def model(self):
@@ -163,6 +166,16 @@ class LLM:
         """The family's config: the one load() checked (no build, no torch), else the decoder's."""
         return self._config if self._model is None and self._config is not None else self.model.config
 
+    @property
+    def prefix(self):
+        """The cartridge(s) as a text.cartridge.Prefix (None without one), checked
+        against the model on first use."""
+        if self.cartridge is not None and self._prefix is None:
+            from fucina.text.cartridge import Prefix, load_cartridges
+            cart = load_cartridges(self.cartridge, self.model)
+            self._prefix = Prefix(cart) if cart is not None else None
+        return self._prefix
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
 
@@ -204,14 +217,21 @@ class LLM:
         self.spec.index.clear_references()
         for ref in [references] if isinstance(references, str) else references:
             self.spec.add_reference(reference_ids(self.tokenizer, ref))
+        if self.prefix is not None and self.prefix.cart.corpus:
+            self.spec.add_reference(self.prefix.cart.corpus)   # the cartridge's own document
         return self.spec
 
     def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
                   spec: Speculation | None = None):
         from fucina.text.generate import Reply, decode, prefill
 
+        p = 0
+        if self.prefix is not None:
+            ids = self.prefix.add(ids)
+            self.prefix.ensure(self._cache, self._history, ids)
+            p = self.prefix.p
         logits, reused = prefill(self.model, self._cache, self._history, ids)
-        reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
+        reply = Reply(prompt_tokens=len(ids) - p, reused_tokens=max(0, reused - p))
         stop_ids = self._stop_ids()
         try:
             yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
@@ -256,7 +276,8 @@ class LLM:
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
                             persist=persist, processor=processor, speculative=speculative,
-                            references=references, spec_max=spec_max)
+                            references=references, spec_max=spec_max,
+                            cartridge=self.prefix.cart if self.prefix is not None else None)
 
     def _name(self) -> str:
         return os.path.basename(str(getattr(self.gguf, "path", "the model")))
@@ -297,7 +318,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
-         pipeline_timeout: float | None = None) -> LLM:
+         pipeline_timeout: float | None = None, cartridge=None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -313,7 +334,10 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     `pipeline=True` (under torchrun, on every rank): the layers split over the group's ranks
     (`split`: layers per rank; default balanced by bytes), each mapping only its own
     (models/pipeline.py). Rank 0 gets the LLM; every other rank serves rank 0's steps inside
-    this call and leaves with SystemExit(0) when rank 0's process ends."""
+    this call and leaves with SystemExit(0) when rank 0's process ends.
+
+    `cartridge`: a trained KV prefix (path or Cartridge; a list is composed in order)
+    every cache starts behind (fucina.models.cartridge); checked on the first compute."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
@@ -343,7 +367,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         return model
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
-              config=checked.config)
+              config=checked.config, cartridge=cartridge)
     if lora or moe_ram is not None or pipeline:
         llm.model
     return llm
