@@ -83,3 +83,197 @@ def test_plan_bad_input():
         HashPlan(n_vocab=10, layer_ids=[0]).rows(1, np.arange(3))
     with pytest.raises(EngramError, match="compression"):
         HashPlan(n_vocab=10, layer_ids=[0], lookup=np.arange(9))
+
+
+# -- the layer ---------------------------------------------------------------------------------
+
+import torch  # noqa: E402
+
+from engram_reference import ref_layer  # noqa: E402
+from fucina.models.engram.layer import PARAMS, EngramLayer  # noqa: E402
+
+
+def _layer(graft=False, d=24, head_dim=4, heads=6, rows=97, kernel=4, dilation=3):
+    torch.manual_seed(0)
+    mod = EngramLayer(rows, d, head_dim, heads, kernel, dilation, graft=graft,
+                      generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():   # norms away from 1 so their gradients are exercised
+        for name in ("key_norm", "query_norm", "conv_norm"):
+            getattr(mod, name).uniform_(0.5, 1.5)
+    return mod
+
+
+def test_layer_forward_and_every_gradient_match_the_reference():
+    mod = _layer()
+    t, d = 19, mod.n_embd
+    x = torch.randn(t, d, requires_grad=True)
+    rows = torch.randint(0, 97, (t, mod.n_heads))
+    out, _ = mod(x, rows)
+    params = {n: getattr(mod, n).detach().clone().requires_grad_() for n in PARAMS}
+    xr = x.detach().clone().requires_grad_()
+    ref = ref_layer(params, xr, rows, mod.kernel, mod.dilation)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
+    w = torch.randn(t, d)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-6)
+    for n in PARAMS:
+        assert getattr(mod, n).grad is not None and params[n].grad.abs().sum() > 0, n
+        torch.testing.assert_close(getattr(mod, n).grad, params[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_shortconv_streaming_equals_whole_sequence():
+    mod = _layer()
+    t = 23
+    x, rows = torch.randn(t, mod.n_embd), torch.randint(0, 97, (t, mod.n_heads))
+    with torch.no_grad():
+        whole, vn = mod(x, rows)
+        for cuts in ([1] * t, [5, 1, 1, 9, 7], [2, 21]):
+            outs, hist, at = [], torch.zeros(mod.history, mod.n_embd), 0
+            for n in cuts:
+                o, v = mod(x[at:at + n], rows[at:at + n], hist[-mod.history:])
+                hist = torch.cat([hist, v])
+                outs.append(o)
+                at += n
+            # the projections' sums differ in the last bit with the row count (torch's GEMM
+            # blocking); the conv itself is elementwise over the same history
+            torch.testing.assert_close(torch.cat(outs), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_graft_zero_init_is_exactly_zero_with_value_gradients():
+    mod = _layer(graft=True)
+    x = torch.randn(7, mod.n_embd)
+    out, _ = mod(x, torch.randint(0, 97, (7, mod.n_heads)))
+    assert (out == 0).all()
+    out.sum().backward()
+    assert mod.value_w.grad.abs().sum() > 0 and mod.value_b.grad.abs().sum() > 0
+
+
+# -- the graft on a decoder ----------------------------------------------------------------------
+
+from synth import write_model  # noqa: E402
+
+from fucina.models import load_model  # noqa: E402
+from fucina.models.engram import Engram  # noqa: E402
+
+IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200, 11, 12, 13, 14, 150, 151, 152, 9, 77, 31, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(write_model(tmp_path_factory.mktemp("engram") / "m.gguf", "llama", layers=3))
+
+
+def _logits(model, native: bool, chunks=(len(IDS),)):
+    model.use_native_step = native
+    try:
+        cache, out, pos = model.init_cache(64), [], 0
+        for n in chunks:
+            out.append(model.forward_step_all_logits(cache, IDS[pos:pos + n], pos))
+            pos += n
+        return torch.cat(out)
+    finally:
+        model.use_native_step = True
+
+
+def _trained(eng):
+    """Move every parameter off its init, as training would."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in eng.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return eng
+
+
+def test_zero_init_graft_is_bitwise_the_bare_model(tiny):
+    bare = {n: _logits(tiny, n) for n in (True, False)}
+    eng = Engram.for_model(tiny, [0, 2], capacity=31, n_head=2, head_dim=8).attach(tiny)
+    try:
+        assert tiny.residual_hooks
+        for native in (True, False):
+            for chunks in ((len(IDS),), (9, 1, 1, 12)):
+                assert torch.equal(_logits(tiny, native, chunks)[-1], bare[native][-1])
+            assert torch.equal(_logits(tiny, native), bare[native])
+    finally:
+        eng.detach()
+    assert not tiny.residual_hooks
+
+
+def test_graft_native_step_matches_torch_blocks_and_streams(tiny):
+    eng = _trained(Engram.for_model(tiny, [1, 2], capacity=31, n_head=2, head_dim=8)).attach(tiny)
+    try:
+        whole = _logits(tiny, False)
+        assert tiny._native_cache(tiny.init_cache(8)) is not None and tiny._hook_ranges()   # cut plans
+        native = _logits(tiny, True)
+        torch.testing.assert_close(native, whole, rtol=1e-3, atol=1e-3)
+        pieces = _logits(tiny, True, (7, 1, 1, 1, 13))
+        torch.testing.assert_close(pieces, native, rtol=1e-4, atol=1e-4)
+        # lockstep streams: each row's hooks read its own cache's history
+        caches = [tiny.init_cache(64) for _ in range(2)]
+        for c, n in zip(caches, (5, 8)):
+            tiny.forward_step(c, IDS[:n], 0)
+        lock = tiny.forward_step_batch(caches, [IDS[5], IDS[8]])
+        torch.testing.assert_close(lock[0], native[5], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lock[1], native[8], rtol=1e-4, atol=1e-4)
+    finally:
+        eng.detach()
+    assert not torch.allclose(native, _logits(tiny, True))   # the graft changed the logits
+
+
+def test_graft_file_roundtrip(tiny, tmp_path):
+    eng = _trained(Engram.for_model(tiny, [1], capacity=31, n_head=2, head_dim=8, seed=4,
+                                    lookup=np.arange(tiny.config.n_vocab) // 2))
+    eng.save(tmp_path / "e.safetensors")
+    back = Engram.load(tmp_path / "e.safetensors")
+    assert back.plan.multipliers.tolist() == eng.plan.multipliers.tolist()
+    assert back.plan.lookup.tolist() == eng.plan.lookup.tolist()
+    for (n, a), (m, b) in zip(eng.named_parameters(), back.named_parameters()):
+        assert n == m and torch.equal(a, b)
+    eng.attach(tiny)
+    want = _logits(tiny, True)
+    eng.detach()
+    back.attach(tiny)
+    try:
+        assert torch.equal(_logits(tiny, True), want)
+    finally:
+        back.detach()
+
+
+def test_graft_bad_input(tiny, tmp_path):
+    from fucina.models.engram import EngramError
+    eng = Engram.for_model(tiny, [1], capacity=31, n_head=2, head_dim=8)
+    eng.model_id["embd_digest"] = "0" * 16          # made for another model
+    with pytest.raises(EngramError, match="another model"):
+        eng.attach(tiny)
+    eng = Engram.for_model(tiny, [1], capacity=31, n_head=2, head_dim=8)
+    path = tmp_path / "e.safetensors"
+    eng.save(path)
+    raw = bytearray(path.read_bytes())
+    (tmp_path / "short.safetensors").write_bytes(raw[:len(raw) - 100])
+    with pytest.raises(EngramError, match="does not fit"):
+        Engram.load(tmp_path / "short.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(EngramError, match="not JSON"):
+        Engram.load(tmp_path / "junk.safetensors")
+    arrays = eng.tensors()
+    arrays["engram.layers.1.table"][3, 1] = np.nan
+    from fucina.models.engram import store
+    store.write(tmp_path / "nan.safetensors", arrays, {"format": "fucina-engram/1",
+                                                        "config": __import__("json").dumps(eng.config()),
+                                                        "model": __import__("json").dumps(eng.model_id)})
+    with pytest.raises(EngramError, match="corrupt"):
+        Engram.load(tmp_path / "nan.safetensors")
+    with pytest.raises(EngramError, match="out of range"):
+        eng(1, torch.zeros(1, tiny.config.n_embd), torch.tensor([tiny.config.n_vocab]), 0, tiny.init_cache(8))
+    with pytest.raises(EngramError, match="layer 7 out of range"):
+        Engram.for_model(tiny, [7])
+    eng.attach(tiny)
+    try:   # a cache whose earlier positions ran without the graft
+        cache = tiny.init_cache(64)
+        eng.detach()
+        tiny.forward_step(cache, IDS[:4], 0)
+        eng.attach(tiny)
+        with pytest.raises(EngramError, match="reset the cache"):
+            tiny.forward_step(cache, IDS[4:6], 4)
+    finally:
+        eng.detach()
