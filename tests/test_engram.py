@@ -277,3 +277,38 @@ def test_graft_bad_input(tiny, tmp_path):
             tiny.forward_step(cache, IDS[4:6], 4)
     finally:
         eng.detach()
+
+
+# -- training and the interfaces ----------------------------------------------------------------
+
+def test_training_moves_only_the_graft_and_lowers_the_loss(tiny):
+    from fucina.train.engram import train
+    ids = (IDS * 6)[:120]
+    eng = Engram.for_model(tiny, [1], capacity=61, n_head=2, head_dim=8)
+    before = [w.raw.clone() for w in (tiny.layers[0].wqkv, tiny.output)]
+    losses = train(tiny, eng, ids, steps=25, lr=1e-2, ctx=48, seed=1)
+    assert losses[-1] < 0.9 * losses[0]
+    assert eng.layers["1"].value_w.abs().sum() > 0
+    assert all(torch.equal(a, w.raw) for a, w in zip(before, (tiny.layers[0].wqkv, tiny.output)))
+    assert not tiny.residual_hooks     # detached after training
+
+
+def test_cli_equiv_train_and_engram_flags(tiny, tmp_path, capsys):
+    from fucina.cli.main import main
+    model = str(tiny.gguf.path)
+    assert main(["engram", "equiv", model, "--layers", "0,2"]) == 0
+    assert "bitwise equal" in capsys.readouterr().out
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 20)
+    out = tmp_path / "e.safetensors"
+    assert main(["engram", "train", model, "--corpus", str(corpus), "--out", str(out), "--steps", "3",
+                 "--capacity", "31", "--ctx", "32", "--layers", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
+    assert main(["perplexity", model, "--engram", str(out), "--file", str(corpus), "--ctx", "64"]) == 0
+    assert "PPL" in capsys.readouterr().out
+    assert main(["run", model, "--engram", str(out), "-p", "the cat", "-n", "4"]) == 0
+    import fucina
+    llm = fucina.load(model, engram=out)
+    assert llm.model.residual_hooks
+    llm.generate("the cat", max_tokens=3, temperature=0)
+    assert main(["run", model, "--engram", str(corpus), "-p", "x", "-n", "1"]) == 1   # not an Engram file
