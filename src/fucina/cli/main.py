@@ -18,7 +18,7 @@ from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
-                  "fucina.cli.cartridge")
+                  "fucina.cli.cartridge", "fucina.cli.engram")
 
 
 _gc_was_enabled: bool | None = None
@@ -65,6 +65,8 @@ def _load(args, *, threads: int | None = None):
             model = load_model(path)
     from fucina.cli.moe_args import apply_moe_args
     apply_moe_args(model, args)
+    from fucina.cli.engram import apply_engram_args
+    apply_engram_args(model, args)
     model.load_s = time.perf_counter() - t
     resume_gc()
     return model
@@ -381,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("run", "chat", "serve"):
         if name in sub.choices:
             add_cartridge_args(sub.choices[name])
+    from fucina.cli.engram import add_engram_args
+    for name in ("run", "chat", "serve", "perplexity"):
+        if name in sub.choices:
+            add_engram_args(sub.choices[name])
     from fucina.cli.moe_args import add_moe_args
     from fucina.cli.pipeline_args import add_pipeline_args
     for name in ("run", "chat", "serve", "bench"):

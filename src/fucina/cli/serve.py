@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   **pipeline_kwargs(args))
+                   engram=getattr(args, "engram", None), **pipeline_kwargs(args))
     llm.cartridge = getattr(args, "cartridge", None) or None   # every conversation starts behind it
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,

@@ -283,6 +283,8 @@ class DecoderBase:
             c.reserve(1)
         x = self.embed(as_ids(tokens, self.config.n_vocab))
         ptrs = [self._native_cache(c) for c in caches]
+        if self.residual_hooks:
+            return self._hooked_batch(caches, tokens, x, ptrs)
         if all(p is not None for p in ptrs):
             x = x.float().contiguous()
             end = max(c.len for c in caches) + 1
@@ -314,7 +316,9 @@ class DecoderBase:
             n = min(step, m - s)
             cache.reserve(n)
             h = x[s:s + n]
-            if ptrs is not None:
+            if self.residual_hooks:
+                h = self._hooked_rows(h, ids[s:s + n], cache, pos0 + s, ptrs, tables)
+            elif ptrs is not None:
                 self.native_plan.run(h, ptrs, pos0 + s, tables)    # in place
             else:
                 for i in range(self.config.n_layer):
@@ -322,6 +326,79 @@ class DecoderBase:
             outs.append(h)
             cache.advance(n)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- residual hooks: systems that add to the residual stream entering a layer ----------
+    # {layer: (hook, ...)}; a hook(layer, x [m, n_embd], ids [m], pos0, cache) returns the
+    # residual to continue with (x + its contribution). Empty (the class default): no hook
+    # is looked up and the native step runs every layer in one call, as without the seam.
+    # With hooks the native step runs the layer ranges between hooked layers (one plan each,
+    # `DecoderPlan.layer_range`) and the hooks run in torch between them; the torch blocks
+    # (and the training forward) call them before the hooked block.
+    residual_hooks: dict[int, tuple] = {}
+
+    def add_residual_hook(self, layer: int, hook) -> None:
+        if not 0 <= layer < self.config.n_layer:
+            raise FucinaError(f"residual hook: layer {layer} out of range [0, {self.config.n_layer})")
+        hooks = dict(self.residual_hooks)
+        hooks[layer] = hooks.get(layer, ()) + (hook,)
+        self.residual_hooks, self._hook_plans = hooks, None
+
+    def remove_residual_hooks(self, hook=None) -> None:
+        """Remove `hook` from every layer (None: every hook)."""
+        hooks = {i: tuple(h for h in hs if hook is not None and h is not hook)
+                 for i, hs in self.residual_hooks.items()}
+        self.residual_hooks, self._hook_plans = {i: hs for i, hs in hooks.items() if hs}, None
+
+    def run_hooks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
+        for hook in self.residual_hooks.get(layer, ()):
+            x = hook(layer, x, ids, pos0, cache)
+        return x
+
+    def _hook_ranges(self) -> "list[tuple[int, int, kernels.DecoderPlan]] | None":
+        """(lo, hi, plan over lo..hi-1) between the hooked layers; None: no cut plans."""
+        plans = getattr(self, "_hook_plans", None)
+        if plans is None:
+            cuts = sorted({0, *self.residual_hooks, self.config.n_layer})
+            plans = [(lo, hi, self.native_plan.layer_range(lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
+            plans = self._hook_plans = plans if all(p is not None for _, _, p in plans) else []
+        return plans or None
+
+    def _hooked_rows(self, h, ids, cache, pos0, ptrs, tables) -> torch.Tensor:
+        ranges = self._hook_ranges() if ptrs is not None else None
+        if ranges is None:
+            for i in range(self.config.n_layer):
+                h = self.block(i, self.run_hooks(i, h, ids, pos0, cache), cache, pos0)
+            return h
+        for lo, hi, plan in ranges:
+            h = self.run_hooks(lo, h, ids, pos0, cache).float().contiguous()
+            plan.run(h, ptrs.layer_range(lo, hi), pos0, tables)
+        return h
+
+    def _hooked_batch(self, caches, tokens, x, ptrs) -> torch.Tensor:
+        """forward_step_batch with residual hooks: each row's hooks see its own cache."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        pos = [c.len for c in caches]
+
+        def hooks(i, x):
+            if i not in self.residual_hooks:
+                return x
+            return torch.cat([self.run_hooks(i, x[j:j + 1], ids[j:j + 1], pos[j], c) for j, c in enumerate(caches)])
+
+        ranges = self._hook_ranges() if all(p is not None for p in ptrs) else None
+        if ranges is not None:
+            end = max(pos) + 1
+            tables = [t.table(end) for t in self.rope_tables(max(c.capacity for c in caches))]
+            x = x.float().contiguous()
+            for lo, hi, plan in ranges:
+                x = hooks(lo, x).float().contiguous()
+                plan.run_batch(x, [p.layer_range(lo, hi) for p in ptrs], pos, tables)
+        else:
+            batch = Ragged(caches)
+            for i in range(self.config.n_layer):
+                x = self.block(i, hooks(i, x), batch, 0)
+        for c in caches:
+            c.advance(1)
+        return self.head(x)
 
     # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
 

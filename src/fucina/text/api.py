@@ -318,7 +318,8 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
-         pipeline_timeout: float | None = None, cartridge=None) -> LLM:
+         pipeline_timeout: float | None = None, cartridge=None,
+         engram: str | os.PathLike | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -337,14 +338,17 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     this call and leaves with SystemExit(0) when rank 0's process ends.
 
     `cartridge`: a trained KV prefix (path or Cartridge; a list is composed in order)
-    every cache starts behind (fucina.models.cartridge); checked on the first compute."""
+    every cache starts behind (fucina.models.cartridge); checked on the first compute.
+
+    `engram`: an Engram n-gram memory file (`fucina engram train`) grafted onto the decoder
+    (checked against it here)."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
     from fucina.text.tokenizer import Tokenizer
 
-    if pipeline and (lora or moe_ram is not None):
-        raise InvalidArgument("pipeline stages take neither LoRA adapters nor an expert RAM budget yet")
+    if pipeline and (lora or moe_ram is not None or engram):
+        raise InvalidArgument("pipeline stages take neither LoRA adapters, an expert RAM budget nor an Engram yet")
     f = GGUFFile(resolve_model(path))
     checked = check(f)          # the family's config and tensor schema (torch-free): a broken file fails here
 
@@ -364,10 +368,13 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
             from fucina.weights.lora import load_adapters
             scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
             load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
+        if engram:
+            from fucina.models.engram import attach_file
+            attach_file(model, engram)
         return model
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
               config=checked.config, cartridge=cartridge)
-    if lora or moe_ram is not None or pipeline:
+    if lora or moe_ram is not None or pipeline or engram:
         llm.model
     return llm

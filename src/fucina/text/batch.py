@@ -68,8 +68,8 @@ class SegmentError(FucinaError):
 
 def native_rows(model, caches: Sequence):
     """The native pointer tables of `caches` when one native pass can serve them all, else None."""
-    if getattr(model, "native_plan", None) is None:
-        return None
+    if getattr(model, "native_plan", None) is None or getattr(model, "residual_hooks", None):
+        return None   # residual hooks: the per-stream steps run them
     ptrs = [model._native_cache(c) for c in caches]
     return ptrs if all(p is not None for p in ptrs) else None
 
