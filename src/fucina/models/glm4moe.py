@@ -16,7 +16,7 @@ import torch
 from fucina.models import llama, moe
 from fucina.models.base import Tensors, layer_tensors
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
-from fucina.models.schema.glm4moe import ATTN, DENSE, MOE, NEXTN, TENSORS, Config, Schema, layer_schema  # noqa: F401
+from fucina.models.schema.glm4moe import ATTN, DENSE, MOE, TENSORS, Config, Schema, layer_schema  # noqa: F401
 
 
 class Layer(llama.Layer):

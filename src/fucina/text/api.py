@@ -297,7 +297,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
-         pipeline_timeout: float | None = None) -> LLM:
+         pipeline_timeout: float | None = None, mtp: bool | str | os.PathLike | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -313,7 +313,11 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     `pipeline=True` (under torchrun, on every rank): the layers split over the group's ranks
     (`split`: layers per rank; default balanced by bytes), each mapping only its own
     (models/pipeline.py). Rank 0 gets the LLM; every other rank serves rank 0's steps inside
-    this call and leaves with SystemExit(0) when rank 0's process ends."""
+    this call and leaves with SystemExit(0) when rank 0's process ends.
+
+    `mtp`: a multi-token-prediction head drafts for speculative decoding (`speculative=True`,
+    the server, Predicted Outputs): True for the NextN block the file carries (glm4moe), or a
+    head GGUF trained for this model (`fucina mtp train`); checked here (the model is built)."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
@@ -336,6 +340,9 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
+        if mtp is not None and mtp is not False:
+            from fucina.models.mtp import attach_from
+            attach_from(model, mtp)
         if lora:
             from fucina.weights.lora import load_adapters
             scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
@@ -344,6 +351,6 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
               config=checked.config)
-    if lora or moe_ram is not None or pipeline:
+    if lora or moe_ram is not None or pipeline or (mtp is not None and mtp is not False):
         llm.model
     return llm

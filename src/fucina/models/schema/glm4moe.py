@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from fucina.errors import GGUFError
 from fucina.gguf import GGUFFile
 from fucina.models.schema import llama
-from fucina.models.schema.base import LayerSpec, Tensors, TensorSpec, meta_field
+from fucina.models.schema.base import LayerSpec, Tensors, TensorSpec, meta_field, tensor_dims
+from fucina.models.schema import mtp
+from fucina.models.schema.mtp import NEXTN  # noqa: F401
 
 GATING = {1: "softmax", 2: "sigmoid"}   # llama_expert_gating_func_type (absent: sigmoid)
 T, norm = llama.T, llama.norm
@@ -59,8 +61,7 @@ class Config(llama.Config):
         return s
 
     def extra_dims(self) -> dict[str, int]:
-        return dict(n_expert=self.n_expert, n_ff_exp=self.n_ff_exp, n_ff_sh=self.n_ff_exp * self.n_expert_shared,
-                    eh_in=2 * self.n_embd)
+        return dict(n_expert=self.n_expert, n_ff_exp=self.n_ff_exp, n_ff_sh=self.n_ff_exp * self.n_expert_shared)
 
 
 def bias(name: str, size: str) -> TensorSpec:
@@ -84,12 +85,6 @@ MOE = (
     T("ffn_gate_shexp", "n_ff_sh", "n_embd", required=False), T("ffn_up_shexp", "n_ff_sh", "n_embd", required=False),
     T("ffn_down_shexp", "n_embd", "n_ff_sh", required=False),
 )
-# the NextN block's own tensors, beside its layer's (blk.{n_layer}.nextn.*)
-NEXTN = (
-    T("nextn.eh_proj", "n_embd", "eh_in"), norm("nextn.enorm"), norm("nextn.hnorm"),
-    T("nextn.embed_tokens", "n_vocab", "n_embd", required=False),
-    T("nextn.shared_head_head", "n_vocab", "n_embd", required=False), norm("nextn.shared_head_norm", required=False),
-)
 TENSORS = ATTN + MOE      # a MoE layer's schema (the leading dense layers: ATTN + DENSE)
 
 
@@ -104,15 +99,10 @@ class Schema(llama.Schema):
     @classmethod
     def check_layer(cls, t: Tensors, i: int) -> None:
         c = t.config
-        got = t.layer(i, layer_schema(c, i), cls.dims(c))
+        got = t.layer(i, layer_schema(c, i), tensor_dims(c))
         shared = [got.get("ffn_gate_shexp"), got.get("ffn_up_shexp"), got.get("ffn_down_shexp")]
         if c.is_moe(i) and c.n_expert_shared and any(s is None for s in shared):
             raise GGUFError(f"{t.f.path}: blk.{i} has {c.n_expert_shared} shared experts but no ffn_*_shexp")
-
-    @classmethod
-    def dims(cls, c: Config) -> dict[str, int]:
-        from fucina.models.schema.base import tensor_dims
-        return dict(tensor_dims(c), n_vocab=c.n_vocab)
 
     @classmethod
     def check_extras(cls, t: Tensors) -> None:
@@ -121,4 +111,4 @@ class Schema(llama.Schema):
         c = t.config
         if c.n_nextn and f"blk.{c.n_layer}.nextn.eh_proj.weight" in t.f.tensors:
             cls.check_layer(t, c.n_layer)
-            t.layer(c.n_layer, NEXTN, cls.dims(c))
+            t.layer(c.n_layer, NEXTN, mtp.dims(c))
