@@ -145,3 +145,66 @@ def test_mtp_drafted_equals_plain(tmp_path, mtp_always, opts):
         assert chats[1].send(turn) == chats[0].send(turn)
     assert chats[1].tokens == chats[0].tokens
     assert chats[1].spec.index.mtp_gate.total_drafted > 0
+
+
+# -- heads trained for a model that ships none (train/mtp.py) ---------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A llama synth model (native step: the batched verify route) and a head trained for it
+    through the CLI, in a few steps."""
+    from fucina.cli.main import main
+    from synth import write_model
+
+    d = tmp_path_factory.mktemp("mtp")
+    path = write_model(d / "m.gguf", "llama", seed=3)
+    head = d / "head.gguf"
+    assert main(["mtp", "train", path, "--out", str(head), "--steps", "3", "--sequences", "2", "--tokens", "8",
+                 "--seed", "1", "--threads", "1"]) == 0
+    return path, str(head)
+
+
+@pytest.mark.parametrize("opts", [dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_trained_head_drafts_losslessly(trained, mtp_always, opts):
+    path, head = trained
+    plain, llm = load(path, n_ctx=256), load(path, n_ctx=256, mtp=head)
+    assert llm.model.mtp.block.native_plan is not None      # the head's block runs the native step
+    for prompt in ("hello world", "abcabc"):
+        want = plain.generate(prompt, max_tokens=24, **opts)
+        assert llm.generate(prompt, max_tokens=24, speculative=True, spec_max=4, **opts) == want
+    assert llm.spec.index.mtp_gate.total_drafted > 0
+
+
+def test_cli_run_with_head(trained, capsys):
+    from fucina.cli.main import main
+
+    path, head = trained
+    assert main(["run", path, "-p", "ab", "-n", "12", "-t", "1"]) == 0
+    want = capsys.readouterr().out
+    assert main(["run", path, "-p", "ab", "-n", "12", "-t", "1", "--spec", "--mtp", head]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_bad_heads_raise_typed_errors(trained, tmp_path):
+    from synth import write_model
+
+    path, head = trained
+    other_width = write_model(tmp_path / "w.gguf", "llama", hidden=32, heads=2, kv_heads=1, seed=3)
+    with pytest.raises(mtp.MTPHeadError, match="embedding_length"):
+        load(other_width, mtp=head)
+    model = load_model(path)
+    model.config.n_vocab += 1                      # as a model with another vocabulary would read
+    with pytest.raises(mtp.MTPHeadError, match="vocab_size"):
+        mtp.load_head(model, head)
+    model.config.n_vocab -= 1
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(open(head, "rb").read()[:200])
+    with pytest.raises(mtp.MTPHeadError, match="not a readable MTP head"):
+        mtp.load_head(model, corrupt)
+    with pytest.raises(mtp.MTPHeadError, match="not an MTP head"):
+        mtp.load_head(model, path)
+    with pytest.raises(mtp.MTPHeadError, match="no such"):
+        mtp.load_head(model, tmp_path / "missing.gguf")
+    with pytest.raises(mtp.MTPHeadError, match="carries no NextN block"):
+        load(path, mtp=True)
