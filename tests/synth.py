@@ -94,6 +94,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         from synth_deepseek2 import write_deepseek2
         return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
                                seed=seed, ctx=ctx)
+    if arch == "glm4moe":   # dense lead, NextN blocks after the trunk: its own writer
+        from synth_glm4moe import write_glm4moe
+        return write_glm4moe(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                             ffn=ffn, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx, chat_template=chat_template,
+                             tied=tied, experts=experts, used=experts_used, ffn_exp=moe_ffn)
     if arch == "gemma4":   # per-layer geometry: its own writer (defaults exercise every feature)
         from synth_gemma4 import write_gemma4
         return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,

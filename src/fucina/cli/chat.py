@@ -124,7 +124,7 @@ def _split_positionals(args) -> tuple[str | None, str | None]:
 
 
 def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None, moe_ram=None,
-             moe_policy="heat", engram=None, **stages):
+             moe_policy="heat", engram=None, mtp=None, **stages):
     import fucina.kernels as kernels
     from fucina.text.api import load
 
@@ -137,7 +137,7 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
         import torch
         torch.set_num_threads(n)
     llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
-               moe_policy=moe_policy, engram=engram, **stages)
+               moe_policy=moe_policy, engram=engram, mtp=mtp, **stages)
     llm.model                     # chat computes at once: build the decoder inside the start-up GC pause
     from fucina.cli.main import resume_gc
     resume_gc()
@@ -213,13 +213,14 @@ class ChatSession:
 
 def cmd_chat(args) -> int:
     from fucina.cli.moe_args import moe_budget
+    from fucina.cli.mtp import mtp_value
     from fucina.cli.pipeline_args import pipeline_kwargs
 
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg or CHAT_DEFAULT, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   engram=getattr(args, "engram", None), **pipeline_kwargs(args))
+                   engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
     llm.cartridge = getattr(args, "cartridge", None) or None
     session = ChatSession(llm, args)
     if session.raw:

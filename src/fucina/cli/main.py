@@ -18,7 +18,8 @@ from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
-                  "fucina.cli.cartridge", "fucina.cli.engram")
+                  "fucina.cli.cartridge", "fucina.cli.engram",
+                  "fucina.cli.mtp")
 
 
 _gc_was_enabled: bool | None = None
@@ -67,6 +68,8 @@ def _load(args, *, threads: int | None = None):
     apply_moe_args(model, args)
     from fucina.cli.engram import apply_engram_args
     apply_engram_args(model, args)
+    from fucina.cli.mtp import apply_mtp_args
+    apply_mtp_args(model, args)
     model.load_s = time.perf_counter() - t
     resume_gc()
     return model
@@ -389,10 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
             add_engram_args(sub.choices[name])
     from fucina.cli.moe_args import add_moe_args
     from fucina.cli.pipeline_args import add_pipeline_args
+    from fucina.cli.mtp import add_mtp_args
     for name in ("run", "chat", "serve", "bench"):
         if name in sub.choices:
             add_moe_args(sub.choices[name])
             add_pipeline_args(sub.choices[name])
+            add_mtp_args(sub.choices[name])
     return p
 
 

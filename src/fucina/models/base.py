@@ -257,7 +257,16 @@ class DecoderBase:
             geo = (cap, s.n_head_kv, s.head_dim, s.v_dim, cache_type, dtype)
             windowed = s.window and not rewindable
             mems.append(WindowKV(*geo, window=s.window, slack=self.window_slack) if windowed else KVMemory(*geo))
-        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+        return self.keep_hidden((Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap))
+
+    mtp = None   # a multi-token-prediction head (models/mtp.py) drafting for this model, when attached
+
+    def keep_hidden(self, cache: KVCache) -> KVCache:
+        """With an MTP head attached, `cache` keeps every position's last hidden row (f32,
+        n_embd a position): the head drafts from the trunk's state at the last position."""
+        if self.mtp is not None:
+            cache.hidden_rows = torch.zeros(cache.capacity, self.config.n_embd)
+        return cache
 
     def kv_geometry(self) -> tuple[list[int], list[int]]:
         """Per layer (kv_heads, head_dim) (an all-positions estimate; kv_bytes is exact)."""
@@ -294,7 +303,9 @@ class DecoderBase:
             batch = Ragged(caches)
             for i in range(self.config.n_layer):
                 x = self.block(i, x, batch, 0)
-        for c in caches:
+        for r, c in enumerate(caches):
+            if c.hidden_rows is not None:
+                c.hidden_rows[c.len] = x[r]
             c.advance(1)
         return self.head(x)
 
@@ -302,9 +313,14 @@ class DecoderBase:
         if cache.len != pos0:
             raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
         ids = as_ids(tokens, self.config.n_vocab)
-        m = ids.numel()
-        cache.check_room(m)
-        x = self.embed(ids)
+        cache.check_room(ids.numel())
+        return self.run_layers(cache, self.embed(ids), pos0)
+
+    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """Every layer over the embedded rows x [m, n_embd] at positions pos0.. (the cache
+        at pos0, with room); the last layer's rows, also kept in `cache.hidden_rows` when
+        the cache keeps them (a multi-token-prediction head drafts from them)."""
+        m = x.shape[0]
         ptrs = self._native_cache(cache)
         tables = [t.table(pos0 + m) for t in self.rope_tables(cache.capacity)] if ptrs is not None else None
         if ptrs is not None:
@@ -325,7 +341,10 @@ class DecoderBase:
                     h = self.block(i, h, cache, pos0 + s)
             outs.append(h)
             cache.advance(n)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if cache.hidden_rows is not None:
+            cache.hidden_rows[pos0:pos0 + m] = out
+        return out
 
     # -- residual hooks: systems that add to the residual stream entering a layer ----------
     # {layer: (hook, ...)}; a hook(layer, x [m, n_embd], ids [m], pos0, cache) returns the

@@ -319,7 +319,8 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
          pipeline_timeout: float | None = None, cartridge=None,
-         engram: str | os.PathLike | None = None) -> LLM:
+         engram: str | os.PathLike | None = None,
+         mtp: bool | str | os.PathLike | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -341,7 +342,12 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     every cache starts behind (fucina.models.cartridge); checked on the first compute.
 
     `engram`: an Engram n-gram memory file (`fucina engram train`) grafted onto the decoder
-    (checked against it here)."""
+    (checked against it here).
+
+
+    `mtp`: a multi-token-prediction head drafts for speculative decoding (`speculative=True`,
+    the server, Predicted Outputs): True for the NextN block the file carries (glm4moe), or a
+    head GGUF trained for this model (`fucina mtp train`); checked here (the model is built)."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
@@ -364,6 +370,9 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
+        if mtp is not None and mtp is not False:
+            from fucina.models.mtp import attach_from
+            attach_from(model, mtp)
         if lora:
             from fucina.weights.lora import load_adapters
             scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
@@ -375,6 +384,6 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
               config=checked.config, cartridge=cartridge)
-    if lora or moe_ram is not None or pipeline or engram:
+    if lora or moe_ram is not None or pipeline or engram or (mtp is not None and mtp is not False):
         llm.model
     return llm
