@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fucina.models import llama
-from fucina.models.base import attend, layer_tensors, rms_norm
-from fucina.models.cache import KVCache
+from fucina.models.base import layer_tensors, rms_norm
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.bitnet import ACTS, TENSORS, Config, Schema  # noqa: F401
 
@@ -57,15 +56,11 @@ class Model(llama.Model):
         super().__init__(f, checked)
         self.act = self.config.ffn_act
 
-    def mixer(self, i: int, L: Layer, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
-        c, s, m = self.config, self.config.layers[i], x.shape[0]
-        q, k, v = L.qkv(x)
-        q = q.reshape(m, s.n_head, s.head_dim)
-        k = k.reshape(m, s.n_head_kv, s.head_dim)
-        v = v.reshape(m, s.n_head_kv, s.v_dim)
-        rope = self.rope_tables(cache.capacity)[s.rope]
-        a = attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window)
-        return L.wo(rms_norm(a, L.attn_sub_norm, c.rms_eps)) * L.scale["attn_output"]
+    def build_plan(self):
+        return None   # the sub-norms are not in the native plan: the torch blocks run the layer
+
+    def attn_out(self, L: Layer, a: torch.Tensor) -> torch.Tensor:
+        return L.wo(rms_norm(a, L.attn_sub_norm, self.config.rms_eps)) * L.scale["attn_output"]
 
     def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
         g, u = L.gate_up(x)
