@@ -28,6 +28,7 @@ enum {
     FK_F32 = 0, FK_F16 = 1, FK_Q4_0 = 2, FK_Q4_1 = 3, FK_Q5_0 = 6, FK_Q5_1 = 7,
     FK_Q8_0 = 8, FK_Q2_K = 10, FK_Q3_K = 11, FK_Q4_K = 12, FK_Q5_K = 13, FK_Q6_K = 14,
     FK_IQ4_NL = 20, FK_IQ4_XS = 23, FK_BF16 = 30,
+    FK_TQ1_0 = 34, FK_TQ2_0 = 35,
 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */

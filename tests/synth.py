@@ -157,7 +157,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     q, kv = heads * D, kv_heads * D
     dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
                 qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4,
-                n_expert=experts, n_ff_exp=moe_ffn, n_ff_sh=2 * moe_ffn)
+                n_expert=experts, n_ff_exp=moe_ffn, n_ff_sh=2 * moe_ffn, one=1)
     add("token_embd.weight", mat(n_vocab, H, scale=0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:

@@ -30,7 +30,7 @@ from test_kernels import F16_FIELDS, FLOATS, TYPES, rand_weight
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
-SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
+SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
 # the formats test_batch_invariance already runs through the step
 COVERED = {T.F32, T.Q8_0, T.Q4_1}
 FORMATS = [t for t in TYPES if t not in COVERED]

@@ -24,7 +24,7 @@ FLOATS = {T.F32, T.F16, T.BF16}
 # byte offsets of the f16 scale fields in each block (everything else is random bits)
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
               T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
-              T.IQ4_NL: [0], T.IQ4_XS: [0]}
+              T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64]}
 TYPES = sorted(K.NATIVE_TYPES, key=int)
 
 
