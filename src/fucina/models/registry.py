@@ -26,7 +26,6 @@ FAMILIES: dict[str, str] = {
     "gemma4": "fucina.models.gemma4",
     "qwen3moe": "fucina.models.qwen3moe",
     "glm4moe": "fucina.models.glm4moe",
-
     "bitnet": "fucina.models.bitnet",
 }
 
