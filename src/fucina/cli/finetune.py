@@ -104,7 +104,7 @@ def _threads(n: int | None, world: int = 1) -> None:
 
 
 def cmd_finetune(args) -> int:
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.text.chat_template import ChatTemplate
     from fucina.text.tokenizer import Tokenizer
@@ -160,7 +160,7 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.train.adapters import read_adapter
     from fucina.train.export import export_merged

@@ -7,36 +7,17 @@ command is an `add_parser(sub)` in its own module, listed in EXTRA_COMMANDS.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
 import sys
 import time
 
+from fucina.cli.common import count, end_gc, pause_gc, positive, resume_gc
 from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune")
-
-
-_gc_was_enabled: bool | None = None
-_gc_froze = False
-
-
-def resume_gc() -> None:
-    """End main()'s start-up pause of the cyclic GC (once the model is loaded). Start-up
-    allocates torch's modules and the vocabulary, hundreds of thousands of long-lived
-    objects; collections re-scanning them cost ~0.25 s CPU of a 1.4 s `run --gen 16`.
-    They are frozen (gc.freeze) so the first collections after do not scan them either;
-    main() unfreezes them when the command ends (an in-process caller loses nothing)."""
-    global _gc_was_enabled, _gc_froze
-    if _gc_was_enabled and not gc.get_freeze_count():     # a caller's own freeze is left alone
-        gc.freeze()
-        _gc_froze = True
-    if _gc_was_enabled:
-        gc.enable()
-    _gc_was_enabled = None
 
 
 def _load(args, *, threads: int | None = None):
@@ -73,24 +54,6 @@ def _tokenizer(model):
     from fucina.text.tokenizer import Tokenizer
 
     return Tokenizer.from_metadata(model.gguf.metadata)
-
-
-def count(text: str) -> int:
-    """argparse type for token counts and sizes: a non-negative integer."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def positive(text: str) -> int:
-    v = count(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, got 0")
-    return v
 
 
 def parse_ids(spec: str) -> list[int]:
@@ -382,9 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _gc_was_enabled, _gc_froze
-    _gc_was_enabled = gc.isenabled()
-    gc.disable()                  # until the model is loaded (resume_gc) or the command ends
+    pause_gc()                    # until the model is loaded (resume_gc) or the command ends
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -401,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         resume_gc()
-        if _gc_froze:
-            gc.unfreeze()
-            _gc_froze = False
+        end_gc()
 
 
 if __name__ == "__main__":

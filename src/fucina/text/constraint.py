@@ -35,31 +35,11 @@ import torch
 from fucina.errors import GrammarError
 from fucina.text import grammar as grammars
 from fucina.text.logit_processor import LogitProcessor
-from fucina.text.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_UNUSED, ATTR_USER_DEFINED
+from fucina.text.tokenizer.special import special_ids
 
 log = logging.getLogger("fucina.constraint")
 
 _BRIDGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def special_ids(tokenizer) -> frozenset[int]:
-    """Ids llguidance must treat as special: control, unknown and unused tokens, and
-    user-defined ones shaped like a marker (`<think>`, `<tool_call>`), as llama.cpp's
-    llguidance integration decides."""
-    out = _SPECIALS.get(tokenizer)
-    if out is None:
-        v = tokenizer.vocab
-        ids = []
-        for i, a in enumerate(v.attrs):
-            if a & (ATTR_CONTROL | ATTR_UNKNOWN | ATTR_UNUSED):
-                ids.append(i)
-            elif a & ATTR_USER_DEFINED:
-                t = v.tokens[i]
-                if (t.startswith("<") and t.endswith(">")) or (t.startswith("[") and t.endswith("]")):
-                    ids.append(i)
-        out = _SPECIALS[tokenizer] = frozenset(ids)
-    return out
 
 
 class _Vocab:

@@ -121,7 +121,7 @@ def token_ref(tokenizer, text: str) -> str:
 
 
 def _is_special(tokenizer, tid: int) -> bool:
-    from fucina.text.constraint import special_ids
+    from fucina.text.tokenizer.special import special_ids
     return tid in special_ids(tokenizer)
 
 
