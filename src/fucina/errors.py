@@ -52,3 +52,8 @@ class QuantError(FucinaError):
 class PipelineError(FucinaError):
     """A pipeline stage group (torch.distributed) cannot serve: a stage died, stopped
     answering, or the ranks disagree on the model or the split."""
+
+
+class SchemaWarning(UserWarning):
+    """A JSON schema keyword the grammar engine cannot enforce while generating (lenient
+    structured output): the rest is enforced and the reply is checked after generation."""
