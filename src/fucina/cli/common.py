@@ -56,3 +56,11 @@ def positive(text: str) -> int:
     if v == 0:
         raise argparse.ArgumentTypeError("must be >= 1, got 0")
     return v
+
+
+def counts(text: str) -> list[int]:
+    """argparse type for a comma list of counts (llama-bench's `-p 1,16,128`)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}")
+    return [count(p) for p in parts]
