@@ -177,14 +177,9 @@ def compare(a, model: str, isa: str, bench: Path) -> list[dict]:
 def _byte_vocab_writer(w, n_vocab: int) -> None:
     """A GPT-2-style byte-level vocabulary padded with plain tokens to `n_vocab` ids,
     loadable by both engines (random weights need no real text)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_tok = dict(zip(bs, (chr(c) for c in cs)))
+    from synth import byte_tokens
+
+    byte_tok = byte_tokens()
     tokens = [byte_tok[b] for b in range(256)] + ["ab"]
     tokens += [f"tok{i}" for i in range(len(tokens), n_vocab - 3)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     w.add_tokenizer_model("gpt2")
