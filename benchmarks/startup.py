@@ -30,7 +30,9 @@ import json, sys, time
 clock = lambda: (time.perf_counter(), time.process_time())
 import gc
 from fucina.cli import main as cli
-if hasattr(cli, "resume_gc"):      # the tree's CLI start-up GC pause, as main() holds it
+if hasattr(cli, "pause_gc"):       # the tree's CLI start-up GC pause, as main() holds it
+    cli.pause_gc()
+elif hasattr(cli, "resume_gc"):    # older trees kept the pause's state in main
     cli._gc_was_enabled = gc.isenabled()
     gc.disable()
 marks = [clock()]

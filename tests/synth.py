@@ -29,8 +29,8 @@ def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
     return len(r.fields["tokenizer.ggml.tokens"].data)
 
 
-def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
-    """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens."""
+def byte_tokens() -> dict[int, str]:
+    """GPT-2's byte -> token text map (printable bytes as themselves, the rest shifted)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -39,7 +39,12 @@ def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    byte_tok = dict(zip(bs, (chr(c) for c in cs)))
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
+    """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens."""
+    byte_tok = byte_tokens()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "ab"] + [byte_tok[b] for b in range(256)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

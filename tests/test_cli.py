@@ -1,5 +1,6 @@
 """The `fucina` command on a tiny in-process model: each subcommand's output contract."""
 import json
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,22 @@ def test_tokenize_info_bench(tiny, capsys):
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert d["prefill_tok_s"] > 0 and d["decode_tok_s"] > 0 and d["load_s"] >= 0
     assert d["kernels"] == kernels.status()
+    assert d["results"] == [{"test": "pp8", "depth": 0, "tok_s": d["prefill_tok_s"]},
+                            {"test": "tg4", "depth": 0, "tok_s": d["decode_tok_s"]}]
+
+
+def test_bench_sweeps_prompt_lengths_and_depths(tiny, capsys):
+    assert main(["bench", tiny, "--pp", "1,4,0,16", "--tg", "3", "-d", "0,5", "--reps", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tests = [(r["test"], r["depth"]) for r in d["results"]]
+    assert tests == [(t, depth) for depth in (0, 5) for t in ("pp1", "pp4", "pp16", "tg3")]
+    assert all(r["tok_s"] > 0 for r in d["results"]) and d["pp"] == [1, 4, 0, 16] and d["depth"] == [0, 5]
+    assert "prefill_tok_s" not in d
+    assert main(["bench", tiny, "--pp", "2,3", "--tg", "0", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^pp2 +0 +[0-9.]+$", out, re.M) and re.search(r"^pp3 +0 +[0-9.]+$", out, re.M)
+    with pytest.raises(SystemExit):
+        main(["bench", tiny, "--pp", "1,,2"])
 
 
 def test_errors_are_one_line(tmp_path, capsys):

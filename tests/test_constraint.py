@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fucina.errors import FucinaError, GrammarError
+from fucina.errors import FucinaError, GrammarError, SchemaWarning
 from fucina.text import grammar as grammars
 from fucina.text.constraint import Constraint, apply_mask, lltokenizer, mask_bools, special_ids
 from fucina.text.sampler import Sampler, SamplingConfig
@@ -220,7 +220,41 @@ def test_all_masked_is_a_sampling_error(tok):
 ])
 def test_unsupported_schema_keyword_is_named(schema, keyword):
     with pytest.raises(GrammarError, match=re.escape(keyword)):
-        grammars.from_options(json_schema=schema)
+        grammars.from_options(json_schema=schema, strict=True)
+    with pytest.warns(SchemaWarning, match=re.escape(keyword)):       # lenient: the rest is enforced
+        g = grammars.from_options(json_schema=schema)
+    assert g.schema == schema and keyword in " ".join(g.unenforced)
+
+
+def test_lenient_schema_enforces_the_rest_and_checks_the_reply(tok):
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 3, "uniqueItems": True}
+    with pytest.warns(SchemaWarning, match="uniqueItems"):
+        g = grammars.from_options(json_schema=schema)
+    for text, broken in (("[1, 1]", "non-unique"), ("[2, 1]", None)):
+        c = constraint(tok, g)
+        assert not c.allows(tok.encode_raw("[3", parse_special=False)[1])     # items still enforced
+        consume_text(c, tok, text)
+        assert c.violation is None and c.allows(2)
+        c.commit(2)                                               # the stop token ends the reply
+        assert (c.violation is None) if broken is None else (broken in c.violation)
+        c.reset()
+        assert c.violation is None and c.reply_ids == []
+    wrapped = grammars.think_wrapped(g, tok, primed=False)
+    assert wrapped.schema == schema                               # the think block keeps the check
+    c = constraint(tok, wrapped)
+    consume_text(c, tok, "<think>hm</think>\n[2, 2]")
+    c.commit(2)
+    assert "non-unique" in c.violation
+    assert grammars.reply_problem(schema, "[1,") .startswith("the reply is not JSON")
+
+
+def test_strict_tool_schema_and_strict_keyword_elsewhere():
+    params = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    with pytest.warns(SchemaWarning, match="uniqueItems"):
+        grammars.tool_call_grammar([{"function": {"name": "f", "parameters": params}}], None)
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        grammars.tool_call_grammar([{"function": {"name": "f", "strict": True, "parameters": params}}], None)
+    assert grammars.from_options(regex="a+", strict=True)       # strict speaks only of schemas
 
 
 def test_grammar_errors_name_the_problem():

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from constraint_schemas import REGEXES, SCHEMAS
+from fucina.errors import SchemaWarning
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.slow
@@ -83,8 +84,14 @@ def test_cli_flags(smollm2_path, tmp_path, capsys):
     assert main(["run", str(smollm2_path), "-p", "Colour:", "--regex", " (red|blue)", "--temp", "0.8",
                  "-t", "1", "-n", "8"]) == 0
     assert re.fullmatch("Colour: (red|blue)", capsys.readouterr().out.strip())
-    assert main(["chat", str(smollm2_path), "x", "--json-schema", '{"type": "array", "uniqueItems": true}']) == 1
+    unique = ('{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 4, '
+              '"uniqueItems": true}')
+    assert main(["chat", str(smollm2_path), "x", "--json-schema", unique, "--strict"]) == 1
     assert "uniqueItems" in capsys.readouterr().err
+    with pytest.warns(SchemaWarning, match="uniqueItems"):       # lenient: the rest is enforced
+        assert main(["chat", *common[:1], "Numbers.", *common[1:], "--json-schema", unique, "--seed", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip())
+    assert isinstance(out, list) and len(out) <= 4 and all(isinstance(v, int) for v in out)
 
 
 # -- server ------------------------------------------------------------------------------
@@ -155,15 +162,22 @@ def test_server_llamacpp_fields_and_errors(server):
                    timeout=60).json()
     valid(r["choices"][0]["text"], schema)
     bad = [(url, {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
-               "name": "n", "schema": {"type": "object", "not": {}}}}}, "not"),
-           (url, {"messages": msgs, "json_schema": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+               "name": "n", "strict": True, "schema": {"type": "object", "not": {}}}}}, "not"),
            (url, {"messages": msgs, "grammar": "root ::= nowhere"}, "nowhere"),
            (url, {"messages": msgs, "response_format": {"type": "xml"}}, "json_schema"),
            (server + "/v1/responses", {"input": "x", "text": {"format": {
-               "type": "json_schema", "name": "n", "schema": {"if": {}, "then": {}}}}}, "if")]
+               "type": "json_schema", "name": "n", "strict": True, "schema": {"if": {}, "then": {}}}}}, "if")]
     for u, body, word in bad:
         r = httpx.post(u, json=body, timeout=60)
         assert r.status_code == 400 and word in r.json()["error"]["message"], (body, r.text)
+    unique = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+              "maxItems": 4, "uniqueItems": True}
+    for body in ({"json_schema": unique},                  # llama.cpp's field has no strict: lenient
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": unique}}}):
+        r = httpx.post(url, json={"messages": msgs, "temperature": 0.8, "max_tokens": 40, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        out = json.loads(r.json()["choices"][0]["message"]["content"])
+        assert isinstance(out, list) and len(out) <= 4
 
 
 TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

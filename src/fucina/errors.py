@@ -57,3 +57,8 @@ class PipelineError(FucinaError):
 class CartridgeError(FucinaError):
     """A cartridge (a trained KV prefix) does not fit the model or cache it is given, its
     file is corrupt, or its prefix does not fit the context."""
+
+
+class SchemaWarning(UserWarning):
+    """A JSON schema keyword the grammar engine cannot enforce while generating (lenient
+    structured output): the rest is enforced and the reply is checked after generation."""

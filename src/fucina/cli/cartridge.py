@@ -61,7 +61,7 @@ def cmd_train(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from fucina.cli.main import count, positive
+    from fucina.cli.common import count, positive
 
     model_help = "GGUF file or packaged name (smollm2, gemma3, qwen2.5-coder)"
     top = sub.add_parser("cartridge", help="compress a document into a trained KV prefix (a cartridge)")

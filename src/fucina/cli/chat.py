@@ -83,7 +83,7 @@ def sampling_from_args(args, base=None):
 
 
 def add_parser(sub) -> None:
-    from fucina.cli.main import count, positive
+    from fucina.cli.common import count, positive
 
     s = sub.add_parser("chat", help="chat with a model (one message, or --repl)")
     s.add_argument("args", nargs="*", metavar="[MODEL] MESSAGE",
@@ -139,7 +139,7 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
     llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
                moe_policy=moe_policy, engram=engram, mtp=mtp, **stages)
     llm.model                     # chat computes at once: build the decoder inside the start-up GC pause
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     resume_gc()
     return llm
 

@@ -118,7 +118,7 @@ def cmd_finetune(args) -> int:
         raise FucinaError(f"{', '.join(es_flags_given(args))}: only with --method es")
     args.lr = 2e-4 if args.lr is None else args.lr
     args.batch = 4 if args.batch is None else args.batch
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.text.chat_template import ChatTemplate
     from fucina.text.tokenizer import Tokenizer
@@ -174,7 +174,7 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.train.adapters import read_adapter
     from fucina.train.export import export_merged

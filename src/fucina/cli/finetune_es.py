@@ -48,7 +48,7 @@ def es_flags_given(args) -> list[str]:
 
 def cmd_finetune_es(args) -> int:
     from fucina.cli.finetune import _threads
-    from fucina.cli.main import resume_gc
+    from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.text.chat_template import ChatTemplate
     from fucina.text.tokenizer import Tokenizer

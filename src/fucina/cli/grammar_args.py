@@ -1,5 +1,6 @@
 """The structured-output flags `fucina run` and `fucina chat` share:
---json-schema JSON|@FILE, --json-object, --regex R, --lark G|@FILE, --grammar GBNF|@FILE (one of them)."""
+--json-schema JSON|@FILE, --json-object, --regex R, --lark G|@FILE, --grammar GBNF|@FILE (one of them),
+and --strict (a schema keyword the engine cannot enforce is an error, not a warning)."""
 from __future__ import annotations
 
 from fucina.errors import FucinaError
@@ -13,6 +14,10 @@ def add_grammar_args(p) -> None:
     x.add_argument("--regex", metavar="R", help="a regex (Rust syntax) the whole reply must match")
     x.add_argument("--lark", metavar="G|@FILE", help="an llguidance Lark grammar")
     x.add_argument("--grammar", metavar="GBNF|@FILE", help="a llama.cpp GBNF grammar")
+    g.add_argument("--strict", action="store_true",
+                   help="a JSON Schema keyword the engine cannot enforce (uniqueItems, contains, not, if/then/else, "
+                        "...) is an error; without it the rest is enforced, a warning names the keyword and the "
+                        "reply is checked after generation")
 
 
 def _text(spec: str | None, flag: str) -> str | None:
@@ -33,7 +38,10 @@ def grammar_options(args) -> dict:
     out = {"json_schema": schema, "regex": getattr(args, "regex", None),
            "lark": _text(getattr(args, "lark", None), "--lark"),
            "grammar": _text(getattr(args, "grammar", None), "--grammar")}
-    return {k: v for k, v in out.items() if v is not None}
+    out = {k: v for k, v in out.items() if v is not None}
+    if out and getattr(args, "strict", False):
+        out["strict"] = True
+    return out
 
 
 def reply_constraint(llm, args, *, think: bool):

@@ -7,38 +7,19 @@ command is an `add_parser(sub)` in its own module, listed in EXTRA_COMMANDS.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
 import sys
 import time
 
+from fucina.cli.common import count, counts, end_gc, pause_gc, positive, resume_gc
 from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
                   "fucina.cli.cartridge", "fucina.cli.engram",
                   "fucina.cli.mtp")
-
-
-_gc_was_enabled: bool | None = None
-_gc_froze = False
-
-
-def resume_gc() -> None:
-    """End main()'s start-up pause of the cyclic GC (once the model is loaded). Start-up
-    allocates torch's modules and the vocabulary, hundreds of thousands of long-lived
-    objects; collections re-scanning them cost ~0.25 s CPU of a 1.4 s `run --gen 16`.
-    They are frozen (gc.freeze) so the first collections after do not scan them either;
-    main() unfreezes them when the command ends (an in-process caller loses nothing)."""
-    global _gc_was_enabled, _gc_froze
-    if _gc_was_enabled and not gc.get_freeze_count():     # a caller's own freeze is left alone
-        gc.freeze()
-        _gc_froze = True
-    if _gc_was_enabled:
-        gc.enable()
-    _gc_was_enabled = None
 
 
 def _load(args, *, threads: int | None = None):
@@ -79,24 +60,6 @@ def _tokenizer(model):
     from fucina.text.tokenizer import Tokenizer
 
     return Tokenizer.from_metadata(model.gguf.metadata)
-
-
-def count(text: str) -> int:
-    """argparse type for token counts and sizes: a non-negative integer."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def positive(text: str) -> int:
-    v = count(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, got 0")
-    return v
 
 
 def parse_ids(spec: str) -> list[int]:
@@ -276,15 +239,27 @@ def cmd_bench(args) -> int:
     from fucina.cli.progress import bar
 
     model = _load(args)
-    runs = (args.reps + 1) * ((args.pp > 0) + (args.tg > 0))     # each test: a warm-up + reps
+    pps, depths = args.pp, args.depth
+    single = len(pps) == 1 and len(depths) == 1              # the one-test form: its JSON keys as ever
+    n_pp = sum(p > 0 for p in pps)
+    runs = (args.reps + 1) * (n_pp + (args.tg > 0)) * len(depths)    # each test: a warm-up + reps
+    rows = []
     with bar(runs, "bench", unit="run") as b:
-        res = bench(model, args.pp, args.tg, args.reps, depth=args.depth, progress=lambda: b.update(1))
+        for d in depths:
+            r = bench(model, pps[0] if len(pps) == 1 else pps, args.tg, args.reps, depth=d,
+                      progress=lambda: b.update(1))
+            per_pp = r.get("prefill") or ({pps[0]: r["prefill_tok_s"]} if "prefill_tok_s" in r else {})
+            rows += [{"test": f"pp{p}", "depth": d, "tok_s": v} for p, v in per_pp.items()]
+            if "decode_tok_s" in r:
+                rows.append({"test": f"tg{args.tg}", "depth": d, "tok_s": r["decode_tok_s"]})
+    res = r if single else {}
     if args.streams > 1:
         from fucina.text.batch import bench_streams
         res["streams"] = bench_streams(model, args.streams, max(args.tg, 8))
     from fucina import kernels
 
-    res.update(load_s=model.load_s, threads=args.threads, pp=args.pp, tg=args.tg, depth=args.depth,
+    res.update(load_s=model.load_s, threads=args.threads, pp=pps[0] if single else pps, tg=args.tg,
+               depth=depths[0] if single else depths,
                model=os.path.basename(str(model.gguf.path)), kernels=kernels.status())
     if getattr(model, "expert_store", None) is not None:
         res["moe_store"] = model.expert_store.report()
@@ -294,10 +269,14 @@ def cmd_bench(args) -> int:
     except ImportError:
         pass
     if args.json:
-        print(json.dumps(res))
-    else:
-        for k, v in res.items():
-            print(f"{k:<14} {v:.2f}" if isinstance(v, float) else f"{k:<14} {v}")
+        print(json.dumps({**res, "results": rows}))
+        return 0
+    if not single:
+        print(f"{'test':<10} {'depth':>6} {'tok/s':>10}")
+        for row in rows:
+            print(f"{row['test']:<10} {row['depth']:>6} {row['tok_s']:>10.2f}")
+    for k, v in res.items():
+        print(f"{k:<14} {v:.2f}" if isinstance(v, float) else f"{k:<14} {v}")
     return 0
 
 
@@ -361,11 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="warm prefill/decode tokens/s")
     s.add_argument("model", nargs="?", help=model_help)
-    s.add_argument("--pp", type=count, default=128)
+    s.add_argument("--pp", "-p", type=counts, default=[128], metavar="N[,N...]",
+                   help="prompt lengths to time, one prefill test each (llama-bench -p 1,16,128,512)")
     s.add_argument("--tg", type=count, default=64)
     s.add_argument("--reps", type=positive, default=3)
-    s.add_argument("--depth", "-d", type=count, default=0,
-                   help="tokens already in the cache before each test (llama-bench -d)")
+    s.add_argument("--depth", "-d", type=counts, default=[0], metavar="N[,N...]",
+                   help="tokens already in the cache before each test, one round of tests per depth "
+                        "(llama-bench -d)")
     s.add_argument("--threads", "-t", type=positive, default=2)
     s.add_argument("--streams", type=positive, default=1,
                    help="also time N lockstep decode streams against N sequential ones")
@@ -402,9 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _gc_was_enabled, _gc_froze
-    _gc_was_enabled = gc.isenabled()
-    gc.disable()                  # until the model is loaded (resume_gc) or the command ends
+    pause_gc()                    # until the model is loaded (resume_gc) or the command ends
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -421,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         resume_gc()
-        if _gc_froze:
-            gc.unfreeze()
-            _gc_froze = False
+        end_gc()
 
 
 if __name__ == "__main__":

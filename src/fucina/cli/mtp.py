@@ -30,7 +30,7 @@ def apply_mtp_args(model, args) -> None:
 
 
 def add_parser(sub) -> None:
-    from fucina.cli.main import positive
+    from fucina.cli.common import positive
 
     s = sub.add_parser("mtp", help="multi-token-prediction heads: train one for a model that ships none")
     msub = s.add_subparsers(dest="mtp_command", metavar="MTP_COMMAND")

@@ -44,7 +44,7 @@ def check_bind(host: str, port: int) -> None:
 
 
 def add_parser(sub) -> None:
-    from fucina.cli.main import positive
+    from fucina.cli.common import positive
 
     s = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server",
                        epilog="Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, "

@@ -9,9 +9,13 @@
   `tool`): the reply is the model's tool-call syntax with each call's arguments valid
   under that tool's parameters schema (`parallel_tool_calls` allows several calls).
 
-A schema or grammar that cannot be enforced is a 400 naming the problem (never a
-silent fallback to any-JSON). On a thinking template the think block stays free and
-the grammar governs what follows it.
+A malformed schema or grammar is a 400 naming the problem (never a silent fallback
+to any-JSON). A schema keyword the engine cannot enforce while generating is a 400
+under `"strict": true` (response_format's json_schema, text.format, a function's
+`strict`); otherwise the rest is enforced, the server logs a warning naming the
+keyword, and the finished reply is checked against the whole schema (a violation is
+logged). On a thinking template the think block stays free and the grammar governs
+what follows it.
 """
 from __future__ import annotations
 
@@ -55,9 +59,10 @@ def response_format(fmt: dict | None, path: str, *, flat: bool = False) -> str |
     spec.str("name")
     schema = spec.dict("schema")
     where = spec.path("schema")
+    strict = spec.bool("strict", False)
     if schema is None:
         return grammars.json_object()
-    return _checked(_compile(grammars.json_schema, where, schema), "json_schema", where)
+    return _checked(_compile(grammars.json_schema, where, schema, strict), "json_schema", where)
 
 
 def llamacpp_fields(f: Fields) -> str | None:

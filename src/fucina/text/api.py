@@ -16,7 +16,9 @@ top-p 0.95, min-p 0.05), with a fresh seed per call unless `seed` is given;
 `temperature=0` is greedy.
 
 Structured output (one of): json_schema= (a dict, JSON text or a pydantic model),
-regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings):
+regex=, lark=, grammar= (GBNF or Lark), choices= (a list of strings); strict=True makes
+a schema keyword the engine cannot enforce an error (by default: a SchemaWarning, the
+rest enforced, the finished reply checked against the whole schema):
 
     llm.generate("Name a colour:", regex=" (red|green|blue)")
     chat = llm.chat(json_schema=MyModel)      # every reply is valid MyModel JSON

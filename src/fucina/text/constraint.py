@@ -35,31 +35,11 @@ import torch
 from fucina.errors import GrammarError
 from fucina.text import grammar as grammars
 from fucina.text.logit_processor import LogitProcessor
-from fucina.text.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_UNUSED, ATTR_USER_DEFINED
+from fucina.text.tokenizer.special import special_ids
 
 log = logging.getLogger("fucina.constraint")
 
 _BRIDGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def special_ids(tokenizer) -> frozenset[int]:
-    """Ids llguidance must treat as special: control, unknown and unused tokens, and
-    user-defined ones shaped like a marker (`<think>`, `<tool_call>`), as llama.cpp's
-    llguidance integration decides."""
-    out = _SPECIALS.get(tokenizer)
-    if out is None:
-        v = tokenizer.vocab
-        ids = []
-        for i, a in enumerate(v.attrs):
-            if a & (ATTR_CONTROL | ATTR_UNKNOWN | ATTR_UNUSED):
-                ids.append(i)
-            elif a & ATTR_USER_DEFINED:
-                t = v.tokens[i]
-                if (t.startswith("<") and t.endswith(">")) or (t.startswith("[") and t.endswith("]")):
-                    ids.append(i)
-        out = _SPECIALS[tokenizer] = frozenset(ids)
-    return out
 
 
 class _Vocab:
@@ -130,6 +110,7 @@ class Constraint(LogitProcessor):
         self.matcher = grammars._llg().LLMatcher(self.llt, grammar, log_level=log_level)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error().strip())
+        self.schema = getattr(grammar, "schema", None)   # a schema enforced in part: checked at the end
         self._init_state()
 
     def _init_state(self) -> None:
@@ -138,6 +119,8 @@ class Constraint(LogitProcessor):
         self.error: str | None = None  # why the matcher failed mid-reply, if it did
         self.mask_ns: deque[int] = deque(maxlen=4096)   # recent mask computation times
         self.forced = 0                # tokens committed by fast_forward (no sampling, no step of their own)
+        self.reply_ids: list[int] | None = [] if self.schema is not None else None
+        self.violation: str | None = None   # how the finished reply breaks the partly enforced schema
 
     @classmethod
     def build(cls, tokenizer, *, stop_ids: Iterable[int] = (), n_vocab: int | None = None,
@@ -150,7 +133,7 @@ class Constraint(LogitProcessor):
     def clone(self) -> "Constraint":
         twin = object.__new__(Constraint)
         twin.tokenizer, twin.grammar, twin.llt = self.tokenizer, self.grammar, self.llt
-        twin.stop_ids, twin.n_vocab = self.stop_ids, self.n_vocab
+        twin.stop_ids, twin.n_vocab, twin.schema = self.stop_ids, self.n_vocab, self.schema
         twin.matcher = self.matcher.deep_copy()
         twin._init_state()
         return twin
@@ -166,6 +149,8 @@ class Constraint(LogitProcessor):
         self.matcher.reset()
         self._fresh = False
         self.error = None
+        self.reply_ids = [] if self.schema is not None else None
+        self.violation = None
 
     def commit(self, token: int) -> None:
         self._fresh = False
@@ -173,6 +158,21 @@ class Constraint(LogitProcessor):
             return
         if not self.matcher.consume_token(int(token)):
             self._fail(f"token {token} rejected: {self.matcher.get_error().strip()}")
+        elif self.reply_ids is not None:
+            if int(token) in self.stop_ids:
+                self._check_reply()
+            else:
+                self.reply_ids.append(int(token))
+
+    def _check_reply(self) -> None:
+        """The reply ended: check it against the whole schema (the keywords the grammar
+        could not enforce); a violation is logged and kept in `violation`."""
+        text = self.tokenizer.decode(self.reply_ids)
+        body = text.rsplit("</think>", 1)[-1].strip()
+        self.violation = grammars.reply_problem(self.schema, body)
+        if self.violation is not None:
+            log.warning("the reply breaks its JSON schema where the grammar could not enforce it: %s",
+                        self.violation)
 
     def _fail(self, why: str) -> None:
         self.error = why
@@ -222,6 +222,8 @@ class Constraint(LogitProcessor):
                 self._fail(f"forced tokens rejected: {self.matcher.get_error().strip()}")
                 return []
             self.forced += len(toks)
+            if self.reply_ids is not None:
+                self.reply_ids.extend(int(t) for t in toks)
         return toks
 
     def valid_prefix_len(self, tokens: Sequence[int]) -> int:
@@ -245,7 +247,7 @@ def apply_mask(logits: torch.Tensor, words: np.ndarray) -> None:
     row[:ok.shape[0]].masked_fill_(~ok, float("-inf"))
 
 
-CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "lark", "grammar", "choices"})
+CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "lark", "grammar", "choices", "strict"})
 
 
 def pop_options(options: dict) -> dict:

@@ -72,29 +72,32 @@ def perplexity(model, tokens: Sequence[int], n_ctx: int, bos_id: int | None,
     return math.exp(nll / count), n_chunk
 
 
-def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0,
+def bench(model, pp: int | Sequence[int], tg: int, reps: int, seed: int = 0, depth: int = 0,
           progress: Callable[[], None] = lambda: None) -> dict:
     """Warm prefill of `pp` tokens and decode of `tg` tokens, like llama-bench's pp/tg
     tests; with `depth` both start after that many tokens already in the cache
     (llama-bench -d). Tokens/s are medians over `reps` after one warm-up; `progress`
-    is called after every timed or warm-up run."""
+    is called after every timed or warm-up run. `pp` a list (llama-bench -p 1,16,128):
+    one prefill test per length, each a prefix of one prompt, in `prefill` {pp: tok/s}."""
+    pps = [pp] if isinstance(pp, int) else [p for p in pp if p > 0]
     g = torch.Generator().manual_seed(seed)
     n_vocab = model.config.n_vocab
     context = torch.randint(0, n_vocab, (depth,), generator=g).tolist()
-    prompt = torch.randint(0, n_vocab, (pp,), generator=g).tolist()
+    longest = max(pps, default=0)
+    prompt_all = torch.randint(0, n_vocab, (longest,), generator=g).tolist()
     gen = torch.randint(0, n_vocab, (tg,), generator=g).tolist()
-    cache = model.init_cache(depth + max(pp, tg) + 1, rewindable=depth > 0)  # each run rewinds to depth
+    cache = model.init_cache(depth + max(longest, tg) + 1, rewindable=depth > 0)  # each run rewinds to depth
     if depth:
         for s in range(0, depth, 512):
             model.forward_step(cache, context[s:s + 512], s)
 
-    def run_pp() -> float:
+    def run_pp(n: int) -> float:
         cache.truncate(depth)
         t = time.perf_counter()
-        model.forward_step(cache, prompt, depth)
+        model.forward_step(cache, prompt_all[:n], depth)
         dt = time.perf_counter() - t
         progress()
-        return pp / dt
+        return n / dt
 
     def run_tg() -> float:
         cache.truncate(depth)
@@ -106,9 +109,15 @@ def bench(model, pp: int, tg: int, reps: int, seed: int = 0, depth: int = 0,
         return tg / dt
 
     out = {}
-    if pp > 0:
-        run_pp()
-        out["prefill_tok_s"] = statistics.median(run_pp() for _ in range(reps))
+    if isinstance(pp, int):
+        if pp > 0:
+            run_pp(pp)
+            out["prefill_tok_s"] = statistics.median(run_pp(pp) for _ in range(reps))
+    else:
+        out["prefill"] = {}
+        for n in pps:
+            run_pp(n)
+            out["prefill"][n] = statistics.median(run_pp(n) for _ in range(reps))
     if tg > 0:
         run_tg()
         out["decode_tok_s"] = statistics.median(run_tg() for _ in range(reps))

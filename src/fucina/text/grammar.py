@@ -1,9 +1,16 @@
 """Grammar sources for constrained decoding, compiled to llguidance grammar JSON.
 
 Every builder returns the JSON text an `LLMatcher` takes; `check()` compiles it once
-and turns llguidance's complaint into a `GrammarError` naming the problem (an
-unsupported JSON Schema keyword, a bad regex, an unknown Lark rule). Nothing here
-falls back silently: a schema keyword llguidance cannot enforce fails the request.
+and turns llguidance's complaint into a `GrammarError` naming the problem (a bad
+regex, an unknown Lark rule, an unsatisfiable schema).
+
+JSON Schema is strict or lenient (OpenAI's `strict`). A keyword the engine cannot
+enforce while generating (`uniqueItems`, `contains`, `not`, `if`/`then`/`else`,
+`dependentRequired`, `dependentSchemas`, `propertyNames`, `unevaluatedProperties`) is
+a GrammarError under strict; otherwise (the default) the rest of the schema is
+enforced, a SchemaWarning names the keyword, and the grammar (a `Grammar`, a str that
+carries the schema) lets the Constraint check the finished reply against the whole
+schema (with the jsonschema package, when installed).
 
 JSON comes out compact and model-friendly (`{"a": 1, "b": [2, 3]}`): no free
 whitespace (a sampled model would otherwise pad forever), `": "` and `", "` as the
@@ -19,9 +26,10 @@ are referenced by id (`<[151657]>`), so the model emits its native token.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Mapping, Sequence
 
-from fucina.errors import GrammarError
+from fucina.errors import GrammarError, SchemaWarning
 
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 ANY_JSON_OBJECT = {"type": "object"}
@@ -49,8 +57,53 @@ def schema_dict(schema: Any) -> dict:
     return dict(schema)
 
 
-def json_schema(schema: Any) -> str:
-    return _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema_dict(schema)), defaults=JSON_OPTIONS)
+class Grammar(str):
+    """Grammar text compiled from a JSON schema the engine enforces only in part:
+    `schema` (the whole schema, to check the finished reply against) and `unenforced`
+    (the engine's notes naming the keywords it left out)."""
+    schema: dict | None = None
+    unenforced: tuple[str, ...] = ()
+
+
+def json_schema(schema: Any, strict: bool = False) -> str:
+    """The grammar for `schema`. strict: a keyword the engine cannot enforce is an
+    error; otherwise it is left out with a SchemaWarning and checked after generation."""
+    d = schema_dict(schema)
+    g = _llg().LLMatcher.grammar_from_json_schema(json.dumps(d), defaults={**JSON_OPTIONS, "lenient": not strict})
+    if strict:
+        return g
+    is_error, notes = _llg().LLMatcher.validate_grammar_with_warnings(g, None)
+    if is_error or not notes:
+        return g
+    out = Grammar(g)
+    out.schema, out.unenforced = d, tuple(n.strip() for n in notes)
+    warnings.warn(f"JSON schema: {'; '.join(out.unenforced)}: not enforced while generating, the reply is "
+                  f"checked after (strict makes this an error)", SchemaWarning, stacklevel=3)
+    return out
+
+
+UNENFORCED = "Unimplemented keys"
+
+
+def reply_problem(schema: dict, text: str) -> str | None:
+    """Why `text` (a finished reply) breaks `schema`; None when it satisfies it, or when
+    it cannot be checked here (no jsonschema package)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return f"the reply is not JSON: {e}"
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        err = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    except jsonschema.exceptions.SchemaError as e:
+        return f"the schema itself is invalid: {e.message}"
+    if err is None:
+        return None
+    where = "/".join(str(p) for p in err.absolute_path)
+    return f"{err.message}" + (f" (at /{where})" if where else "")
 
 
 def json_object() -> str:
@@ -80,9 +133,11 @@ def choice(options: Sequence[str]) -> str:
 
 
 def from_options(*, json_schema: Any = None, regex: str | None = None, lark: str | None = None,
-                 grammar: str | None = None, choices: Sequence[str] | None = None) -> str | None:
+                 grammar: str | None = None, choices: Sequence[str] | None = None,
+                 strict: bool = False) -> str | None:
     """The one grammar the keyword options name (None: unconstrained). More than one
-    is an error: they cannot be combined."""
+    is an error: they cannot be combined. strict: a JSON schema keyword the engine
+    cannot enforce is an error (otherwise a warning, and the reply checked after)."""
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark),
                                 ("grammar", grammar), ("choices", choices)) if v is not None}
     if len(given) > 1:
@@ -91,9 +146,12 @@ def from_options(*, json_schema: Any = None, regex: str | None = None, lark: str
     if not given:
         return None
     (kind, value), = given.items()
+    if kind == "json_schema":
+        return check(_json_schema(value, strict), kind)
     return check(_BUILDERS[kind](value), kind)
 
 
+_json_schema = json_schema
 _BUILDERS = {"json_schema": json_schema, "regex": regex, "lark": lark, "grammar": gbnf, "choices": choice}
 
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "Lark grammar",
@@ -106,7 +164,14 @@ def check(grammar: str, kind: str = "grammar", tokenizer: Any = None) -> str:
     if is_error:
         what = _KIND_NAMES.get(kind, kind)
         detail = (messages[0] if messages else "invalid").strip()
+        if detail.startswith(UNENFORCED):
+            detail += (" (strict: the engine cannot enforce these keywords while generating; without "
+                       "strict it enforces the rest and checks the reply after)")
         raise GrammarError(f"{what}: {detail}")
+    notes = [m.strip() for m in messages if m.strip().startswith(UNENFORCED)]
+    if notes and not isinstance(grammar, Grammar):       # a json_schema() Grammar has warned already
+        warnings.warn(f"{_KIND_NAMES.get(kind, kind)}: {'; '.join(notes)}: not enforced while generating "
+                      f"(strict makes this an error)", SchemaWarning, stacklevel=3)
     return grammar
 
 
@@ -121,7 +186,7 @@ def token_ref(tokenizer, text: str) -> str:
 
 
 def _is_special(tokenizer, tid: int) -> bool:
-    from fucina.text.constraint import special_ids
+    from fucina.text.tokenizer.special import special_ids
     return tid in special_ids(tokenizer)
 
 
@@ -147,7 +212,16 @@ def think_wrapped(grammar: str, tokenizer, *, primed: bool) -> str:
     else:
         think = f"think[stop={close}]: /(?s:.*)/\n"
     start = "start: think /\\n{0,2}/ @body\n" if primed else f"start: ({open_} think /\\n{{0,2}}/)? @body\n"
-    return json.dumps({"grammars": [{"lark_grammar": start + think}] + _named(grammar, "body")})
+    return _carry(grammar, json.dumps({"grammars": [{"lark_grammar": start + think}] + _named(grammar, "body")}))
+
+
+def _carry(inner: str, outer: str) -> str:
+    """`outer` (a grammar wrapping `inner`) keeps inner's partly enforced schema."""
+    if getattr(inner, "schema", None) is None:
+        return outer
+    out = Grammar(outer)
+    out.schema, out.unenforced = inner.schema, inner.unenforced
+    return out
 
 
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -166,7 +240,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tokenizer, *, name: st
     rules = []
     for i, fn in enumerate(fns):
         params = schema_dict(fn.get("parameters") or {"type": "object", "properties": {}})
-        call = {"x-guidance": JSON_OPTIONS, "type": "object",
+        call = {"x-guidance": {**JSON_OPTIONS, "lenient": not fn.get("strict", False)}, "type": "object",
                 "properties": {"name": {"const": fn.get("name")}, "arguments": params},
                 "required": ["name", "arguments"], "additionalProperties": False}
         rules.append(f"fn{i}: %json {json.dumps(call)}")

@@ -11,8 +11,10 @@ Any other overlap switches to the literal longest-first algorithm.
 from __future__ import annotations
 
 import re
+import weakref
 
-from fucina.text.tokenizer.vocab import ATTR_LSTRIP, ATTR_RSTRIP
+from fucina.text.tokenizer.vocab import (ATTR_CONTROL, ATTR_LSTRIP, ATTR_RSTRIP, ATTR_UNKNOWN, ATTR_UNUSED,
+                                         ATTR_USER_DEFINED)
 
 _CSPACE = " \t\n\v\f\r"   # C isspace, what lstrip/rstrip trim
 
@@ -119,4 +121,26 @@ def _alternating(parts: list[str | int]) -> list:
         out.append(p)
     if not out or isinstance(out[-1], int):
         out.append("")
+    return out
+
+
+_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """Ids a grammar engine must treat as special: control, unknown and unused tokens, and
+    user-defined ones shaped like a marker (`<think>`, `<tool_call>`), as llama.cpp's
+    llguidance integration decides. Cached per tokenizer."""
+    out = _SPECIALS.get(tokenizer)
+    if out is None:
+        v = tokenizer.vocab
+        ids = []
+        for i, a in enumerate(v.attrs):
+            if a & (ATTR_CONTROL | ATTR_UNKNOWN | ATTR_UNUSED):
+                ids.append(i)
+            elif a & ATTR_USER_DEFINED:
+                t = v.tokens[i]
+                if (t.startswith("<") and t.endswith(">")) or (t.startswith("[") and t.endswith("]")):
+                    ids.append(i)
+        out = _SPECIALS[tokenizer] = frozenset(ids)
     return out
