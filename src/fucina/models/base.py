@@ -314,12 +314,14 @@ class DecoderBase:
             raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
         ids = as_ids(tokens, self.config.n_vocab)
         cache.check_room(ids.numel())
-        return self.run_layers(cache, self.embed(ids), pos0)
+        return self.run_layers(cache, self.embed(ids), pos0, ids)
 
-    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int) -> torch.Tensor:
+    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the embedded rows x [m, n_embd] at positions pos0.. (the cache
         at pos0, with room); the last layer's rows, also kept in `cache.hidden_rows` when
-        the cache keeps them (a multi-token-prediction head drafts from them)."""
+        the cache keeps them (a multi-token-prediction head drafts from them). `ids`, the
+        rows' token ids, are what residual hooks (Engram) look up."""
         m = x.shape[0]
         ptrs = self._native_cache(cache)
         tables = [t.table(pos0 + m) for t in self.rope_tables(cache.capacity)] if ptrs is not None else None
@@ -333,6 +335,8 @@ class DecoderBase:
             cache.reserve(n)
             h = x[s:s + n]
             if self.residual_hooks:
+                if ids is None:
+                    raise FucinaError("a residual hook needs the rows' token ids (run_layers(..., ids=))")
                 h = self._hooked_rows(h, ids[s:s + n], cache, pos0 + s, ptrs, tables)
             elif ptrs is not None:
                 self.native_plan.run(h, ptrs, pos0 + s, tables)    # in place
