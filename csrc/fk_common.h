@@ -28,6 +28,8 @@ enum {
     FK_F32 = 0, FK_F16 = 1, FK_Q4_0 = 2, FK_Q4_1 = 3, FK_Q5_0 = 6, FK_Q5_1 = 7,
     FK_Q8_0 = 8, FK_Q2_K = 10, FK_Q3_K = 11, FK_Q4_K = 12, FK_Q5_K = 13, FK_Q6_K = 14,
     FK_IQ4_NL = 20, FK_IQ4_XS = 23, FK_BF16 = 30,
+    FK_TQ1_0 = 34, FK_TQ2_0 = 35,
+    FK_MXFP4 = 39,
 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
@@ -130,6 +132,15 @@ extern const fk_isa fk_isa_avx512;
     extern "C" const fk_isa fk_isa_##level = {#level, fk_##level##_ns::fk_matmul, fk_##level##_ns::fk_act_roundtrip, \
                                               fk_##level##_ns::fk_dequant_row, fk_##level##_ns::attn::fk_attn_decode_impl, \
                                               fk_##level##_ns::attn::fk_step_impl, fk_##level##_ns::fk_gemv_rows};
+
+/* MXFP4's E8M0 scale byte -> 2^(e - 127) / 2 (ggml_e8m0_to_fp32_half): exact in f32, e < 2
+ * subnormal. The block's values are the doubled E2M1 codes, so this is their scale. */
+static inline float fk_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* f16 -> f32 without F16C (scalar units) */
 static inline float fk_h2f_portable(uint16_t h) {

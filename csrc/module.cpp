@@ -79,6 +79,9 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_Q5_K: *bs = 256; *ts = 176; return 1;
     case FK_Q6_K: *bs = 256; *ts = 210; return 1;
     case FK_IQ4_XS: *bs = 256; *ts = 136; return 1;
+    case FK_TQ1_0: *bs = 256; *ts = 54; return 1;
+    case FK_TQ2_0: *bs = 256; *ts = 66; return 1;
+    case FK_MXFP4: *bs = 32; *ts = 17; return 1;
     }
     return 0;
 }

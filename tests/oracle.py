@@ -50,3 +50,41 @@ def run(tool: str, *args: str, timeout: int = 600) -> str:
     if r.returncode != 0:
         raise RuntimeError(f"{tool} failed ({r.returncode}): {r.stderr[-2000:]}")
     return r.stdout
+
+
+def versus_exact(path: str, text: str, tmp: Path):
+    """llama.cpp's and our logits of `text` (tokenized by llama.cpp) beside the exact model
+    (the same weights through our torch path, kernels off): (ids, ours, theirs, exact, model)."""
+    import numpy as np
+
+    import fucina.kernels as K
+    from fucina.models import load_model
+    from fucina.text.evaluate import teacher_forced_logits
+
+    src = tmp / "p.txt"
+    src.write_text(text)
+    ids = [int(x) for x in run("llama-tokenize", "-m", path, "-f", str(src), "--ids",
+                               "--log-disable").strip().strip("[]").split(",")]
+    out = tmp / "ref.f32"
+    run("llama-logits", path, ",".join(map(str, ids)), str(out))
+    ref = np.fromfile(out, dtype="<f4").reshape(len(ids), -1)
+    model = load_model(path)
+    ours = teacher_forced_logits(model, ids).numpy()
+    K.set_enabled(False)
+    try:
+        exact = teacher_forced_logits(load_model(path), ids).numpy()
+    finally:
+        K.set_enabled(True)
+    return ids, ours, ref, exact, model
+
+
+def greedy_tokens(path: str, ids: list[int], n: int, tmp: Path) -> list[int]:
+    """llama.cpp's greedy continuation of `ids`, n tokens (one llama-logits call a token)."""
+    import numpy as np
+
+    seq, out, theirs = list(ids), tmp / "last.f32", []
+    for _ in range(n):
+        run("llama-logits", path, ",".join(map(str, seq)), str(out), "--last", "1")
+        theirs.append(int(np.argmax(np.fromfile(out, dtype="<f4"))))
+        seq.append(theirs[-1])
+    return theirs

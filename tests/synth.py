@@ -99,6 +99,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         from synth_deepseek2 import write_deepseek2
         return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
                                seed=seed, ctx=ctx)
+    if arch == "glm4moe":   # dense lead, NextN blocks after the trunk: its own writer
+        from synth_glm4moe import write_glm4moe
+        return write_glm4moe(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                             ffn=ffn, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx, chat_template=chat_template,
+                             tied=tied, experts=experts, used=experts_used, ffn_exp=moe_ffn)
     if arch == "gemma4":   # per-layer geometry: its own writer (defaults exercise every feature)
         from synth_gemma4 import write_gemma4
         return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -157,7 +162,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     q, kv = heads * D, kv_heads * D
     dims = dict(n_embd=H, q_out=q, kv_out=kv, v_out=kv, qkv_out=q + 2 * kv, n_ff=ffn, gu_out=2 * ffn, head_dim=D,
                 qg_out=2 * q, conv_dim=2 * kv + q, d_inner=q, v_heads=heads, ssm_v_dim=D, d_conv=4,
-                n_expert=experts, n_ff_exp=moe_ffn, n_ff_sh=2 * moe_ffn)
+                n_expert=experts, n_ff_exp=moe_ffn, n_ff_sh=2 * moe_ffn, one=1)
     add("token_embd.weight", mat(n_vocab, H, scale=0.5 if arch != "gemma3" else 0.05))
     add("output_norm.weight", norm(H))
     if not tied:

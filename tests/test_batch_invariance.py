@@ -24,7 +24,7 @@ Q = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
-SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
+SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
 
 
 @pytest.fixture(autouse=True)

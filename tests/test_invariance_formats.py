@@ -26,11 +26,11 @@ import synth
 from fucina.gguf import TYPE_SIZES, GGMLType as T
 from fucina.models import load_model
 from test_batch_invariance import _prefill, _same_cache, canonical_route, check_batch_rows_equal_alone  # noqa: F401
-from test_kernels import F16_FIELDS, FLOATS, TYPES, rand_weight
+from test_kernels import E8M0_FIELDS, F16_FIELDS, FLOATS, TYPES, rand_weight
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
-SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
+SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
 # the formats test_batch_invariance already runs through the step
 COVERED = {T.F32, T.Q8_0, T.Q4_1}
 FORMATS = [t for t in TYPES if t not in COVERED]
@@ -47,6 +47,8 @@ def random_blocks(qt: T, n: int, k: int, seed: int) -> np.ndarray:
     for o in F16_FIELDS[qt]:
         f = blocks[:, o:o + 2].copy().view(np.float16).astype(np.float32) * (0.1 / peak)
         blocks[:, o:o + 2] = f.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for o in E8M0_FIELDS.get(qt, []):            # power-of-two scales: lower every exponent alike
+        blocks[:, o] -= int(np.ceil(np.log2(peak / 0.1)))
     return raw
 
 
@@ -111,7 +113,7 @@ def test_every_format_batch_row_equals_stream_alone(tmp_path_factory, qt, isa):
 
 def test_random_blocks_stay_small():
     """The generator's promise, which keeps every logit finite (torch.equal fails on NaN)."""
-    for qt in (T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL, T.Q2_K):
+    for qt in (T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL, T.Q2_K, T.MXFP4):
         raw = random_blocks(qt, 8, 256, 1)
         w = np.asarray(quants.dequantize(raw, qt), dtype=np.float32)
         assert np.isfinite(w).all() and 0.05 < np.abs(w).max() <= 0.1001

@@ -544,7 +544,7 @@ static inline __m512i unpack2(const uint8_t *p0, const uint8_t *p1) {
         const __m256i b = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + 2)) : _mm256_set1_epi8((char)0x80);
         return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), _mm512_set1_epi8((char)0x80));
     }
-    const int qo = (QT == FK_Q4_1) ? 4 : (QT == FK_Q5_0) ? 6 : (QT == FK_Q5_1) ? 8 : 2;
+    const int qo = (QT == FK_Q4_1) ? 4 : (QT == FK_Q5_0) ? 6 : (QT == FK_Q5_1) ? 8 : (QT == FK_MXFP4) ? 1 : 2;
     const __m128i a = _mm_loadu_si128((const __m128i *)(p0 + qo));
     const __m128i b = p1 ? _mm_loadu_si128((const __m128i *)(p1 + qo)) : _mm_setzero_si128();
     const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
@@ -559,8 +559,8 @@ static inline __m512i unpack2(const uint8_t *p0, const uint8_t *p1) {
                             (uint64_t)(h1 >> 16) << 48;
         z = _mm512_or_si512(z, _mm512_maskz_mov_epi8((__mmask64)mk, _mm512_set1_epi8(16)));
     }
-    if (QT == FK_IQ4_NL)
-        z = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4_u8)), z);
+    if (QT == FK_IQ4_NL || QT == FK_MXFP4)
+        z = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(QT == FK_MXFP4 ? kv_mxfp4_u8 : kv_iq4_u8))), z);
     return z;
 }
 

@@ -14,7 +14,7 @@ __all__ = ["load", "LLM", "__version__"]
 
 def load(path=None, **kw):
     """Open a GGUF as an LLM (None: the default model); the keywords are
-    fucina.text.api.load's (n_ctx, cache_type, lora, lora_scale, moe_ram, moe_policy)."""
+    fucina.text.api.load's (n_ctx, cache_type, lora, lora_scale, moe_ram, moe_policy, engram)."""
     from fucina.text import api
 
     with api.gc_paused():          # the vocabulary is ~10^5 long-lived strings; nothing to collect yet

@@ -54,6 +54,11 @@ class PipelineError(FucinaError):
     answering, or the ranks disagree on the model or the split."""
 
 
+class CartridgeError(FucinaError):
+    """A cartridge (a trained KV prefix) does not fit the model or cache it is given, its
+    file is corrupt, or its prefix does not fit the context."""
+
+
 class SchemaWarning(UserWarning):
     """A JSON schema keyword the grammar engine cannot enforce while generating (lenient
     structured output): the rest is enforced and the reply is checked after generation."""

@@ -124,7 +124,7 @@ def _split_positionals(args) -> tuple[str | None, str | None]:
 
 
 def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None, moe_ram=None,
-             moe_policy="heat", **stages):
+             moe_policy="heat", engram=None, mtp=None, **stages):
     import fucina.kernels as kernels
     from fucina.text.api import load
 
@@ -137,7 +137,7 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
         import torch
         torch.set_num_threads(n)
     llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
-               moe_policy=moe_policy, **stages)
+               moe_policy=moe_policy, engram=engram, mtp=mtp, **stages)
     llm.model                     # chat computes at once: build the decoder inside the start-up GC pause
     from fucina.cli.common import resume_gc
     resume_gc()
@@ -160,6 +160,7 @@ class ChatSession:
                                  max_tokens=args.gen, think=not args.no_think, sampling=self.sampling,
                                  stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
                                  processor=None if self.raw else reply_constraint(llm, args, think=not args.no_think),
+                                 cartridge=llm.prefix.cart if llm.prefix is not None else None,
                                  **spec_options(args))
 
     @property
@@ -212,13 +213,15 @@ class ChatSession:
 
 def cmd_chat(args) -> int:
     from fucina.cli.moe_args import moe_budget
+    from fucina.cli.mtp import mtp_value
     from fucina.cli.pipeline_args import pipeline_kwargs
 
     model_arg, message = _split_positionals(args)
     llm = load_llm(model_arg or CHAT_DEFAULT, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   **pipeline_kwargs(args))
+                   engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
+    llm.cartridge = getattr(args, "cartridge", None) or None
     session = ChatSession(llm, args)
     if session.raw:
         print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
                        "continues it bit-exactly.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--data", required=True, help="training JSONL")
+    s.add_argument("--method", choices=("sft", "es"), default="sft",
+                   help="sft: gradients on the supervised tokens (default); es: evolution strategies "
+                        "on a reward, forward passes only (see the ES options below)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--valid", help="validation JSONL")
     g.add_argument("--valid-split", type=float, default=None, metavar="F",
@@ -56,12 +59,14 @@ def add_parser(sub) -> None:
     s.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha/rank (default 16)")
     s.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     s.add_argument("--targets", default="q,v", help="projections: q,k,v,o,gate,up,down or all (default q,v)")
-    s.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    s.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-4; ES: step "
+                                                         "size, default 0.002)")
     s.add_argument("--optimizer", choices=("adamw", "sgd", "muon"), default="adamw")
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the run)")
     s.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 = off (default 1)")
-    s.add_argument("--batch", type=int, default=4, help="examples per micro-batch (default 4)")
+    s.add_argument("--batch", type=int, default=None, help="examples per micro-batch (default 4; ES: "
+                                                          "examples scored per member, default 8, 0 = all)")
     s.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     s.add_argument("--ctx", type=int, default=512, help="max tokens per row; longer examples are "
                                                         "an error (default 512)")
@@ -80,6 +85,8 @@ def add_parser(sub) -> None:
     s.add_argument("--resume", metavar="DIR", help="continue from DIR/checkpoint.pt (same flags)")
     s.add_argument("--threads", "-t", type=int)
     s.add_argument("--no-progress", action="store_true")
+    from fucina.cli.finetune_es import add_es_args
+    add_es_args(s)
     s.set_defaults(func=cmd_finetune)
 
     s = sub.add_parser("export", help="merge LoRA adapters into a standalone GGUF")
@@ -104,6 +111,13 @@ def _threads(n: int | None, world: int = 1) -> None:
 
 
 def cmd_finetune(args) -> int:
+    from fucina.cli.finetune_es import cmd_finetune_es, es_flags_given
+    if args.method == "es":
+        return cmd_finetune_es(args)
+    if es_flags_given(args):
+        raise FucinaError(f"{', '.join(es_flags_given(args))}: only with --method es")
+    args.lr = 2e-4 if args.lr is None else args.lr
+    args.batch = 4 if args.batch is None else args.batch
     from fucina.cli.common import resume_gc
     from fucina.models import load_model, resolve_model
     from fucina.text.chat_template import ChatTemplate

@@ -17,7 +17,9 @@ from fucina.cli.common import count, counts, end_gc, pause_gc, positive, resume_
 from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
-EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune")
+EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
+                  "fucina.cli.cartridge", "fucina.cli.engram",
+                  "fucina.cli.mtp")
 
 
 def _load(args, *, threads: int | None = None):
@@ -45,6 +47,10 @@ def _load(args, *, threads: int | None = None):
             model = load_model(path)
     from fucina.cli.moe_args import apply_moe_args
     apply_moe_args(model, args)
+    from fucina.cli.engram import apply_engram_args
+    apply_engram_args(model, args)
+    from fucina.cli.mtp import apply_mtp_args
+    apply_mtp_args(model, args)
     model.load_s = time.perf_counter() - t
     resume_gc()
     return model
@@ -115,10 +121,13 @@ def cmd_run(args) -> int:
     ids = parse_ids(args.tokens) if args.tokens else tok.encode(args.prompt or "")
     if not ids:
         raise FucinaError("the prompt encodes to no tokens")
-    if len(ids) + args.gen > model.config.n_ctx_train:
-        raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen} exceeds the model's "
-                          f"context of {model.config.n_ctx_train}")
-    llm = LLM(model, tok, n_ctx=len(ids) + args.gen + 1, cache_type=args.cache_type)
+    from fucina.text.cartridge import load_cartridges
+    cart = load_cartridges(getattr(args, "cartridge", None) or None, model)
+    p = cart.p if cart is not None else 0
+    if p + len(ids) + args.gen > model.config.n_ctx_train:
+        raise FucinaError(f"prompt ({len(ids)} tokens) + --gen {args.gen}{f' + cartridge {p}' if p else ''} "
+                          f"exceeds the model's context of {model.config.n_ctx_train}")
+    llm = LLM(model, tok, n_ctx=p + len(ids) + args.gen + 1, cache_type=args.cache_type, cartridge=cart)
     greedy = args.temp is None or args.greedy            # run is the parity tool: greedy by default
     opts = dict(temperature=0.0 if greedy else args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -130,7 +139,8 @@ def cmd_run(args) -> int:
 
     pieces = llm.stream(ids, args.gen, stop=args.stop or [], **opts, **grammar_options(args),
                         **spec_options(args))
-    prefill_with_progress(llm, ids)
+    if cart is None:
+        prefill_with_progress(llm, ids)
     if args.prompt and not args.tokens:
         sys.stdout.write(args.prompt)
     for piece in pieces:
@@ -353,12 +363,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("run", "chat", "serve"):
         if name in sub.choices:
             add_lora_args(sub.choices[name])
+    from fucina.cli.cartridge import add_cartridge_args
+    for name in ("run", "chat", "serve"):
+        if name in sub.choices:
+            add_cartridge_args(sub.choices[name])
+    from fucina.cli.engram import add_engram_args
+    for name in ("run", "chat", "serve", "perplexity"):
+        if name in sub.choices:
+            add_engram_args(sub.choices[name])
     from fucina.cli.moe_args import add_moe_args
     from fucina.cli.pipeline_args import add_pipeline_args
+    from fucina.cli.mtp import add_mtp_args
     for name in ("run", "chat", "serve", "bench"):
         if name in sub.choices:
             add_moe_args(sub.choices[name])
             add_pipeline_args(sub.choices[name])
+            add_mtp_args(sub.choices[name])
     return p
 
 

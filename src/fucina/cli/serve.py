@@ -11,6 +11,7 @@ import sys
 
 from fucina.cli.chat import MODEL_HELP, load_llm
 from fucina.cli.moe_args import moe_budget
+from fucina.cli.mtp import mtp_value
 from fucina.cli.pipeline_args import pipeline_kwargs
 
 
@@ -94,7 +95,8 @@ def cmd_serve(args) -> int:
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   **pipeline_kwargs(args))
+                   engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
+    llm.cartridge = getattr(args, "cartridge", None) or None   # every conversation starts behind it
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

@@ -40,7 +40,8 @@ NATIVE_TYPES = frozenset({
     GGMLType.F32, GGMLType.F16, GGMLType.BF16,
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-    GGMLType.IQ4_NL, GGMLType.IQ4_XS,
+    GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4,
+    GGMLType.TQ1_0, GGMLType.TQ2_0,
 })
 
 # FUCINA_KERNELS=0 keeps every weight on the reference path (A/B timing, debugging)
@@ -423,6 +424,10 @@ class KVPointers:
     def __init__(self, ptrs: torch.Tensor, capacity: int, geometry: list[tuple[int, int, int]]):
         self.ptrs, self.capacity, self.geometry = ptrs, capacity, geometry
 
+    def layer_range(self, lo: int, hi: int) -> "KVPointers":
+        """The entries of layers lo..hi-1 (what a plan over those layers reads)."""
+        return KVPointers(self.ptrs[4 * lo:4 * hi], self.capacity, self.geometry[lo:hi])
+
 
 def plan_schema() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """The plan's and one layer's (name, kind) fields as csrc/fk_plan.h defines them."""
@@ -497,7 +502,19 @@ class DecoderPlan:
             capsule = _native.plan_new(np.asarray(slots, dtype=np.int64).tobytes())
         except ValueError as e:
             raise KernelError(str(e)) from None
-        return cls(capsule, full, n_embd, n_rot, keep, n_ple)
+        plan = cls(capsule, full, n_embd, n_rot, keep, n_ple)
+        plan._spec = dict(n_embd=n_embd, n_ff=n_ff, n_rot=n_rot, neox=neox, act=act, eps=eps, scale=scale,
+                          n_head=n_head, n_kv=n_kv, head_dim=head_dim, n_ple=n_ple, layers=list(layers))
+        return plan
+
+    def layer_range(self, lo: int, hi: int) -> "DecoderPlan | None":
+        """A plan over layers lo..hi-1 alone (run it with `KVPointers.layer_range(lo, hi)`):
+        running the ranges in turn over the same x is bitwise one run of every layer. None
+        when the layers cannot be cut (per-layer inputs, or KV shared across layers)."""
+        spec = self._spec
+        if not 0 <= lo < hi <= self.n_layer or spec["n_ple"] or any(L.get("kv_from") for L in spec["layers"]):
+            return None
+        return DecoderPlan.build(**dict(spec, layers=spec["layers"][lo:hi]))
 
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:

@@ -92,8 +92,9 @@ class Rope:
         """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
         if self.cis.shape[0] < end:
             n = max(end, 2 * self.cis.shape[0], 256)
-            ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
+            with torch.inference_mode(False):   # grown during inference, read by training too
+                ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+                self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
         return self.cis
 
     def table(self, end: int) -> torch.Tensor:
@@ -256,7 +257,16 @@ class DecoderBase:
             geo = (cap, s.n_head_kv, s.head_dim, s.v_dim, cache_type, dtype)
             windowed = s.window and not rewindable
             mems.append(WindowKV(*geo, window=s.window, slack=self.window_slack) if windowed else KVMemory(*geo))
-        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+        return self.keep_hidden((Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap))
+
+    mtp = None   # a multi-token-prediction head (models/mtp.py) drafting for this model, when attached
+
+    def keep_hidden(self, cache: KVCache) -> KVCache:
+        """With an MTP head attached, `cache` keeps every position's last hidden row (f32,
+        n_embd a position): the head drafts from the trunk's state at the last position."""
+        if self.mtp is not None:
+            cache.hidden_rows = torch.zeros(cache.capacity, self.config.n_embd)
+        return cache
 
     def kv_geometry(self) -> tuple[list[int], list[int]]:
         """Per layer (kv_heads, head_dim) (an all-positions estimate; kv_bytes is exact)."""
@@ -282,6 +292,8 @@ class DecoderBase:
             c.reserve(1)
         x = self.embed(as_ids(tokens, self.config.n_vocab))
         ptrs = [self._native_cache(c) for c in caches]
+        if self.residual_hooks:
+            return self._hooked_batch(caches, tokens, x, ptrs)
         if all(p is not None for p in ptrs):
             x = x.float().contiguous()
             end = max(c.len for c in caches) + 1
@@ -291,7 +303,9 @@ class DecoderBase:
             batch = Ragged(caches)
             for i in range(self.config.n_layer):
                 x = self.block(i, x, batch, 0)
-        for c in caches:
+        for r, c in enumerate(caches):
+            if c.hidden_rows is not None:
+                c.hidden_rows[c.len] = x[r]
             c.advance(1)
         return self.head(x)
 
@@ -299,9 +313,14 @@ class DecoderBase:
         if cache.len != pos0:
             raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
         ids = as_ids(tokens, self.config.n_vocab)
-        m = ids.numel()
-        cache.check_room(m)
-        x = self.embed(ids)
+        cache.check_room(ids.numel())
+        return self.run_layers(cache, self.embed(ids), pos0)
+
+    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """Every layer over the embedded rows x [m, n_embd] at positions pos0.. (the cache
+        at pos0, with room); the last layer's rows, also kept in `cache.hidden_rows` when
+        the cache keeps them (a multi-token-prediction head drafts from them)."""
+        m = x.shape[0]
         ptrs = self._native_cache(cache)
         tables = [t.table(pos0 + m) for t in self.rope_tables(cache.capacity)] if ptrs is not None else None
         if ptrs is not None:
@@ -313,14 +332,92 @@ class DecoderBase:
             n = min(step, m - s)
             cache.reserve(n)
             h = x[s:s + n]
-            if ptrs is not None:
+            if self.residual_hooks:
+                h = self._hooked_rows(h, ids[s:s + n], cache, pos0 + s, ptrs, tables)
+            elif ptrs is not None:
                 self.native_plan.run(h, ptrs, pos0 + s, tables)    # in place
             else:
                 for i in range(self.config.n_layer):
                     h = self.block(i, h, cache, pos0 + s)
             outs.append(h)
             cache.advance(n)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if cache.hidden_rows is not None:
+            cache.hidden_rows[pos0:pos0 + m] = out
+        return out
+
+    # -- residual hooks: systems that add to the residual stream entering a layer ----------
+    # {layer: (hook, ...)}; a hook(layer, x [m, n_embd], ids [m], pos0, cache) returns the
+    # residual to continue with (x + its contribution). Empty (the class default): no hook
+    # is looked up and the native step runs every layer in one call, as without the seam.
+    # With hooks the native step runs the layer ranges between hooked layers (one plan each,
+    # `DecoderPlan.layer_range`) and the hooks run in torch between them; the torch blocks
+    # (and the training forward) call them before the hooked block.
+    residual_hooks: dict[int, tuple] = {}
+
+    def add_residual_hook(self, layer: int, hook) -> None:
+        if not 0 <= layer < self.config.n_layer:
+            raise FucinaError(f"residual hook: layer {layer} out of range [0, {self.config.n_layer})")
+        hooks = dict(self.residual_hooks)
+        hooks[layer] = hooks.get(layer, ()) + (hook,)
+        self.residual_hooks, self._hook_plans = hooks, None
+
+    def remove_residual_hooks(self, hook=None) -> None:
+        """Remove `hook` from every layer (None: every hook)."""
+        hooks = {i: tuple(h for h in hs if hook is not None and h is not hook)
+                 for i, hs in self.residual_hooks.items()}
+        self.residual_hooks, self._hook_plans = {i: hs for i, hs in hooks.items() if hs}, None
+
+    def run_hooks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
+        for hook in self.residual_hooks.get(layer, ()):
+            x = hook(layer, x, ids, pos0, cache)
+        return x
+
+    def _hook_ranges(self) -> "list[tuple[int, int, kernels.DecoderPlan]] | None":
+        """(lo, hi, plan over lo..hi-1) between the hooked layers; None: no cut plans."""
+        plans = getattr(self, "_hook_plans", None)
+        if plans is None:
+            cuts = sorted({0, *self.residual_hooks, self.config.n_layer})
+            plans = [(lo, hi, self.native_plan.layer_range(lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
+            plans = self._hook_plans = plans if all(p is not None for _, _, p in plans) else []
+        return plans or None
+
+    def _hooked_rows(self, h, ids, cache, pos0, ptrs, tables) -> torch.Tensor:
+        ranges = self._hook_ranges() if ptrs is not None else None
+        if ranges is None:
+            for i in range(self.config.n_layer):
+                h = self.block(i, self.run_hooks(i, h, ids, pos0, cache), cache, pos0)
+            return h
+        for lo, hi, plan in ranges:
+            h = self.run_hooks(lo, h, ids, pos0, cache).float().contiguous()
+            plan.run(h, ptrs.layer_range(lo, hi), pos0, tables)
+        return h
+
+    def _hooked_batch(self, caches, tokens, x, ptrs) -> torch.Tensor:
+        """forward_step_batch with residual hooks: each row's hooks see its own cache."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        pos = [c.len for c in caches]
+
+        def hooks(i, x):
+            if i not in self.residual_hooks:
+                return x
+            return torch.cat([self.run_hooks(i, x[j:j + 1], ids[j:j + 1], pos[j], c) for j, c in enumerate(caches)])
+
+        ranges = self._hook_ranges() if all(p is not None for p in ptrs) else None
+        if ranges is not None:
+            end = max(pos) + 1
+            tables = [t.table(end) for t in self.rope_tables(max(c.capacity for c in caches))]
+            x = x.float().contiguous()
+            for lo, hi, plan in ranges:
+                x = hooks(lo, x).float().contiguous()
+                plan.run_batch(x, [p.layer_range(lo, hi) for p in ptrs], pos, tables)
+        else:
+            batch = Ragged(caches)
+            for i in range(self.config.n_layer):
+                x = self.block(i, hooks(i, x), batch, 0)
+        for c in caches:
+            c.advance(1)
+        return self.head(x)
 
     # -- the native layer step (kernels.DecoderPlan): every block in one call ---------------
 

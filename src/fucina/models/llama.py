@@ -135,7 +135,11 @@ class Model(DecoderBase):
         if L.k_norm is not None:
             k = rms_norm(k, L.k_norm, c.rms_eps)
         rope = self.rope_tables(cache.capacity)[s.rope]
-        return L.wo(attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window))
+        return self.attn_out(L, attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window))
+
+    def attn_out(self, L: Layer, a: torch.Tensor) -> torch.Tensor:
+        """The attention heads [m, n_head * v_dim] through the output projection."""
+        return L.wo(a)
 
     def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
         g, u = L.gate_up(x)

@@ -682,7 +682,14 @@ def join(path, *, split: Sequence[int] | None = None, timeout: float | None = No
         ranges, problem = [], str(e)
     facts = [c.n_layer, sum(t.data.nbytes for t in f.tensors.values()), len(f.tensors), sum(sizes),
              hash(tuple(ranges)) % (1 << 62)]
-    agree(timeout, member.rank, member.world, facts, problem)
+    try:
+        agree(timeout, member.rank, member.world, facts, problem)
+    except BaseException:
+        # release the group before the error leaves: a process exiting with gloo's threads
+        # still running aborts ("terminate called without an active exception"), exit code -6
+        _shutdown()
+        member.store = None
+        raise
     member.formed()
     lo, hi = ranges[member.rank]
     stage = Stage(build_stage(f, checked, lo, hi), member.rank, member.world, lo, hi, c.n_layer, timeout)

@@ -25,6 +25,8 @@ FAMILIES: dict[str, str] = {
     "deepseek2": "fucina.models.deepseek2",
     "gemma4": "fucina.models.gemma4",
     "qwen3moe": "fucina.models.qwen3moe",
+    "glm4moe": "fucina.models.glm4moe",
+    "bitnet": "fucina.models.bitnet",
 }
 
 

@@ -70,6 +70,7 @@ class Server:
         name = os.path.basename(path).removesuffix(".gguf")
         engine = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
                         cache_type=llm.cache_type, name=name, kv_budget=kv_budget, spec=spec, spec_max=spec_max,
+                        prefix=llm.prefix,
                         **({"chunk": chunk} if chunk else {}))
         return cls(engine, **kw)
 

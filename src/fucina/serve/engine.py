@@ -72,6 +72,7 @@ class GenRequest:
     processor: Any = None               # this request's own LogitProcessor (a grammar Constraint)
     speculative: bool | None = None     # None: the engine's default (serve --spec)
     references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
+    prefix: int = 0                     # leading ids that stand for a cartridge's rows (not prompt tokens)
 
 
 @dataclass
@@ -255,11 +256,16 @@ class _Stream:
         req = job.req
         if len(req.ids) > slot.cache.capacity:
             raise ContextFull(f"prompt of {len(req.ids)} tokens exceeds the context of {slot.cache.capacity}")
+        p = 0
+        if engine.prefix is not None:      # a cartridge: seat it unless the slot keeps it
+            engine.prefix.ensure(slot.cache, slot.tokens, req.ids)
+            p = engine.prefix.p
         keep = slot.cache.truncate_point(min(common_prefix(slot.tokens, req.ids), len(req.ids) - 1))
         slot.cache.truncate(keep)
         del slot.tokens[keep:]
         self.copied = min(slot.copied, keep)
         self.reused = keep - self.copied
+        self.p = p
         self.pending: list[int] = [int(i) for i in req.ids[keep:]]
         self.reserve = min(len(req.ids) + req.max_tokens, engine.n_ctx)
         self.donor: _Stream | None = None     # a stream prefilling the prefix this one shares
@@ -267,7 +273,7 @@ class _Stream:
         self.sampler = ServeSampler(req.sampling, req.logprobs, req.processor)
         self.rd = ReplyDecoder(slot.cache, slot.tokens, self.sampler, engine.tokenizer,
                                max_tokens=req.max_tokens, stop_ids=req.stop_ids, stop=req.stop,
-                               reply=Reply(prompt_tokens=len(req.ids)))
+                               reply=Reply(prompt_tokens=len(req.ids) - p))
         self.logits: torch.Tensor | None = None
         self.sent = 0           # logprob entries already handed out
         self.live = True
@@ -301,9 +307,10 @@ class _Stream:
         return False
 
     def prefilled(self, logits: torch.Tensor) -> None:
-        self.rd.reply.reused_tokens = self.reused + self.copied
-        self.engine.metrics.prompt(len(self.job.req.ids), self.reused, self.copied)
-        self.job.sink(Started(len(self.job.req.ids), self.reused + self.copied))
+        p = self.p                        # cartridge rows are not prompt tokens
+        self.rd.reply.reused_tokens = max(0, self.reused + self.copied - p)
+        self.engine.metrics.prompt(len(self.job.req.ids) - p, max(0, self.reused - p), self.copied)
+        self.job.sink(Started(len(self.job.req.ids) - p, max(0, self.reused + self.copied - p)))
         self.logits = logits
 
     def spec_step(self) -> bool | None:
@@ -371,8 +378,9 @@ class Engine:
     def __init__(self, model, tokenizer, template, *, n_ctx: int | None = None, slots: int = 1,
                  batch: int | None = None, cache_type: str = "f16", name: str | None = None,
                  chunk: int = CHUNK, kv_budget: int | None = None, spec: bool = False,
-                 spec_max: int = 16):
+                 spec_max: int = 16, prefix=None):
         self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.prefix = prefix   # text.cartridge.Prefix: every conversation starts behind a cartridge
         self.spec, self.spec_max = spec, spec_max   # speculative decoding by default (serve --spec)
         self.n_ctx = n_ctx or min(model.config.n_ctx_train, 4096)
         if chunk < 1:
@@ -418,6 +426,8 @@ class Engine:
         slot.spec.index.clear_references()
         for ref in references:
             slot.spec.add_reference(ref, anchored=True)
+        if self.prefix is not None and self.prefix.cart.corpus:
+            slot.spec.add_reference(self.prefix.cart.corpus)   # the cartridge's document
         return slot.spec
 
     def _admission(self, live: list[_Stream]) -> Callable[[Job], bool]:
@@ -437,6 +447,8 @@ class Engine:
             job.sink(Finished(None))
             return None
         slot = None
+        if self.prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
+            job.req.ids, job.req.prefix = self.prefix.add(job.req.ids), self.prefix.p
         try:
             slot = self.pool.acquire(job.req.ids)
             s = _Stream(self, job, slot)

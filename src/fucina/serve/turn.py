@@ -179,7 +179,7 @@ class Turn:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.req.ids)
+        return len(self.req.ids) - self.req.prefix
 
     @property
     def completion_tokens(self) -> int:

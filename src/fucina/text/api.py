@@ -96,7 +96,8 @@ class LLM:
 
     def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
                  n_ctx: int | None = None, cache_type: str = "f16",
-                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None):
+                 build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None,
+                 cartridge=None):
         if (model is None) == (build is None):
             raise InvalidArgument("LLM takes a built model or a build function (with gguf), not both or neither")
         self._model, self._build, self._build_lock = model, build, threading.Lock()
@@ -118,6 +119,8 @@ class LLM:
         self._history: list[int] = []
         self.last: Reply | None = None
         self.spec: Speculation | None = None     # the raw-completion speculative state
+        self.cartridge = cartridge   # path(s) or Cartridge(s): every cache starts behind it (text.cartridge)
+        self._prefix = None
 
     @property
     def model(self):
@@ -165,6 +168,16 @@ class LLM:
         """The family's config: the one load() checked (no build, no torch), else the decoder's."""
         return self._config if self._model is None and self._config is not None else self.model.config
 
+    @property
+    def prefix(self):
+        """The cartridge(s) as a text.cartridge.Prefix (None without one), checked
+        against the model on first use."""
+        if self.cartridge is not None and self._prefix is None:
+            from fucina.text.cartridge import Prefix, load_cartridges
+            cart = load_cartridges(self.cartridge, self.model)
+            self._prefix = Prefix(cart) if cart is not None else None
+        return self._prefix
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
 
@@ -206,14 +219,21 @@ class LLM:
         self.spec.index.clear_references()
         for ref in [references] if isinstance(references, str) else references:
             self.spec.add_reference(reference_ids(self.tokenizer, ref))
+        if self.prefix is not None and self.prefix.cart.corpus:
+            self.spec.add_reference(self.prefix.cart.corpus)   # the cartridge's own document
         return self.spec
 
     def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
                   spec: Speculation | None = None):
         from fucina.text.generate import Reply, decode, prefill
 
+        p = 0
+        if self.prefix is not None:
+            ids = self.prefix.add(ids)
+            self.prefix.ensure(self._cache, self._history, ids)
+            p = self.prefix.p
         logits, reused = prefill(self.model, self._cache, self._history, ids)
-        reply = Reply(prompt_tokens=len(ids), reused_tokens=reused)
+        reply = Reply(prompt_tokens=len(ids) - p, reused_tokens=max(0, reused - p))
         stop_ids = self._stop_ids()
         try:
             yield from decode(self.model, self._cache, self._history, logits, sampler, self.tokenizer,
@@ -258,7 +278,8 @@ class LLM:
                             max_tokens=max_tokens, think=think, sampling=cfg, stop=stops,
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
                             persist=persist, processor=processor, speculative=speculative,
-                            references=references, spec_max=spec_max)
+                            references=references, spec_max=spec_max,
+                            cartridge=self.prefix.cart if self.prefix is not None else None)
 
     def _name(self) -> str:
         return os.path.basename(str(getattr(self.gguf, "path", "the model")))
@@ -299,7 +320,9 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
-         pipeline_timeout: float | None = None) -> LLM:
+         pipeline_timeout: float | None = None, cartridge=None,
+         engram: str | os.PathLike | None = None,
+         mtp: bool | str | os.PathLike | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
     `moe_ram` (GiB, or a share of the experts' bytes like "50%"): a MoE model's experts
@@ -315,14 +338,25 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
     `pipeline=True` (under torchrun, on every rank): the layers split over the group's ranks
     (`split`: layers per rank; default balanced by bytes), each mapping only its own
     (models/pipeline.py). Rank 0 gets the LLM; every other rank serves rank 0's steps inside
-    this call and leaves with SystemExit(0) when rank 0's process ends."""
+    this call and leaves with SystemExit(0) when rank 0's process ends.
+
+    `cartridge`: a trained KV prefix (path or Cartridge; a list is composed in order)
+    every cache starts behind (fucina.models.cartridge); checked on the first compute.
+
+    `engram`: an Engram n-gram memory file (`fucina engram train`) grafted onto the decoder
+    (checked against it here).
+
+
+    `mtp`: a multi-token-prediction head drafts for speculative decoding (`speculative=True`,
+    the server, Predicted Outputs): True for the NextN block the file carries (glm4moe), or a
+    head GGUF trained for this model (`fucina mtp train`); checked here (the model is built)."""
     from fucina.gguf import GGUFFile
     from fucina.models.hub import resolve_model
     from fucina.models.registry import check
     from fucina.text.tokenizer import Tokenizer
 
-    if pipeline and (lora or moe_ram is not None):
-        raise InvalidArgument("pipeline stages take neither LoRA adapters nor an expert RAM budget yet")
+    if pipeline and (lora or moe_ram is not None or engram):
+        raise InvalidArgument("pipeline stages take neither LoRA adapters, an expert RAM budget nor an Engram yet")
     f = GGUFFile(resolve_model(path))
     checked = check(f)          # the family's config and tensor schema (torch-free): a broken file fails here
 
@@ -338,14 +372,20 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)
+        if mtp is not None and mtp is not False:
+            from fucina.models.mtp import attach_from
+            attach_from(model, mtp)
         if lora:
             from fucina.weights.lora import load_adapters
             scales = [lora_scale] if isinstance(lora_scale, (int, float)) else lora_scale
             load_adapters(model, [lora] if isinstance(lora, (str, os.PathLike)) else list(lora), scales)
+        if engram:
+            from fucina.models.engram import attach_file
+            attach_file(model, engram)
         return model
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
-              config=checked.config)
-    if lora or moe_ram is not None or pipeline:
+              config=checked.config, cartridge=cartridge)
+    if lora or moe_ram is not None or pipeline or engram or (mtp is not None and mtp is not False):
         llm.model
     return llm

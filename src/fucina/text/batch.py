@@ -68,8 +68,8 @@ class SegmentError(FucinaError):
 
 def native_rows(model, caches: Sequence):
     """The native pointer tables of `caches` when one native pass can serve them all, else None."""
-    if getattr(model, "native_plan", None) is None:
-        return None
+    if getattr(model, "native_plan", None) is None or getattr(model, "residual_hooks", None):
+        return None   # residual hooks: the per-stream steps run them
     ptrs = [model._native_cache(c) for c in caches]
     return ptrs if all(p is not None for p in ptrs) else None
 
@@ -113,7 +113,11 @@ def _ragged_native(model, caches, tokens, want, ptrs, every_row) -> list[torch.T
         picked += range(first, len(positions)) if every else [len(positions) - 1] if w else []
     end = max(positions) + 1
     model.native_plan.run_batch(x, rows, positions, [t.table(end) for t in model.rope_tables()])
+    at = 0
     for c, t in zip(caches, tokens):
+        if c.hidden_rows is not None:      # an MTP head drafts from them
+            c.hidden_rows[c.len:c.len + len(t)] = x[at:at + len(t)]
+        at += len(t)
         c.advance(len(t))
     out: list[torch.Tensor | None] = [None] * len(caches)
     if picked:

@@ -36,7 +36,9 @@ class Conversation:
                  capacity: int | None = None, cache_type: str = "f16", cache=None,
                  tokens: Sequence[int] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                  persist: str | os.PathLike | None = None, speculative: bool = False,
-                 references: Sequence[str | Sequence[int]] = (), spec_max: int = 16):
+                 references: Sequence[str | Sequence[int]] = (), spec_max: int = 16, cartridge=None):
+        from fucina.text.cartridge import Prefix, load_cartridges
+
         self.model, self.tokenizer = model, tokenizer
         if template is None:
             meta = getattr(getattr(model, "gguf", None), "metadata", {}) or {}
@@ -56,6 +58,13 @@ class Conversation:
         self.spec = Speculation(model.config.n_vocab, max_draft=spec_max) if speculative else None
         for ref in references:
             self.add_reference(ref)
+        # a cartridge: its rows seated at the start of the cache, sentinel ids in self.tokens
+        cart = load_cartridges(cartridge, model)
+        self.prefix = Prefix(cart) if cart is not None else None
+        if self.prefix is not None and self.spec is not None and cart.corpus:
+            self.spec.add_reference(cart.corpus)      # the document the cartridge was made from
+        if self.prefix is not None and persist is not None:
+            raise FucinaError("a conversation behind a cartridge cannot persist its cache yet")
         self._persist = KVPersist(persist) if persist is not None else None
         if self._persist is not None:
             self._resume()
@@ -64,6 +73,8 @@ class Conversation:
             self.tokens = [int(t) for t in tokens[:self.cache.len]]
         elif self.cache.len:
             self.cache.reset()
+        if self.prefix is not None and self.tokens[:self.prefix.p] != self.prefix.ids:
+            self.prefix.seat(self.cache, self.tokens)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -88,13 +99,14 @@ class Conversation:
         common token prefix with it."""
         msgs = [dict(m) for m in messages]
         full = self._render(msgs)
-        return run(self._turn(msgs, full, prompt_ids(self.tokenizer, full), max_tokens), on_piece)
+        return run(self._turn(msgs, full, self._with_prefix(prompt_ids(self.tokenizer, full)), max_tokens),
+                   on_piece)
 
     def send_tokens(self, ids: Sequence[int], *, on_piece: Callable[[str], None] | None = None,
                     max_tokens: int | None = None) -> Reply:
         """Pre-encoded prompt ids with prefix reuse (the server's slot seam). The message
         list is left alone; returns the Reply."""
-        gen = self._generate(list(ids), max_tokens)
+        gen = self._generate(self._with_prefix(list(ids)), max_tokens)
         return run(gen, on_piece)
 
     def add_reference(self, ref: str | Sequence[int]) -> None:
@@ -124,6 +136,8 @@ class Conversation:
         self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
         self._committed_text = None
         self.last = None
+        if self.prefix is not None:
+            self.prefix.seat(self.cache, self.tokens)
         self._sync()
 
     # -- turns -------------------------------------------------------------------
@@ -136,7 +150,10 @@ class Conversation:
         if self.tokens and done is not None and full.startswith(done) and len(full) > len(done):
             delta = self.tokenizer.encode(full[len(done):], add_special=False, parse_special=True)
             return self.tokens + delta
-        return prompt_ids(self.tokenizer, full)
+        return self._with_prefix(prompt_ids(self.tokenizer, full))
+
+    def _with_prefix(self, ids: list[int]) -> list[int]:
+        return self.prefix.add(ids) if self.prefix is not None else ids
 
     def _turn(self, msgs: list[dict[str, Any]], full: str, ids: list[int],
               max_tokens: int | None) -> Iterator[str]:
@@ -159,12 +176,16 @@ class Conversation:
         """Turn prologue: re-arm the processor, prefill (reusing the common prefix)."""
         if self.sampler.processor is not None:
             self.sampler.processor.reset()
+        p = 0
+        if self.prefix is not None:
+            self.prefix.ensure(self.cache, self.tokens, ids)
+            p = self.prefix.p
         logits, reused = prefill(self.model, self.cache, self.tokens, ids)
         self._committed_text = None
         rd = ReplyDecoder(self.cache, self.tokens, self.sampler, self.tokenizer,
                           max_tokens=self.max_tokens if max_tokens is None else max_tokens,
                           stop_ids=self.stop_ids, stop=self.stop,
-                          reply=Reply(prompt_tokens=len(ids), reused_tokens=reused))
+                          reply=Reply(prompt_tokens=len(ids) - p, reused_tokens=max(0, reused - p)))
         return rd, logits
 
     def _end(self, rd: ReplyDecoder, ids: list[int], msgs, prompt_text) -> None:

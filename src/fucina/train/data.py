@@ -170,13 +170,12 @@ def encode_record(rec, tokenizer, template, where: str = "example") -> Example:
     return ex
 
 
-def read_jsonl(path: str | os.PathLike, tokenizer, template, ctx: int) -> list[Example]:
-    """Every example of a JSONL file; errors name the line and the reason."""
+def records(path: str | os.PathLike):
+    """(where, object) for every non-blank line of a JSONL file; errors name the line."""
     try:
         fh = open(path, encoding="utf-8")
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from e
-    out = []
     with fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -186,11 +185,18 @@ def read_jsonl(path: str | os.PathLike, tokenizer, template, ctx: int) -> list[E
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            ex = encode_record(rec, tokenizer, template, where)
-            if len(ex.ids) > ctx:
-                raise DataError(f"{where}: example is {len(ex.ids) + 1} tokens, longer than the "
-                                f"context of {ctx} (raise --ctx or shorten it)")
-            out.append(ex)
+            yield where, rec
+
+
+def read_jsonl(path: str | os.PathLike, tokenizer, template, ctx: int) -> list[Example]:
+    """Every example of a JSONL file; errors name the line and the reason."""
+    out = []
+    for where, rec in records(path):
+        ex = encode_record(rec, tokenizer, template, where)
+        if len(ex.ids) > ctx:
+            raise DataError(f"{where}: example is {len(ex.ids) + 1} tokens, longer than the "
+                            f"context of {ctx} (raise --ctx or shorten it)")
+        out.append(ex)
     if not out:
         raise DataError(f"{path}: no examples")
     return out

@@ -153,7 +153,10 @@ def hidden(model, ids: torch.Tensor, use_checkpoint: bool | str = True) -> torch
     x = model.embed(ids).float()
     grad = torch.is_grad_enabled()
     cache = TrainCache(model, ids.numel())
+    hooks = getattr(model, "residual_hooks", None)
     for i in range(model.config.n_layer):
+        if hooks and i in hooks:
+            x = model.run_hooks(i, x, ids, 0, cache)
         if mode != "off" and grad:
             x = _segment(mode, model.block, i, x, cache, 0)
         else:

@@ -357,15 +357,18 @@ class _TrainStack:
 # the families whose torch blocks the trainer's gradient tests verify (tests/test_train_lora.py:
 # autograd on the dequantized model and finite differences, every target); a family outside
 # it is refused rather than trained wrong
-TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2")
+TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2",
+             "bitnet")
 
 
 class LoRAModel:
     """LoRA attached to a loaded model. `params()` are the trainable tensors; `detach()`
-    restores the model. `dense=True` swaps every weight for an f32 copy (the peer)."""
+    restores the model. `dense=True` swaps every weight for an f32 copy (the peer).
+    `frozen_only=True`: every weight frozen and no adapter (gradients flow through the
+    model to inputs that are trained elsewhere: a cartridge's rows)."""
 
     def __init__(self, model, config: LoRAConfig, seed: int = 0, dense: bool = False,
-                 backward: str = "q8"):
+                 backward: str = "q8", frozen_only: bool = False):
         if not hasattr(model, "layers") or not hasattr(model, "block"):
             raise LoRAError(f"{type(model).__name__} has no per-layer blocks to adapt")
         arch = getattr(getattr(model, "config", None), "arch", None)
@@ -373,6 +376,7 @@ class LoRAModel:
             raise LoRAError(f"fine-tuning {arch!r} models is not supported yet "
                             f"(trainable architectures: {', '.join(TRAINABLE)})")
         self.model, self.config, self.seed, self.backward = model, config, seed, backward
+        self.frozen_only = frozen_only
         self.state = DropoutState(seed=seed)
         self.pairs: dict[str, LoRAPair] = {}
         self.file_parts: dict[str, list[tuple[str, int]]] = {}   # fused in the file: parts
@@ -384,7 +388,7 @@ class LoRAModel:
             self._attach_layer(i, L, g, dense)
         head = model.output
         self._swap(model, "output", self._frozen(head, dense))
-        if not self.pairs:
+        if not self.pairs and not frozen_only:
             self.detach()
             raise LoRAError(f"no weight of this {arch} model is a {','.join(config.targets)} projection "
                             "(MoE layers' routed experts stay frozen: target the attention)")
@@ -424,7 +428,7 @@ class LoRAModel:
     def _pair(self, tensor_name: str, n_in: int, n_out: int, layer: int, g: torch.Generator
               ) -> LoRAPair | None:
         target = _STEM_TARGET.get(_stem(tensor_name))
-        if target not in self.config.targets:
+        if target not in self.config.targets or self.frozen_only:
             return None
         pair = self.pairs.get(tensor_name)
         if pair is None:   # the same projection may appear separate and fused: one pair

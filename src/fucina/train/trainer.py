@@ -138,6 +138,8 @@ class Trainer:
 
     def resume(self, path: str) -> None:
         s = ckpt.load(path)
+        if s.get("method") == "es":
+            raise ckpt.CheckpointError(f"{path}: an evolution-strategies checkpoint (resume it with --method es)")
         ckpt.check_compatible(s["setup"], self._setup(), _RESUME_KEYS)
         if s["lora"] != asdict(self.lora_cfg):
             raise ckpt.CheckpointError(f"cannot resume: LoRA setup differs ({s['lora']} vs "

@@ -41,6 +41,7 @@ def _per_layer(x: int | list[int], n: int) -> list[int]:
 
 class KVCache:
     training = False   # models.base.attention: True only on the training stand-in (train.forward)
+    hidden_rows = None  # [capacity, n_embd] f32: each position's last hidden row, when the model keeps them
 
     def __init__(self, n_layers: int, kv_heads: int | list[int], head_dim: int | list[int],
                  capacity: int, dtype: torch.dtype = torch.float16, *, v_dim: int | list[int] | None = None,

@@ -3,7 +3,9 @@
 (1) an online SamIndex over every committed token of the conversation, (2) frozen
 SamIndex reference documents (the RAG seam: a prediction, a file to edit, retrieved
 text), (3) the token-recycling table as the fallback and the consumer of verification
-top-k. The source with the longest current match drafts (ties go to the conversation,
+top-k; with a multi-token-prediction head attached to the model (models/mtp.py), (4) the
+head's chained drafts wherever no exact match of MTP_DEFERS_TO tokens exists (the
+recycling chain then only where the head is muted). The source with the longest current match drafts (ties go to the conversation,
 then to the first-added reference), with a budget of min(n, beta * (1 + match)); a match
 shorter than min_match falls back to the recycling top-1 chain.
 
@@ -19,6 +21,8 @@ from collections import deque
 from typing import Sequence
 
 from fucina.text.generate import common_prefix
+from fucina.text.speculative.gate import MTP_BUCKET, match_bucket
+from fucina.text.speculative.mtp import MTPDrafter
 from fucina.text.speculative.recycling import TokenRecycling
 from fucina.text.speculative.sam import Cursor, SamIndex, frozen_index
 from fucina.text.speculative.source import DraftSource
@@ -30,6 +34,7 @@ ANCHORED_MATCH = 16   # the evidence an aligned anchored document (a prediction)
 # the recycling chain is judged from this many drafted tokens: its drafts are one or two
 # tokens at ~10% on SmolLM2, and 16 of them were ~10 losing verify passes a story
 RECYCLING_DECIDE_AFTER = 4
+MTP_DEFERS_TO = 4     # an exact match this long drafts instead of the MTP head
 
 
 class Gate:
@@ -104,6 +109,8 @@ class SpeculationIndex(DraftSource):
         self.short_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
         self._rec_idle = 0     # committed tokens since the recycling table last drafted
         self._pending: tuple[Gate, list[int]] | None = None
+        self.mtp: MTPDrafter | None = None      # set by bind() when the model has a head
+        self.mtp_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
 
     def _gate(self) -> Gate:
         return Gate(self.mute_acceptance, self.mute_commits)
@@ -148,6 +155,11 @@ class SpeculationIndex(DraftSource):
         # threads, 5 pairs, grounded summary 0.94x (its one-token drafts took passes the long
         # matches would have drafted further: 2.39 -> 2.29 tokens a step)
         short = best_len == 1 < self.min_match and self.short_matches and not self.short_gate.muted()
+        if self._mtp_drafts(best_len):
+            draft = self.mtp.suggest(context, n)
+            if draft:
+                self._pending = (self.mtp_gate, draft)
+            return draft
         if best_len >= self.min_match or short:
             budget = min(n, self.beta * (1 + best_len))
             if best is None:
@@ -162,6 +174,38 @@ class SpeculationIndex(DraftSource):
         if draft:
             self._pending = (gate, draft)
         return draft
+
+    def _mtp_drafts(self, best_len: int) -> bool:
+        return (self.mtp is not None and best_len < MTP_DEFERS_TO and not self.mtp_gate.muted()
+                and self.mtp.usable())
+
+    def bind(self, model, cache) -> None:
+        head = getattr(model, "mtp", None)
+        if head is None:
+            self.mtp = None
+            return
+        if self.mtp is None or self.mtp.head is not head:
+            self.mtp = MTPDrafter(head)
+        self.mtp.bind(cache)
+
+    def _best_exact(self) -> int:
+        best = 0 if self.conv_gate.muted() else self.conv.match_len()
+        for r in self.refs:
+            if not r.gate.muted():
+                if r.anchor is not None and r.anchor < r.index.token_count():
+                    return ANCHORED_MATCH
+                best = max(best, r.cursor.len)
+        return best
+
+    def bucket(self) -> int | None:
+        """The MTP head's own bucket when it would draft next, else by the match."""
+        best = self._best_exact()
+        return MTP_BUCKET if self._mtp_drafts(best) else match_bucket(best)
+
+    def draft_seconds(self) -> float:
+        if self.mtp is not None and self._mtp_drafts(self._best_exact()):
+            return self.mtp.seconds_per_token or 0.0
+        return 0.0
 
     def match_len(self) -> int:
         """The longest exact match a draft would follow; an anchored document the reply
@@ -208,6 +252,8 @@ class SpeculationIndex(DraftSource):
         self._append([int(t) for t in history[len(seen):]])
         for ref in self.refs:     # after the catch-up: an anchored document is the reply to come
             ref.anchor = 0 if ref.anchored else None
+        if self.mtp is not None:
+            self.mtp.sync(history)
 
     def _append(self, tokens: list[int]) -> None:
         if not tokens:
@@ -231,6 +277,7 @@ class SpeculationIndex(DraftSource):
         self.conv_gate.tick(n)
         self.rec_gate.tick(n)
         self.short_gate.tick(n)
+        self.mtp_gate.tick(n)
 
     def source_summary(self) -> str:
         def one(name, g):
@@ -238,5 +285,7 @@ class SpeculationIndex(DraftSource):
             return f"{name} {g.total_accepted}/{g.total_drafted} ({rate:.0%}){' muted' if g.muted() else ''}"
         parts = [one("conversation", self.conv_gate), one("one-token matches", self.short_gate),
                  one("recycling", self.rec_gate)]
+        if self.mtp is not None:
+            parts.append(one("mtp head", self.mtp_gate))
         parts += [one(f"ref{i}", r.gate) for i, r in enumerate(self.refs)]
         return ", ".join(parts)

@@ -51,6 +51,8 @@ class Stats:
     bonus: int = 0
     committed: int = 0
     by_draft: dict[int, int] = field(default_factory=dict)   # verify passes by draft length
+    pos_drafted: list[int] = field(default_factory=list)    # draft tokens at each draft position
+    pos_accepted: list[int] = field(default_factory=list)   # ... of them accepted
 
     def priced_speedup(self, cost) -> float:
         """Committed tokens per plain-step-equivalent, each verify pass of k draft tokens
@@ -151,6 +153,7 @@ class SpeculativeDecoder:
         """`drive` with the verify passes left to the caller: yields text pieces and
         `Verify` requests; the caller fills a request's `rows` (its own pass, or rows of a
         shared batch pass that are bitwise the single steps) before the next `next()`."""
+        self.source.bind(model, rd.cache)
         self.source.sync(rd.history)
         self.clock = pass_clock()
         self.gate.bind(shared_costs(model))
@@ -261,7 +264,9 @@ class SpeculativeDecoder:
             s.disabled_steps += 1
             self.gate.tick(self.source.match_len() >= self.strong_match)
             return []
-        self._bucket = match_bucket(self.source.match_len())
+        bucket = self.source.bucket()
+        self._bucket = match_bucket(self.source.match_len()) if bucket is None else bucket
+        self.gate.set_draft_cost(self._draft_steps())
         room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket),
                    cache.capacity - cache.len - n_carried, rd.max_tokens - len(rd.reply.tokens) - 1)
         if room < self.min_draft:
@@ -285,6 +290,15 @@ class SpeculativeDecoder:
         s.drafted += len(draft)
         s.by_draft[len(draft)] = s.by_draft.get(len(draft), 0) + 1
         return draft
+
+    def _draft_steps(self) -> float:
+        """The source's own cost of a drafted token in plain steps (the MTP head's
+        passes; a prior of 0.1 step until plain steps are timed)."""
+        seconds = self.source.draft_seconds()
+        if not seconds:
+            return 0.0
+        plain = self.gate.costs.plain_time
+        return seconds / plain if plain else 0.1
 
     def _shape(self, rd: ReplyDecoder, draft: list[int]) -> list[int]:
         """A logit processor with structure (a grammar) cuts a draft at its first
@@ -324,6 +338,13 @@ class SpeculativeDecoder:
         s.committed += len(committed)
         if draft:
             s.accepted += n_acc
+            grow = len(draft) - len(s.pos_drafted)
+            if grow > 0:
+                s.pos_drafted += [0] * grow
+                s.pos_accepted += [0] * grow
+            for j in range(len(draft)):
+                s.pos_drafted[j] += 1
+                s.pos_accepted[j] += j < n_acc
             if bonus:
                 s.bonus += 1
             elif n_acc < len(committed):

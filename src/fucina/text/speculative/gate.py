@@ -52,9 +52,10 @@ def default_cost_table() -> tuple[tuple[int, float], ...]:
 # Match lengths below 2 (the recycling chain), 2-3, 4-7, 8-15 and 16+ keep their own
 # rolling acceptance, so short matches stop costing verify rows while long ones draft long.
 MATCH_BUCKETS = (2, 4, 8, 16)
+MTP_BUCKET = len(MATCH_BUCKETS) + 1   # drafts of a multi-token-prediction head: a bucket of their own
 BUCKET_DECAY = 0.85   # per verify pass of the bucket: the last ~7 passes weigh most
 BUCKET_PRIOR = 2.0    # draft tokens' worth of the bucket's prior acceptance mixed into its rate
-BUCKET_PRIORS = (0.3, 0.5, 0.65, 0.8, 0.9)   # until measured: a longer match continues more often
+BUCKET_PRIORS = (0.3, 0.5, 0.65, 0.8, 0.9, 0.5)   # until measured: a longer match continues more often
 BUCKET_PROBE = 16     # a bucket the budget skips drafts again after this many skipped steps,
 BUCKET_PROBE_MAX = 256   # doubling after each probe that accepts nothing, up to this
 
@@ -177,7 +178,8 @@ class CostGate:
         self.probing = 0              # probe verify passes left
         self.switches = 0
         self._budgets: dict[tuple, int] = {}  # by (shared rows, bucket), until the window or a timing changes
-        n = len(MATCH_BUCKETS) + 1
+        n = len(MATCH_BUCKETS) + 2
+        self.draft_cost = 0.0         # plain steps a drafted token costs its source (the MTP head's passes)
         self.bucket_drafted, self.bucket_accepted = [0.0] * n, [0.0] * n   # decayed counts
         self.bucket_skips = [0] * n
         self.bucket_wait = [BUCKET_PROBE] * n       # skipped steps before the next probe
@@ -255,7 +257,7 @@ class CostGate:
                 self.bucket_probed[bucket] = False
                 self.bucket_wait[bucket] = BUCKET_PROBE if accepted else \
                     min(2 * self.bucket_wait[bucket], BUCKET_PROBE_MAX)
-        self.window.append((drafted, accepted, committed, self.cost(drafted)))
+        self.window.append((drafted, accepted, committed, self.cost(drafted) + drafted * self.draft_cost))
         while len(self.window) > self.rate_window:
             self.window.popleft()
         if self.probing:
@@ -300,6 +302,13 @@ class CostGate:
             self.off_for = 0 if strong_match else self.off_for - 1
         if self.off_for == 0 and not self.on and not self.probing:
             self.probing = self.probe_steps
+
+    def set_draft_cost(self, steps: float) -> None:
+        """What a drafted token costs its source, in plain steps (0 for index lookups);
+        the memoized budgets are dropped when it moves by more than 10%."""
+        if abs(steps - self.draft_cost) > 0.1 * max(self.draft_cost, 1e-3):
+            self._budgets.clear()
+        self.draft_cost = steps
 
     def budget(self, shared: int = 0, bucket: int | None = None) -> int:
         """Draft tokens worth verifying: the k maximising expected committed tokens per
@@ -353,7 +362,9 @@ class CostGate:
             p *= a
             expect += p
             if k >= self.min_draft:
-                value = (shared + expect) / self.pass_cost(shared + 1 + k) if shared else expect / self.budget_cost(k)
+                extra = k * self.draft_cost
+                value = (shared + expect) / (self.pass_cost(shared + 1 + k) + extra) if shared else \
+                    expect / (self.budget_cost(k) + extra)
                 if value > best + 1e-9:
                     best_k, best = k, value
         return best_k if self.adapt_budget or best_k == 0 else self.max_draft

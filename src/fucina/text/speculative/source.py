@@ -34,6 +34,18 @@ class DraftSource:
     def truncate_pending(self, new_len: int) -> None:
         """The draft just returned was cut to its first new_len tokens before verifying."""
 
+    def bind(self, model, cache) -> None:
+        """The model and the cache the stream decodes with (each reply's start)."""
+
+    def bucket(self) -> int | None:
+        """The gate's evidence bucket for the next draft (None: by `match_len`)."""
+        return None
+
+    def draft_seconds(self) -> float:
+        """Wall time a drafted token costs the source itself (a model-based source's
+        forward passes; index lookups: 0), which the cost gate adds to its verify rows."""
+        return 0.0
+
     def sync(self, history: Sequence[int]) -> None:
         """Make the source's view of the stream equal `history` (a reply start: after a
         prefill, a rewind, a new turn). Sources without stream state ignore it."""

@@ -1,0 +1,207 @@
+"""The whole-model Engram: one hash plan, one EngramLayer per memory layer, a state dict in
+safetensors, and the residual hooks that graft it onto a decoder.
+
+Attached (`attach(model)`), each memory layer's output is added to the residual stream
+entering its decoder layer (`DecoderBase.add_residual_hook`), on the torch blocks, the
+native step (cut at the hooked layers) and the training forward alike. A sequence's
+state, the compressed ids and each layer's normed value rows by position (what the hash
+and the ShortConv read before a step's first position), is kept per cache, so rewinds
+and prefix reuse read what the positions they keep wrote.
+
+File (safetensors): `engram.multipliers` I64 [layers, max_ngram], `engram.lookup` I64
+[n_vocab] (when compressed), `engram.layers.<id>.<param>` F32; the metadata holds the
+plan's settings, the layer geometry and the model it was made for (architecture, sizes
+and a digest of its token embeddings), checked on attach.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from fucina.models.engram import store
+from fucina.models.engram.layer import PARAMS, EngramLayer
+from fucina.models.engram.plan import EngramError, HashPlan
+
+FORMAT = "fucina-engram/1"
+MAX_CHECKED_BYTES = 1 << 30   # tables up to this are scanned for non-finite values on load
+
+
+def model_identity(model) -> dict:
+    """What a graft records about its model: architecture, sizes, a digest of the token
+    embeddings' first rows (as stored in the file)."""
+    c = model.config
+    raw = model.tok_embd.raw[:64].contiguous()
+    digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+    return dict(arch=type(model).__module__.rsplit(".", 1)[-1], n_vocab=int(c.n_vocab), n_embd=int(c.n_embd),
+                n_layer=int(c.n_layer), embd_digest=digest)
+
+
+class _Stream:
+    """One sequence's history: compressed ids and per-layer normed value rows by position."""
+
+    def __init__(self, capacity: int, layer_ids, n_embd: int):
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.conv = {lid: torch.zeros(capacity, n_embd) for lid in layer_ids}
+        self.known = 0
+
+
+class Engram(torch.nn.Module):
+    def __init__(self, plan: HashPlan, n_embd: int, head_dim: int, *, kernel: int = 4, model_id: dict | None = None,
+                 graft: bool = True, seed: int = 0):
+        super().__init__()
+        if head_dim < 1 or kernel < 1 or n_embd < 1:
+            raise EngramError("engram: head_dim, kernel and n_embd must be >= 1")
+        self.plan, self.n_embd, self.head_dim, self.kernel = plan, n_embd, head_dim, kernel
+        self.model_id = dict(model_id or {})
+        g = torch.Generator().manual_seed(seed)
+        self.layers = torch.nn.ModuleDict({
+            str(lid): EngramLayer(plan.table_rows[i], n_embd, head_dim, plan.n_heads_total, kernel, plan.max_ngram,
+                                  graft=graft, generator=g)
+            for i, lid in enumerate(plan.layer_ids)})
+        self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._attached = None
+
+    @classmethod
+    def for_model(cls, model, layer_ids, *, capacity: int = 20011, n_head: int = 4, head_dim: int = 32,
+                  max_ngram: int = 3, kernel: int = 4, seed: int = 0, lookup: np.ndarray | None = None,
+                  pad_id: int = 0, graft: bool = True) -> "Engram":
+        """A fresh graft for `model`: `capacity` rows per head (primes from there; 1: the
+        one-row control), zero-init value path when `graft`."""
+        c = model.config
+        for lid in layer_ids:
+            if not 0 <= lid < c.n_layer:
+                raise EngramError(f"engram: layer {lid} out of range [0, {c.n_layer})")
+        plan = HashPlan(n_vocab=c.n_vocab, layer_ids=layer_ids, max_ngram=max_ngram, n_head=n_head,
+                        vocab_per_ngram=[capacity] * (max_ngram - 1), pad_id=pad_id, seed=seed, lookup=lookup)
+        return cls(plan, c.n_embd, head_dim, kernel=kernel, model_id=model_identity(model), graft=graft, seed=seed)
+
+    # -- the hooks ------------------------------------------------------------------------
+    def check_model(self, model) -> None:
+        mine, theirs = self.model_id, model_identity(model)
+        diff = [k for k in theirs if k in mine and mine[k] != theirs[k]]
+        if diff:
+            raise EngramError("engram: this graft was made for another model (" + ", ".join(
+                f"{k} {mine[k]} here, {theirs[k]} in the model" for k in diff) + ")")
+        if self.plan.n_vocab != theirs["n_vocab"] or self.n_embd != theirs["n_embd"] or \
+                max(self.plan.layer_ids) >= theirs["n_layer"]:
+            raise EngramError("engram: the graft's vocabulary, width or layers do not fit the model")
+
+    def attach(self, model) -> "Engram":
+        self.check_model(model)
+        if self._attached is not None:
+            raise EngramError("engram: already attached to a model")
+        for lid in self.plan.layer_ids:
+            model.add_residual_hook(lid, self)
+        self._attached = weakref.ref(model)
+        return self
+
+    def detach(self) -> None:
+        model = self._attached() if self._attached is not None else None
+        if model is not None:
+            model.remove_residual_hooks(self)
+        self._attached = None
+
+    def _stream(self, cache) -> _Stream:
+        s = self._streams.get(cache)
+        if s is None or s.ids.shape[0] < cache.capacity:
+            s = self._streams[cache] = _Stream(cache.capacity, self.plan.layer_ids, self.n_embd)
+        return s
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
+        mod = self.layers[str(layer)]
+        comp = self.plan.compress(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
+        m = comp.shape[0]
+        if getattr(cache, "training", False):      # a training sequence: starts at 0, nothing kept
+            out, _ = mod(x, torch.from_numpy(self.plan.rows(layer, comp)), None)
+            return x + out
+        s = self._stream(cache)
+        if pos0 > s.known:
+            raise EngramError(f"engram: this cache's positions before {pos0} were not computed with the graft "
+                              f"attached (it knows {s.known}); reset the cache")
+        k, p = self.plan.max_ngram - 1, mod.history
+        rows = self.plan.rows(layer, comp, s.ids[max(0, pos0 - k):pos0])
+        if pos0 >= p:
+            prev = s.conv[layer][pos0 - p:pos0]
+        else:
+            prev = torch.cat([x.new_zeros(p - pos0, self.n_embd), s.conv[layer][:pos0]])
+        out, vn = mod(x, torch.from_numpy(rows), prev)
+        s.ids[pos0:pos0 + m] = comp
+        s.conv[layer][pos0:pos0 + m] = vn.detach()
+        s.known = pos0 + m
+        return x + out
+
+    # -- the file -------------------------------------------------------------------------
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {"engram.multipliers": self.plan.multipliers}
+        if self.plan.lookup is not None:
+            out["engram.lookup"] = self.plan.lookup
+        for lid, mod in self.layers.items():
+            for name in PARAMS:
+                out[f"engram.layers.{lid}.{name}"] = getattr(mod, name).detach().float().numpy()
+        return out
+
+    def config(self) -> dict:
+        return dict(self.plan.describe(), n_embd=self.n_embd, head_dim=self.head_dim, kernel=self.kernel,
+                    table_rows=self.plan.table_rows)
+
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
+        meta = {"format": FORMAT, "config": json.dumps(self.config()), "model": json.dumps(self.model_id)}
+        meta.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+        store.write(path, self.tensors(), meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Engram":
+        arrays, meta = store.read(path)
+        if meta.get("format") != FORMAT:
+            raise EngramError(f"{path}: not a fucina Engram file (format {meta.get('format')!r}, want {FORMAT})")
+        try:
+            cfg, model_id = json.loads(meta["config"]), json.loads(meta["model"])
+            plan = HashPlan(n_vocab=cfg["n_vocab"], layer_ids=cfg["layer_ids"], max_ngram=cfg["max_ngram"],
+                            n_head=cfg["n_head"], vocab_per_ngram=cfg["vocab_per_ngram"], pad_id=cfg["pad_id"],
+                            seed=cfg["seed"], lookup=arrays.get("engram.lookup"),
+                            multipliers=arrays["engram.multipliers"])
+            n_embd, head_dim, kernel = int(cfg["n_embd"]), int(cfg["head_dim"]), int(cfg["kernel"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngramError(f"{path}: the Engram metadata is incomplete or malformed ({e})") from None
+        if cfg.get("table_rows") != plan.table_rows:
+            raise EngramError(f"{path}: table sizes {cfg.get('table_rows')} disagree with the plan's {plan.table_rows}")
+        eng = cls.__new__(cls)
+        torch.nn.Module.__init__(eng)
+        eng.plan, eng.n_embd, eng.head_dim, eng.kernel, eng.model_id = plan, n_embd, head_dim, kernel, model_id
+        eng._streams, eng._attached = weakref.WeakKeyDictionary(), None
+        e, layers = head_dim * plan.n_heads_total, {}
+        shapes = dict(table=None, key_w=(n_embd, e), key_b=(n_embd,), key_norm=(n_embd,), query_norm=(n_embd,),
+                      value_w=(n_embd, e), value_b=(n_embd,), conv_norm=(n_embd,), conv_w=(n_embd, kernel))
+        expected = {"engram.multipliers"} | ({"engram.lookup"} if plan.lookup is not None else set())
+        for i, lid in enumerate(plan.layer_ids):
+            mod = EngramLayer.__new__(EngramLayer)
+            torch.nn.Module.__init__(mod)
+            mod.n_embd, mod.head_dim, mod.n_heads, mod.kernel, mod.dilation = (
+                n_embd, head_dim, plan.n_heads_total, kernel, plan.max_ngram)
+            for name in PARAMS:
+                key = f"engram.layers.{lid}.{name}"
+                expected.add(key)
+                a = arrays.get(key)
+                want = (plan.table_rows[i], head_dim) if name == "table" else shapes[name]
+                if a is None or a.dtype != np.float32 or tuple(a.shape) != want:
+                    raise EngramError(f"{path}: {key} is missing or not f32 {list(want)}")
+                t = torch.from_numpy(a)
+                if a.nbytes <= MAX_CHECKED_BYTES and not bool(torch.isfinite(t).all()):
+                    raise EngramError(f"{path}: {key} holds NaN or infinite values (a corrupt table)")
+                setattr(mod, name, torch.nn.Parameter(t, requires_grad=False))
+            layers[str(lid)] = mod
+        extra = set(arrays) - expected
+        if extra:
+            raise EngramError(f"{path}: unexpected tensors {sorted(extra)[:4]}")
+        eng.layers = torch.nn.ModuleDict(layers)
+        return eng
+
+
+def attach_file(model, path: str | os.PathLike) -> Engram:
+    """Load an Engram file and graft it onto `model` (checked against it)."""
+    return Engram.load(path).attach(model)

@@ -1,0 +1,68 @@
+"""Serving behind a cartridge: its rows seated at the start of a cache, shadowed in the
+token history by sentinel ids (negative: no real token equals one), so the generic
+prefix reuse keeps them and the prompt that follows starts at position p.
+
+A history describing a cache behind a cartridge is `prefix.ids + prompt + reply`; the
+cache is re-seated (reset, rows written again) whenever it cannot keep all p rows,
+since no token can re-create them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from fucina.errors import CartridgeError
+from fucina.models.cartridge import Cartridge, compose
+from fucina.text.generate import common_prefix
+
+CartridgeSpec = "str | os.PathLike | Cartridge | Sequence[str | os.PathLike | Cartridge]"
+
+
+def load_cartridges(spec, model=None) -> Cartridge | None:
+    """A path, a Cartridge, or a sequence of them (composed in order) as one Cartridge
+    checked against `model` (when given); None or an empty sequence: None."""
+    if spec is None:
+        return None
+    items = [spec] if isinstance(spec, (str, os.PathLike, Cartridge)) else list(spec)
+    if not items:
+        return None
+    parts = []
+    for it in items:
+        if isinstance(it, Cartridge):
+            parts.append(it)
+        elif isinstance(it, (str, os.PathLike)):
+            parts.append(Cartridge.load(it))
+        else:
+            raise CartridgeError(f"a cartridge is a path or a Cartridge, got {type(it).__name__}")
+    cart = compose(parts)
+    if model is not None:
+        cart.check_model(model)
+    return cart
+
+
+class Prefix:
+    """A cartridge as the fixed start of a cache and of its history."""
+
+    def __init__(self, cart: Cartridge):
+        self.cart = cart
+        self.p = cart.p
+        self.ids = [-1 - i for i in range(cart.p)]
+
+    def seat(self, cache, history: list[int]) -> None:
+        cache.reset()
+        history.clear()
+        self.cart.write_to_cache(cache)
+        history.extend(self.ids)
+
+    def ensure(self, cache, history: list[int], ids: Sequence[int]) -> None:
+        """Before a prefill of `ids` (which start with self.ids): re-seat the cache unless
+        it holds the prefix and the rewind to the common prefix keeps all of it."""
+        if len(history) < self.p or history[:self.p] != self.ids or cache.len < self.p:
+            self.seat(cache, history)
+            return
+        keep = cache.truncate_point(min(common_prefix(history, ids), len(ids) - 1, cache.len))
+        if keep < self.p:
+            self.seat(cache, history)
+
+    def add(self, ids: Sequence[int]) -> list[int]:
+        return self.ids + [int(i) for i in ids]

@@ -1,0 +1,162 @@
+"""Training cartridges (train.cartridge): the loss and its gradients against an
+independent torch formulation, finite differences through attention into the rows, the
+student forward against a real forward, and self-study runs that learn, repeat for a
+seed and resume bit for bit."""
+import gguf
+import pytest
+import torch
+
+from fucina.errors import CartridgeError
+from fucina.models import load_model
+from fucina.models.cartridge import Cartridge
+from fucina.text.tokenizer import Tokenizer
+from fucina.train.cartridge import (CartridgeParams, Sample, SelfStudy, SelfStudyConfig, Trainable,
+                                    distill_loss, optimize, sample_loss, student_logprobs, teacher_topk,
+                                    train_cartridge)
+from fucina.train.forward import hidden
+from synth import write_model
+
+Q = gguf.GGMLQuantizationType
+DOC = ("Zorvath is the capital of Plenn. The river Quiss flows through Zorvath. "
+       "Plenn exports blue salt and copper. Its queen is named Ilvara. ") * 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_model(tmp_path_factory.mktemp("c") / "m.gguf", "qwen3", hidden=64, heads=4, kv_heads=2,
+                       head_dim=32, layers=2, qtype=Q.F32)
+    model = load_model(path)
+    return model, Tokenizer.from_metadata(model.gguf.metadata)
+
+
+def test_teacher_topk_keeps_the_crossing_entry():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    ids, lp = teacher_topk(logits, k=20, mass=0.9)
+    assert ids.tolist() == [0, 1, 2] and torch.allclose(lp.exp(), torch.tensor([0.5, 0.3, 0.15]))
+    ids, _ = teacher_topk(logits, k=2, mass=0.99)
+    assert ids.tolist() == [0, 1]
+
+
+def test_loss_and_gradient_match_a_dense_formulation():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g, dtype=torch.float64).requires_grad_()
+    teacher = torch.randn(5, 40, generator=g, dtype=torch.float64)
+    toks, lps = zip(*[teacher_topk(t, k=6, mass=0.95) for t in teacher])
+    # duplicate an entry's row: entries add, rows average
+    loss = distill_loss(torch.log_softmax(logits, -1), toks, lps)
+    (gl,) = torch.autograd.grad(loss, logits)
+    dense = torch.zeros(5, 40, dtype=torch.float64)
+    for r, (t, lp) in enumerate(zip(toks, lps)):
+        dense[r, t] = lp.double().exp()
+    logits2 = logits.detach().clone().requires_grad_()
+    ref = -(dense * torch.log_softmax(logits2, -1)).sum(-1).mean()
+    (gr,) = torch.autograd.grad(ref, logits2)
+    assert torch.allclose(loss.double(), ref, atol=1e-6) and torch.allclose(gl, gr, atol=1e-6)
+    # gradient of forward KL: teacher entropy is constant, so the same gradient
+    kl = (dense * (torch.where(dense > 0, dense.log(), torch.zeros_like(dense)) - torch.log_softmax(logits2, -1)))
+    (gk,) = torch.autograd.grad(kl.sum(-1).mean(), logits2)
+    assert torch.allclose(gk, gr, atol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+def test_student_forward_behind_a_capture_is_the_real_forward(tiny, arch, tmp_path):
+    """(gemma4: windows, per-layer embeddings and a layer reading another's K/V)"""
+    model = tiny[0] if arch == "qwen3" else load_model(write_model(tmp_path / "g.gguf", "gemma4", layers=4))
+    ids = list(range(10, 40))
+    p = 18
+    cart = Cartridge.capture(model, ids[:p])
+    ks, vs = CartridgeParams(cart).full()
+    with torch.no_grad():
+        got = student_logprobs(model, ks, vs, ids[p:], list(range(len(ids) - p)), "off")
+        want = torch.log_softmax(model.head(hidden(model, torch.tensor(ids), "off")[p:]).float(), -1)
+    assert (got - want).abs().max() < 2e-2     # the prefix rows went through f16 once
+
+
+def test_finite_differences_through_attention_into_the_rows(tiny):
+    model, _ = tiny
+    cart = Cartridge.capture(model, list(range(50, 62)))
+    params = CartridgeParams(cart)
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(4, model.config.n_vocab, generator=g) * 3
+    toks, lps = zip(*[teacher_topk(t, k=8, mass=0.99) for t in teacher])
+    s = Sample(ids=[3, 9, 27, 81, 5], rows=[1, 2, 3, 4], tokens=list(toks), logprobs=list(lps))
+    trainable = Trainable(model)
+    try:
+        loss = sample_loss(model, params, s, "off")
+        loss.backward()
+        for t in (params.k[1], params.v[0]):
+            d = torch.randn(t.shape, generator=g)
+            analytic = float((t.grad * d).sum())
+            eps = 1e-2
+            with torch.no_grad():
+                t += eps * d
+                up = float(sample_loss(model, params, s, "off"))
+                t -= 2 * eps * d
+                down = float(sample_loss(model, params, s, "off"))
+                t += eps * d
+            numeric = (up - down) / (2 * eps)
+            assert abs(numeric - analytic) <= 0.03 * abs(analytic) + 1e-4, (numeric, analytic)
+        # the frozen sink gets no gradient: it is not a parameter
+        assert all(p.shape[0] == cart.p - 1 for p in params.params())
+        # checkpointed segments give the same gradient
+        grads = [p.grad.clone() for p in params.params()]
+        for p in params.params():
+            p.grad = None
+        sample_loss(model, params, s, "full").backward()
+        assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, params.params()))
+    finally:
+        trainable.close()
+
+
+def test_self_study_samples_are_a_function_of_seed_and_index(tiny):
+    model, tok = tiny
+    cfg = SelfStudyConfig(p=16, chunk_tokens=60, max_question=8, max_answer=10)
+    study = SelfStudy(model, tok, DOC, cfg)
+    a, b = study.sample(3), study.sample(3)
+    assert a.ids == b.ids and a.rows == b.rows and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.rows[-1] < len(a.ids) and len(a.rows) == len(a.tokens) >= 1
+    other = SelfStudy(model, tok, DOC, SelfStudyConfig(p=16, chunk_tokens=60, max_question=8, max_answer=10,
+                                                       seed=1)).sample(3)
+    # another seed shows the bots another chunk: the teacher's targets move
+    assert other.ids != a.ids or any(not torch.equal(x, y) for x, y in zip(a.logprobs, other.logprobs))
+
+
+def test_training_lowers_the_loss_on_its_conversations(tiny):
+    model, tok = tiny
+    cfg = SelfStudyConfig(p=16, chunk_tokens=60, max_question=8, max_answer=10, lr=2e-2, accum=2,
+                          conversations=2 * 8)
+    study = SelfStudy(model, tok, DOC, cfg)
+    fixed = [study.sample(i) for i in range(2)]
+    from fucina.train.cartridge import init_cartridge
+    params = CartridgeParams(init_cartridge(model, tok, DOC, cfg))
+    trainable = Trainable(model)
+    try:
+        with torch.no_grad():
+            before = sum(float(sample_loss(model, params, s)) for s in fixed)
+        prog = optimize(model, params, lambda i: fixed[i % 2], cfg)
+        with torch.no_grad():
+            after = sum(float(sample_loss(model, params, s)) for s in fixed)
+    finally:
+        trainable.close()
+    assert prog.steps == 8 and after < 0.9 * before
+
+
+def test_train_is_deterministic_and_resumes_bit_for_bit(tiny, tmp_path):
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2)
+    whole = train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, **kw), out=str(tmp_path / "a.st"))
+    again = train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, **kw), out=str(tmp_path / "b.st"))
+    train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=str(tmp_path / "c.st"))
+    resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, **kw), out=str(tmp_path / "c.st"),
+                              resume=True)
+    for x, y, z in zip(whole.k + whole.v, again.k + again.v, resumed.k + resumed.v):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    assert whole.meta["steps"] == 3 and resumed.meta["conversations"] == 6
+    loaded = Cartridge.load(tmp_path / "c.st")
+    assert loaded.corpus == tok.encode(DOC, add_special=False) and loaded.meta["steps"] == 3
+    assert not torch.equal(loaded.k[0][1:], Cartridge.capture(model, tok.encode(DOC)[:12]).k[0][1:])
+    with pytest.raises(CartridgeError, match="setup differs"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=8, **dict(kw, lr=1e-3)),
+                        out=str(tmp_path / "c.st"), resume=True)
+    with pytest.raises(CartridgeError, match="fewer than p"):
+        train_cartridge(model, tok, "short", SelfStudyConfig(p=64), out=str(tmp_path / "d.st"))
