@@ -7,7 +7,7 @@ and SmolLM2's Q4_1 layer shape stacked to 98 MB), so every call reads its weight
 as a decode step does. Reports GB/s of weight bytes per call (median of --reps) for one
 activation row and for 4 (a verify pass), and the rate of `torch.sum` over a float tensor of
 the same size (the sequential read the memory system gives one process). The gap between
-the two is what the GEMV's access order costs (BENCHMARK.md, session 9).
+the two is what the GEMV's access order costs (BENCHMARK.md, "The decode GEMV reads each tile in address order").
 """
 from __future__ import annotations
 

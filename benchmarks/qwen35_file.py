@@ -3,11 +3,11 @@
 
 The shape of Qwen3.5-0.8B: 24 layers (every 4th gated full attention: 8 heads x 256,
 2 KV heads, RoPE on 64 dims in sections 11/11/10), DeltaNet layers with 16 key and 16
-value heads of 128, conv 4, ffn 3584, n_embd 1024; the Qwen3 vocabulary (151k) from the
-shared vocab GGUF. Quantize it with llama-quantize (Q8_0, Q4_K_M) and run
-/work/shared/bench/vs_llamacpp.py on the results.
+value heads of 128, conv 4, ffn 3584, n_embd 1024; the Qwen3 vocabulary (151k) from a
+vocabulary GGUF. Quantize it with llama-quantize (Q8_0, Q4_K_M) and run
+benchmarks/vs_llamacpp.py on the results.
 
-usage: python benchmarks/qwen35_file.py OUT.gguf [--vocab ../shared/data/vocab/vocab-qwen3.gguf]
+usage: python benchmarks/qwen35_file.py OUT.gguf [--vocab vocab-qwen3.gguf]
 """
 import argparse
 import sys

@@ -20,7 +20,7 @@ would offer, the prefix of each the reply confirms, the pass's cost by the table
 
 The cost gate is left out (the replay prices every pass the policy makes), so `chain` is
 below what `benchmarks/speculative.py --priced` reports; the ratios between policies are
-the point. Default table: SmolLM2-135M Q4_1's two-thread AVX-512 one (session 8).
+the point. Default table: SmolLM2-135M Q4_1's two-thread AVX-512 one (measured 2026-12-02).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ typedef struct {
  * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. Up to
  * FK_TOUCH_ROWS activation rows it replaces the per-row software prefetches, which gained
  * ~nothing there and, beside the touch, cancelled its gain (they fill the miss buffers with
- * the next tile's lines). BENCHMARK.md, session 9. A span past FK_TOUCH_MAX (more than L2
+ * the next tile's lines). BENCHMARK.md, "The decode GEMV reads each tile in address order". A span past FK_TOUCH_MAX (more than L2
  * holds beside the rest) is left to the kernel's own reads. */
 #define FK_TOUCH_MAX (256 * 1024)
 /* activation rows up to which the decode GEMV touches its tiles (and drops the per-row
