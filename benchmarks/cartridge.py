@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--conditions", default="bare,icl,cartridge", help="quality conditions to run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -76,11 +78,13 @@ def main(argv=None) -> int:
         int(logits.argmax())
         return time.perf_counter() - t
 
-    ttft(True), ttft(False)   # warm-up
-    t_icl, t_cart = [], []
-    for _ in range(args.reps):
-        t_icl.append(ttft(True))
-        t_cart.append(ttft(False))
+    t_icl, t_cart = [float("nan")], [float("nan")]
+    if not args.skip_ttft:
+        ttft(True), ttft(False)   # warm-up
+        t_icl, t_cart = [], []
+        for _ in range(args.reps):
+            t_icl.append(ttft(True))
+            t_cart.append(ttft(False))
     res = {"model": model.gguf.path.name if hasattr(model.gguf.path, "name") else str(model.gguf.path),
            "doc_tokens": len(doc_ids), "p": cart.p, "threads": args.threads,
            "icl_prompt_tokens": len(icl_ids), "cartridge_prompt_tokens": len(plain_ids),
@@ -94,7 +98,10 @@ def main(argv=None) -> int:
         from fucina.text.cartridge import Prefix
         from fucina.text.generate import prefill
 
+        wanted = args.conditions.split(",")
         for name, icl, behind in (("bare", False, False), ("icl", True, False), ("cartridge", False, True)):
+            if name not in wanted:
+                continue
             right, nlls, answers = 0, [], []
             front = LLM(model, tok, llm.template, n_ctx=4096, cartridge=cart if behind else None)
             # one conversation and one scoring cache per condition: the document (or the
@@ -122,8 +129,9 @@ def main(argv=None) -> int:
             res[f"answers_{name}"] = answers
             print(f"{name}: {right}/{len(questions)} right, reference NLL {statistics.mean(nlls):.3f}",
                   file=sys.stderr, flush=True)
-        gain_icl = res["right_icl"] - res["right_bare"]
-        res["recovered"] = (res["right_cartridge"] - res["right_bare"]) / gain_icl if gain_icl else None
+        if len(wanted) == 3:
+            gain_icl = res["right_icl"] - res["right_bare"]
+            res["recovered"] = (res["right_cartridge"] - res["right_bare"]) / gain_icl if gain_icl else None
     if args.json:
         print(json.dumps(res))
     else:
