@@ -17,7 +17,8 @@ import time
 from fucina.errors import FucinaError
 
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
-EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune")
+EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
+                  "fucina.cli.quantize")
 
 
 _gc_was_enabled: bool | None = None
