@@ -64,3 +64,29 @@ def test_plane_count_outside_one_to_three_is_an_error(planes):
 def test_rows_must_split_into_groups():
     with pytest.raises(QuantError, match="256-value groups"):
         fit(torch.zeros(2, 100), 1)
+
+
+@pytest.fixture(scope="module")
+def fits():
+    W = torch.randn(37, 512, generator=torch.Generator().manual_seed(5))
+    return [fit(W, planes) for planes in (1, 2, 3)]
+
+
+def test_fused_planes_equal_the_per_plane_sum_bitwise(fits, isa):
+    from fucina.weights.ptqtp import PtqtpWeight
+
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
+    for planes, f in zip((1, 2, 3), fits):
+        w = PtqtpWeight.from_fit(f, "m")
+        for m in (1, 2, 5, 9):   # the decode GEMV's rows and the panel route
+            got = w(x[:m])
+            assert torch.equal(got, w.per_plane(x[:m])), (planes, m, isa)
+        ref = x.double() @ w.dequantize().double().T
+        assert ((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_a_plane_count_outside_one_to_three_is_refused_by_the_weight():
+    from fucina.weights.ptqtp import PtqtpWeight
+
+    with pytest.raises(QuantError, match="1, 2 or 3 planes"):
+        PtqtpWeight([], 1, 256)
