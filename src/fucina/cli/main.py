@@ -19,7 +19,7 @@ from fucina.errors import FucinaError
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
                   "fucina.cli.cartridge", "fucina.cli.engram",
-                  "fucina.cli.mtp")
+                  "fucina.cli.mtp", "fucina.cli.quantize")
 
 
 def _load(args, *, threads: int | None = None):
