@@ -25,7 +25,7 @@ from fucina.models import load_model
 from fucina.models.engram import Engram
 from fucina.text.evaluate import perplexity
 from fucina.text.tokenizer import Tokenizer
-from fucina.train.engram import compress_table, prefix, train, trainable_parameters, window_loss, windows
+from fucina.train.engram import compress_table, fit, train, trainable_parameters
 
 
 def _setup(args):
@@ -54,22 +54,7 @@ def _train_lora(model, ids, eng_params: int, start: int, steps: int, ctx: int, l
     probe.detach()
     rank = max(1, round(eng_params / per_rank))
     lm = LoRAModel(model, LoRAConfig(rank=rank, alpha=2.0 * rank, targets="all"), seed=seed)
-    params = [p for p in lm.params()]
-    opt = torch.optim.Adam(params, lr=lr)
-    wins = [(prefix(model, x, start), x, y) for x, y in windows(ids, ctx)]
-    import numpy as np
-    rng, order = np.random.default_rng(seed), []
-    for step in range(steps):
-        if not order:
-            order = list(rng.permutation(len(wins)))
-        h, x, y = wins[order.pop()]
-        opt.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            loss = window_loss(model, h, x, y, start)
-            loss.backward()
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / steps))
-        opt.step()
+    fit(model, lm.params(), ids, start, steps=steps, lr=lr, ctx=ctx, seed=seed)
     return lm, rank, trained(lm)
 
 

@@ -90,7 +90,8 @@ class Rope:
 
     def _table(self, end: int) -> torch.Tensor:
         """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
-        if self.cis.shape[0] < end:
+        # a table made under inference_mode cannot enter autograd: training after inference remakes it
+        if self.cis.shape[0] < end or (self.cis.is_inference() and not torch.is_inference_mode_enabled()):
             n = max(end, 2 * self.cis.shape[0], 256)
             ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
             self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)
