@@ -90,7 +90,8 @@ class Rope:
 
     def _table(self, end: int) -> torch.Tensor:
         """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
-        if self.cis.shape[0] < end:
+        # a table made under inference_mode cannot enter autograd: training after inference remakes it
+        if self.cis.shape[0] < end or (self.cis.is_inference() and not torch.is_inference_mode_enabled()):
             n = max(end, 2 * self.cis.shape[0], 256)
             with torch.inference_mode(False):   # grown during inference, read by training too
                 ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
