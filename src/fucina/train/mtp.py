@@ -40,7 +40,7 @@ from fucina.models.schema.mtp import NEXTN
 from fucina.weights import LinearWeight
 
 PROMPTS = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Write a short story about a baker who discovers an old family recipe.",
     "Explain how photosynthesis works, step by step.",
     "What are the main causes of inflation? Explain simply.",
     "Write a poem about the sea at night.",
@@ -79,6 +79,7 @@ SIMPLE = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "q_no
           "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm", "attn_output": "wo",
           "ffn_down": "down"}
 QKV = ("attn_q", "attn_k", "attn_v")
+BATCH = 8     # self-distilled streams decoded in lockstep
 
 
 @dataclass
@@ -177,12 +178,16 @@ def initial_values(model) -> dict[str, torch.Tensor]:
 
 
 def self_distill(llm, opts: TrainOptions) -> list[list[int]]:
-    """Token sequences: each prompt (templated when the model has a chat template) and the
-    model's greedy continuation of it."""
+    """Token sequences: each prompt (templated when the model has a chat template; after the
+    first round, opened with one sampled token for variety) and the model's greedy
+    continuation of it, BATCH streams decoded in lockstep (one weight pass for all)."""
+    from fucina.text.batch import generate_batch
+    from fucina.text.sampler import Sampler, SamplingConfig
+
     rng = random.Random(opts.seed)
     prompts = list(opts.prompts)
     rng.shuffle(prompts)
-    seqs = []
+    starts = []
     for n in range(opts.sequences):
         p = prompts[n % len(prompts)]
         if llm.has_chat_template:
@@ -190,13 +195,19 @@ def self_distill(llm, opts: TrainOptions) -> list[list[int]]:
                                        add_special=False, parse_special=True)
         else:
             ids = llm.tokenize(p)
-        if n >= len(prompts):        # later rounds: continue from a sampled first token for variety
+        if n >= len(prompts):
             llm.generate(ids, max_tokens=1, temperature=1.0, seed=opts.seed + n)
             ids = ids + list(llm.last.tokens)
-        llm.generate(ids, max_tokens=opts.tokens, temperature=0.0)
-        seqs.append(ids + list(llm.last.tokens))
+        starts.append(ids)
+    seqs: list[list[int]] = []
+    stop = list(getattr(llm.tokenizer, "eog_ids", ()) or ())
+    for at in range(0, len(starts), BATCH):
+        group = starts[at:at + BATCH]
+        replies = generate_batch(llm.model, llm.tokenizer, group, [Sampler(SamplingConfig()) for _ in group],
+                                 max_tokens=opts.tokens, stop_ids=stop)
+        seqs += [ids + list(r.tokens) for ids, r in zip(group, replies)]
         if opts.log:
-            opts.log(f"sequence {n + 1}/{opts.sequences}: {len(seqs[-1])} tokens")
+            opts.log(f"sequences {len(seqs)}/{len(starts)}: {sum(len(q) for q in seqs)} tokens")
     return seqs
 
 
