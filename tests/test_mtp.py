@@ -152,14 +152,14 @@ def test_mtp_drafted_equals_plain(tmp_path, mtp_always, opts):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A llama synth model (native step: the batched verify route) and a head trained for it
-    through the CLI, in a few steps."""
+    through the CLI, in a few steps (two of its 16 sequences held out)."""
     from fucina.cli.main import main
     from synth import write_model
 
     d = tmp_path_factory.mktemp("mtp")
     path = write_model(d / "m.gguf", "llama", seed=3)
     head = d / "head.gguf"
-    assert main(["mtp", "train", path, "--out", str(head), "--steps", "3", "--sequences", "2", "--tokens", "8",
+    assert main(["mtp", "train", path, "--out", str(head), "--steps", "3", "--sequences", "16", "--tokens", "4",
                  "--seed", "1", "--threads", "1"]) == 0
     return path, str(head)
 
