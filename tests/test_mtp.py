@@ -208,3 +208,19 @@ def test_bad_heads_raise_typed_errors(trained, tmp_path):
         mtp.load_head(model, tmp_path / "missing.gguf")
     with pytest.raises(mtp.MTPHeadError, match="carries no NextN block"):
         load(path, mtp=True)
+
+
+def test_head_misses_leave_the_cascade_on():
+    """A head's rejected drafts mute the head (its bucket's budget falls to 0), never the
+    cost gate's on/off decision, which the exact matches' drafts keep deciding."""
+    from fucina.text.speculative.gate import MTP_BUCKET, CostGate
+
+    g = CostGate(max_draft=8, min_draft=1)
+    for _ in range(12):
+        g.settle(3, 0, 1, MTP_BUCKET)
+    assert g.active() and g.bucket_acceptance(MTP_BUCKET) < 0.1
+    g.draft_cost = 0.1
+    assert g.budget(0, MTP_BUCKET) == 0
+    for _ in range(12):
+        g.settle(3, 0, 1, 1)
+    assert not g.active()
