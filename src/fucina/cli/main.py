@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in sub.choices:
             add_moe_args(sub.choices[name])
             add_pipeline_args(sub.choices[name])
-            add_mtp_args(sub.choices[name])
+            if name != "bench":
+                add_mtp_args(sub.choices[name])
     return p
 
 
