@@ -357,7 +357,7 @@ class _TrainStack:
 # the families whose torch blocks the trainer's gradient tests verify (tests/test_train_lora.py:
 # autograd on the dequantized model and finite differences, every target); a family outside
 # it is refused rather than trained wrong
-TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2")
+TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2", "gpt-oss")
 
 
 class LoRAModel:
