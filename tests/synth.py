@@ -109,6 +109,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, ffn=ffn, vocab=vocab, qtype=qtype, window=sliding_window,
                             seed=seed, ctx=ctx, chat_template=chat_template, extra=extra)
+    if arch == "gpt-oss":   # sinks, biased experts, YaRN: its own writer (tests/synth_gptoss.py)
+        from synth_gptoss import write_gptoss
+        return write_gptoss(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            vocab=vocab, qtype=qtype, window=sliding_window, seed=seed, ctx=ctx,
+                            chat_template=chat_template, experts=experts, experts_used=experts_used)
     w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     for key, v in (extra or {}).items():
