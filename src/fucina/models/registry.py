@@ -25,6 +25,8 @@ FAMILIES: dict[str, str] = {
     "deepseek2": "fucina.models.deepseek2",
     "gemma4": "fucina.models.gemma4",
     "qwen3moe": "fucina.models.qwen3moe",
+    "dream": "fucina.models.dream",
+    "llada": "fucina.models.llada",
 }
 
 
