@@ -304,3 +304,25 @@ def test_the_live_view_redraws_the_canvas_on_a_terminal(synth):
     piped = io.StringIO()
     LiveView(fucina.load(path).tokenizer, 2, m.config.mask_token_id, piped)(0, 4, np.array([5, 6, 7]))
     assert piped.getvalue() == ""
+
+
+def test_chat_denoises_each_turn_over_the_whole_conversation(synth, tmp_path, monkeypatch, capsys):
+    import io
+
+    import fucina
+    from fucina.cli.main import main
+    arch, path, m = synth
+    ids_out = tmp_path / "ids.txt"
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", path, "--repl", "--gen", "24", "--diffusion-steps", "8", "--seed", "2", "-t", "2",
+                 "--ids-out", str(ids_out)]) == 0
+    got = [int(x) for x in ids_out.read_text().split()]
+    llm = fucina.load(path)
+    msgs = [{"role": "user", "content": "hello"}]
+    first = llm.tokenizer.encode(llm.template.render(msgs))
+    want = denoise(m, first, DiffusionConfig(canvas=len(first) + 24, steps=8, eps=0.001, seed=2))[len(first):]
+    eog = set(llm.tokenizer.eog_ids)
+    first_reply = want[:next((i for i, t in enumerate(want) if t in eog), len(want))]
+    assert got[:len(first_reply)] == first_reply       # then the second turn's, if it wrote any
+    assert main(["chat", path, "hey", "--regex", "a+"]) == 1
+    assert "is a diffusion model" in capsys.readouterr().err

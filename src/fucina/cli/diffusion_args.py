@@ -131,3 +131,41 @@ def run(model, tok, args) -> int:
         with open(args.ids_out, "w") as fh:
             fh.writelines(f"{t}\n" for t in result.tokens)
     return 0
+
+
+class DiffusionChat:
+    """`fucina chat` on a diffusion model: each turn renders the whole conversation through
+    the chat template and denoises the reply's canvas (the prompt + --gen, or --canvas);
+    the repl offers /help, /exit and /quit."""
+
+    raw = True     # the repl's conversation commands (/reset, /system, ...) need a Conversation
+
+    def __init__(self, llm, args):
+        from fucina.text.sampler import SamplingConfig
+
+        self.llm, self.args = llm, args
+        self.messages = [{"role": "system", "content": args.system}] if args.system else []
+        self.ids: list[int] = []
+        cfg = config(args, 1)
+        self.sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+        self.seed = cfg.seed
+
+    @property
+    def name(self) -> str:
+        return self.llm._name()
+
+    def reply(self, text: str, out) -> None:
+        llm = self.llm
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = llm.tokenizer.encode(llm.template.render(msgs, add_generation_prompt=True),
+                                   add_special=True, parse_special=True)
+        if self.args.seed is None:
+            self.args.seed = self.seed     # one seed for the session, as a Conversation keeps one sampler
+        result = denoise_to(out, llm.model, llm.tokenizer, ids, self.args)
+        self.messages = msgs + [{"role": "assistant", "content": result.text}]
+        self.ids += result.tokens
+        if self.args.ids_out:
+            with open(self.args.ids_out, "w") as fh:
+                fh.writelines(f"{t}\n" for t in self.ids)
+        out.write("\n")
+        out.flush()
