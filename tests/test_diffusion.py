@@ -326,3 +326,10 @@ def test_chat_denoises_each_turn_over_the_whole_conversation(synth, tmp_path, mo
     assert got[:len(first_reply)] == first_reply       # then the second turn's, if it wrote any
     assert main(["chat", path, "hey", "--regex", "a+"]) == 1
     assert "is a diffusion model" in capsys.readouterr().err
+
+
+def test_serving_a_diffusion_model_is_a_typed_error(synth, capsys):
+    from fucina.cli.main import main
+    _, path, _ = synth
+    assert main(["serve", path, "--port", "0"]) == 1
+    assert "the server does not denoise" in capsys.readouterr().err
