@@ -125,12 +125,15 @@ class Rope:
 
 
 def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: float,
-              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
     """Causal attention of q [m, heads, d] at positions pos0.. over cache rows [0, pos0+m).
 
-    `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA)."""
+    `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA);
+    `causal` False: every query sees every row [0, pos0+m) (a diffusion canvas)."""
     m, n_head, d = q.shape
     n = pos0 + m
+    if not causal:
+        return _full_attention(q, *cache.span(layer, 0, n), scale)
     start = max(0, pos0 - window + 1) if window > 0 else 0  # no query in this step sees keys before this
     k, v = cache.span(layer, start, n)
     if m == 1 and not softcap:
@@ -192,6 +195,16 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.reshape(1, n_head * d)
 
 
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every query row over every key row, no mask (GQA as grouped heads)."""
+    m, n_head, d = q.shape
+    kvh = k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], scale=scale,
+                                         enable_gqa=kvh != n_head)[0]
+    return out.transpose(0, 1).reshape(m, n_head * d)
+
+
 class Ragged:
     """N streams advanced together by one token each: row r belongs to caches[r] at
     position caches[r].len. Blocks pass it where a single cache would go."""
@@ -204,13 +217,14 @@ class Ragged:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | Ragged, layer: int,
-           pos0: int, rope: "Rope", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           pos0: int, rope: "Rope", scale: float, window: int = 0, softcap: float = 0.0,
+           causal: bool = True) -> torch.Tensor:
     """RoPE q/k, append k/v to the cache, attend. With a Ragged batch each row is rotated at
     its own position and attends over its own cache."""
     if not isinstance(cache, Ragged):
         q, k = rope(q, pos0), rope(k, pos0)
         cache.append(layer, k, v)
-        return attention(q, cache, layer, pos0, scale, window, softcap)
+        return attention(q, cache, layer, pos0, scale, window, softcap, causal)
     q, k = rope.at(q, cache.positions), rope.at(k, cache.positions)
     out = []
     for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s)):

@@ -28,6 +28,8 @@ FAMILIES: dict[str, str] = {
     "glm4moe": "fucina.models.glm4moe",
     "bitnet": "fucina.models.bitnet",
     "gpt-oss": "fucina.models.gpt_oss",
+    "dream": "fucina.models.dream",
+    "llada": "fucina.models.llada",
 }
 
 
