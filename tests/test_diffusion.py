@@ -236,20 +236,17 @@ if __name__ == "__main__":
 
 def test_the_api_generates_and_streams_by_committed_blocks(synth):
     import fucina
-    from fucina.text.diffusion import reply
     arch, path, m = synth
     llm = fucina.load(path)
     ids = prompt_ids(path)
     cfg = config(dict(seed=9, block_length=16, eps=0.0, steps=24))
-    gen = reply(m, llm.tokenizer, ids, cfg)
-    pieces = list(gen)
-    text = llm.generate(ids, canvas=64, steps=24, block_length=16, seed=9)
-    assert text == "".join(pieces) and llm.last.prompt_tokens == len(ids)
-    assert 1 <= len(list(llm.stream(ids, canvas=64, steps=24, block_length=16, seed=9))) <= 4   # one piece a block
+    pieces = list(llm.stream(ids, canvas=64, steps=24, block_length=16, seed=9))
+    assert 1 <= len(pieces) <= 4 and llm.last.prompt_tokens == len(ids)     # at most one piece a block
     canvas = denoise(m, ids, cfg)[len(ids):]
     eog = set(llm.tokenizer.eog_ids)
     cut = next((i for i, t in enumerate(canvas) if t in eog), len(canvas))
     assert llm.last.tokens == canvas[:cut] and llm.last.finish_reason == ("stop" if cut < len(canvas) else "length")
+    assert "".join(pieces) == llm.last.text == llm.tokenizer.decode(canvas[:cut])
 
 
 def test_api_keywords_of_the_other_kind_are_typed_errors(synth, tmp_path):
