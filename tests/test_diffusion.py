@@ -330,3 +330,12 @@ def test_serving_a_diffusion_model_is_a_typed_error(synth, capsys):
     _, path, _ = synth
     assert main(["serve", path, "--port", "0"]) == 1
     assert "the server does not denoise" in capsys.readouterr().err
+
+
+def test_a_kernels_build_without_the_bidir_field_keeps_the_torch_path(synth, monkeypatch):
+    """An older native build would attend causally: the plan is refused, not misused."""
+    from fucina import kernels
+    _, path, _ = synth
+    plan, layer = kernels.plan_schema()
+    monkeypatch.setattr(kernels, "plan_schema", lambda: (plan, tuple(f for f in layer if f[0] != "bidir")))
+    assert load_model(path).native_plan is None
