@@ -236,20 +236,17 @@ if __name__ == "__main__":
 
 def test_the_api_generates_and_streams_by_committed_blocks(synth):
     import fucina
-    from fucina.text.diffusion import reply
     arch, path, m = synth
     llm = fucina.load(path)
     ids = prompt_ids(path)
     cfg = config(dict(seed=9, block_length=16, eps=0.0, steps=24))
-    gen = reply(m, llm.tokenizer, ids, cfg)
-    pieces = list(gen)
-    text = llm.generate(ids, canvas=64, steps=24, block_length=16, seed=9)
-    assert text == "".join(pieces) and llm.last.prompt_tokens == len(ids)
-    assert 1 <= len(list(llm.stream(ids, canvas=64, steps=24, block_length=16, seed=9))) <= 4   # one piece a block
+    pieces = list(llm.stream(ids, canvas=64, steps=24, block_length=16, seed=9))
+    assert 1 <= len(pieces) <= 4 and llm.last.prompt_tokens == len(ids)     # at most one piece a block
     canvas = denoise(m, ids, cfg)[len(ids):]
     eog = set(llm.tokenizer.eog_ids)
     cut = next((i for i, t in enumerate(canvas) if t in eog), len(canvas))
     assert llm.last.tokens == canvas[:cut] and llm.last.finish_reason == ("stop" if cut < len(canvas) else "length")
+    assert "".join(pieces) == llm.last.text == llm.tokenizer.decode(canvas[:cut])
 
 
 def test_api_keywords_of_the_other_kind_are_typed_errors(synth, tmp_path):
@@ -333,3 +330,12 @@ def test_serving_a_diffusion_model_is_a_typed_error(synth, capsys):
     _, path, _ = synth
     assert main(["serve", path, "--port", "0"]) == 1
     assert "the server does not denoise" in capsys.readouterr().err
+
+
+def test_a_kernels_build_without_the_bidir_field_keeps_the_torch_path(synth, monkeypatch):
+    """An older native build would attend causally: the plan is refused, not misused."""
+    from fucina import kernels
+    _, path, _ = synth
+    plan, layer = kernels.plan_schema()
+    monkeypatch.setattr(kernels, "plan_schema", lambda: (plan, tuple(f for f in layer if f[0] != "bidir")))
+    assert load_model(path).native_plan is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fucina import kernels
 from fucina.errors import FucinaError, KVCacheError
 from fucina.models.base import Tokens, as_ids
 from fucina.models.cache import KVCache
@@ -23,6 +24,16 @@ class Denoiser:
     causal = False
     diffusion = True
     supports_batch = False
+
+    def build_plan(self):
+        """The native plan only when the built kernels know the `bidir` layer field (an
+        older build would attend causally: the torch blocks serve instead)."""
+        try:
+            if "bidir" not in {name for name, _ in kernels.plan_schema()[1]}:
+                return None
+        except kernels.KernelError:
+            return None
+        return super().build_plan()
 
     def canvas_cache(self, n: int) -> KVCache:
         if n > self.config.n_ctx_train:
