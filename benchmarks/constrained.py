@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 
 SMOL = Path.home() / ".cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf"
-QWEN = Path("/work/models/qwen3-0.6b-Q4_K_M.gguf")
-QWEN_VOCAB = Path(__file__).resolve().parents[2] / "shared/data/vocab/vocab-qwen3.gguf"
+QWEN = Path(os.environ.get("FUCINA_BENCH_QWEN3", "qwen3-0.6b-Q4_K_M.gguf"))     # a Qwen3-0.6B Q4_K_M file
+QWEN_VOCAB = Path(os.environ.get("FUCINA_QWEN3_VOCAB", "vocab-qwen3.gguf"))      # its tokenizer-only GGUF
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},

@@ -1,7 +1,7 @@
 """MoE expert streaming (issue 15): tok/s and peak RSS at expert budgets, a run under a
 memory cgroup below the file's size, and the logits bitwise against the resident run.
 
-    PYTHONPATH=src python benchmarks/moe_stream.py /work/models/qwen3moe-a0.3b-Q4_K_M.gguf \
+    PYTHONPATH=src python benchmarks/moe_stream.py qwen3moe-a0.3b-Q4_K_M.gguf \
         --budgets none,100%,50%,25% --rounds 3 --pp 128 --tg 32 --cgroup-mb 800
 
 Each configuration is one `fucina bench --json` process (its own peak RSS), the budgets
