@@ -4,7 +4,7 @@ time to first token, and answer quality on short factual questions.
     python benchmarks/cartridge.py MODEL --doc benchmarks/data/cartridge_doc.txt \
         --questions benchmarks/data/cartridge_questions.json --cartridge C.safetensors [--json]
 
-Quality: each question is asked greedily in a fresh chat (up to --max-tokens tokens) and
+Quality: each question is asked greedily as a fresh one-turn chat (up to --max-tokens tokens) and
 counts as right when the reference answer appears in the reply (case-insensitive);
 also the teacher-forced NLL (nats/token) of the reference answer right after the
 generation prompt. ICL puts the document in the system message; the cartridge and
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--conditions", default="bare,icl,cartridge", help="quality conditions to run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -76,11 +78,13 @@ def main(argv=None) -> int:
         int(logits.argmax())
         return time.perf_counter() - t
 
-    ttft(True), ttft(False)   # warm-up
-    t_icl, t_cart = [], []
-    for _ in range(args.reps):
-        t_icl.append(ttft(True))
-        t_cart.append(ttft(False))
+    t_icl, t_cart = [float("nan")], [float("nan")]
+    if not args.skip_ttft:
+        ttft(True), ttft(False)   # warm-up
+        t_icl, t_cart = [], []
+        for _ in range(args.reps):
+            t_icl.append(ttft(True))
+            t_cart.append(ttft(False))
     res = {"model": model.gguf.path.name if hasattr(model.gguf.path, "name") else str(model.gguf.path),
            "doc_tokens": len(doc_ids), "p": cart.p, "threads": args.threads,
            "icl_prompt_tokens": len(icl_ids), "cartridge_prompt_tokens": len(plain_ids),
@@ -91,34 +95,43 @@ def main(argv=None) -> int:
 
     # -- quality --------------------------------------------------------------------------
     if not args.skip_quality:
-        def nll(ids_prompt, answer, behind):
-            ans = tok.encode(" " + answer if not answer.startswith(" ") else answer, add_special=False)
-            cache = model.init_cache(4096)
-            if behind:
-                cart.write_to_cache(cache)
-            model.forward_step(cache, ids_prompt[:-1], cache.len)
-            logits = model.forward_step_all_logits(cache, [ids_prompt[-1]] + ans[:-1], cache.len)
-            lp = torch.log_softmax(logits.float(), -1)
-            return float(-lp[torch.arange(len(ans)), torch.tensor(ans)].mean())
+        from fucina.text.cartridge import Prefix
+        from fucina.text.generate import prefill
 
+        wanted = args.conditions.split(",")
         for name, icl, behind in (("bare", False, False), ("icl", True, False), ("cartridge", False, True)):
+            if name not in wanted:
+                continue
             right, nlls, answers = 0, [], []
             front = LLM(model, tok, llm.template, n_ctx=4096, cartridge=cart if behind else None)
+            # one conversation and one scoring cache per condition: the document (or the
+            # cartridge) stays cached across questions (prefix reuse), as a server slot would
+            conv = front.chat(max_tokens=args.max_tokens, temperature=0, think=False)
+            pre = Prefix(cart) if behind else None
+            cache, hist = model.init_cache(4096), []
             for q, a in questions:
-                conv = front.chat(system=icl_system if icl else None, max_tokens=args.max_tokens,
-                                 temperature=0, think=False)
-                reply = conv.send(q)
+                reply = conv.send_messages(messages(q, icl))
                 ok = a.lower() in reply.lower()
                 right += ok
                 answers.append({"q": q, "reply": reply.strip()[:120], "ok": ok})
-                nlls.append(nll(render(messages(q, icl)), a, behind))
+                ids = render(messages(q, icl))
+                ids = pre.add(ids) if pre else ids
+                if pre:
+                    pre.ensure(cache, hist, ids)
+                first = prefill(model, cache, hist, ids)[0]
+                ans = tok.encode(" " + a, add_special=False)
+                rest = model.forward_step_all_logits(cache, ans[:-1], cache.len) if len(ans) > 1 else first[None][:0]
+                lp = torch.log_softmax(torch.cat([first[None], rest]).float(), -1)
+                nlls.append(float(-lp[torch.arange(len(ans)), torch.tensor(ans)].mean()))
+                cache.truncate(len(hist))
             res[f"right_{name}"] = right
             res[f"nll_{name}"] = statistics.mean(nlls)
             res[f"answers_{name}"] = answers
             print(f"{name}: {right}/{len(questions)} right, reference NLL {statistics.mean(nlls):.3f}",
                   file=sys.stderr, flush=True)
-        gain_icl = res["right_icl"] - res["right_bare"]
-        res["recovered"] = (res["right_cartridge"] - res["right_bare"]) / gain_icl if gain_icl else None
+        if len(wanted) == 3:
+            gain_icl = res["right_icl"] - res["right_bare"]
+            res["recovered"] = (res["right_cartridge"] - res["right_bare"]) / gain_icl if gain_icl else None
     if args.json:
         print(json.dumps(res))
     else:

@@ -38,10 +38,12 @@ typedef struct {
     X(V, post_ffn_norm) X(V, qkv_bias)                                                        \
     X(W, wqkv) X(W, wq) X(W, wk) X(W, wv) X(W, wo) X(W, gate_up) X(W, gate) X(W, up) X(W, down)     \
     X(I, layer_rot) X(V, v_norm) X(F, out_scale)                                                  \
+    X(I, bidir)                                                                                   \
     FK_MOE_FIELDS(X)                                                                              \
     FK_DELTA_FIELDS(X)                                                                            \
     FK_GEMMA4_FIELDS(X)
-/* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s */
+/* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
+ * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
 
 /* a MoE ffn (moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
  * weight each, expert e's rows at e * rows-per-expert: gate_exps/up_exps [n_expert * n_ff_exp,

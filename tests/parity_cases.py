@@ -92,12 +92,30 @@ def qwen3moe_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32):
                        seed=30)
 
 
+def gptoss_synth(path, vocab, qtype=gguf.GGMLQuantizationType.F32, expert_qtype=None):
+    """A random-weight gpt-oss (tests/synth_gptoss.py) at gpt-oss-20b's proportions scaled
+    down: 8 query heads over 2 KV heads, 16 experts of which 4 used, sinks, biases, YaRN
+    (factor 32 over an original 256 positions), the even layers on a 32-token window.
+    The experts take `expert_qtype` (the published files: MXFP4), else `qtype`."""
+    from synth_gptoss import write_gptoss
+    return write_gptoss(path, layers=4, hidden=128, heads=8, kv_heads=2, head_dim=32, window=32, experts=16,
+                        experts_used=4, moe_ffn=64, vocab=str(vocab), qtype=qtype,
+                        expert_qtype=expert_qtype or qtype, seed=23)
+
+
+def gptoss_mxfp4_synth(path, vocab, qtype=None):
+    """gpt-oss-synth in the published layout: MXFP4 experts (`qtype` is not used: the rest
+    stays F32, as quantized attention would flip near-tied random routes on either side)."""
+    return gptoss_synth(path, vocab, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.MXFP4)
+
+
 # F32 by default: the same arithmetic on both sides, so the goldens' top-1 bound holds on
 # random weights (their near-ties flip under int8 activation rounding); the quantized
 # files are checked against the exact model instead (test_parity: closer than llama.cpp)
 SYNTH = {"qwen3-synth": qwen3_synth, "qwen2-synth": qwen2_synth, "phi3-synth": phi3_synth,
          "qwen35-synth": qwen35_synth, "gemma4-synth": gemma4_synth, "qwen3moe-synth": qwen3moe_synth,
-         "qwen35moe-synth": qwen35moe_synth,
+         "qwen35moe-synth": qwen35moe_synth, "gpt-oss-synth": gptoss_synth,
+         "gpt-oss-mxfp4-synth": gptoss_mxfp4_synth,
          **DEEPSEEK2}
 
 
@@ -113,5 +131,6 @@ CASES = {
     "qwen3moe-synth": ("qwen3moe-synth", TEXT, "all"),
     "qwen35moe-synth": ("qwen35moe-synth", TEXT + LONG_TEXT[:600], "all"),   # > 64 tokens: chunked scan
     "qwen2.5-coder": ("qwen2.5-coder", TEXT + LONG_TEXT[:1500], "all"),
+    "gpt-oss-synth": ("gpt-oss-synth", TEXT + LONG_TEXT[:400], "all"),   # past the 32-token window
     **{name: (name, TEXT, "all") for name in DEEPSEEK2},
 }

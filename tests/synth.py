@@ -13,7 +13,8 @@ import numpy as np
 
 from fucina.models.registry import FAMILIES, family
 
-ARCHS = tuple(FAMILIES)   # the one family list tests parametrize from
+DIFFUSION_ARCHS = ("dream", "llada")   # text diffusion: denoise a canvas, no next-token step
+ARCHS = tuple(a for a in FAMILIES if a not in DIFFUSION_ARCHS)   # the one family list tests parametrize from
 
 
 def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
@@ -42,14 +43,19 @@ def byte_tokens() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
-    """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens."""
+def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True, mask: bool = False) -> int:
+    """A 260-token GPT-2-style vocab: 3 specials, one merged token ("ab"), 256 byte tokens
+    (`mask`: a 261st, "<|mask|>", a diffusion model's mask)."""
     byte_tok = byte_tokens()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "ab"] + [byte_tok[b] for b in range(256)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
+    if mask:
+        tokens.append("<|mask|>")
+        w.add_mask_token_id(len(tokens) - 1)
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3, 1] + [1] * 256)
+    special = 4 if mask else 3   # a diffusion vocab's specials are user-defined: detokenized, so compared as text
+    w.add_token_types([special] * 3 + [1] * 257 + [special] * mask)
     w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
@@ -94,7 +100,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     general.sampling.* recommendations. MoE families (a schema with expert stacks):
     `experts` of `moe_ffn` rows, `experts_used` per token, router weights `router_scale`
     times the usual (peaked routing: well-separated top-k choices)."""
-    assert arch in ARCHS
+    assert arch in ARCHS or arch in DIFFUSION_ARCHS
     if arch == "deepseek2":   # MLA + MoE tensors: its own writer (tests/synth_deepseek2.py)
         from synth_deepseek2 import write_deepseek2
         return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
@@ -109,8 +115,17 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, ffn=ffn, vocab=vocab, qtype=qtype, window=sliding_window,
                             seed=seed, ctx=ctx, chat_template=chat_template, extra=extra)
+    if arch == "gpt-oss":   # sinks, biased experts, YaRN: its own writer (tests/synth_gptoss.py)
+        from synth_gptoss import write_gptoss
+        return write_gptoss(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            vocab=vocab, qtype=qtype, window=sliding_window, seed=seed, ctx=ctx,
+                            chat_template=chat_template, experts=experts, experts_used=experts_used)
     w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
+    diffusion = arch in DIFFUSION_ARCHS   # text diffusion: a mask token, llama.cpp's logits shift
+    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template, mask=diffusion)
+    if diffusion:
+        w.add_bool("diffusion.shift_logits", arch == "dream")
+        w.add_causal_attention(False)
     for key, v in (extra or {}).items():
         (w.add_float32 if isinstance(v, float) else w.add_int32)(key, v)
     w.add_name(f"synthetic-{arch}")
@@ -121,7 +136,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
-    if arch in ("llama", "phi3"):
+    if arch in ("llama", "phi3", "llada"):
         assert head_dim == hidden // heads
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(10000.0)

@@ -92,3 +92,20 @@ def test_wrong_model_or_file_is_refused(setup, tmp_path):
     assert main(["run", str(path), "--tokens", "1", "--cartridge", str(tmp_path / "bad.safetensors")]) == 1
     with pytest.raises(FucinaError, match="no room"):
         fucina.load(path, n_ctx=8, cartridge=cpath).generate([1], max_tokens=1)
+
+
+def test_two_cartridges_compose_at_load(setup, tmp_path):
+    """--cartridge A --cartridge B: A's rows then B's; two halves of one capture are the whole."""
+    path, cpath, ids = setup
+    whole = Cartridge.load(cpath)
+    cut = len(ids) // 2
+    halves = []
+    for lo, hi, frozen in ((0, cut, 1), (cut, len(ids), 0)):
+        part = Cartridge([None if k is None else k[lo:hi] for k in whole.k],
+                         [None if v is None else v[lo:hi] for v in whole.v], whole.geometry, whole.identity,
+                         frozen=frozen)
+        halves.append(part.save(tmp_path / f"h{lo}.safetensors"))
+    a = fucina.load(path, n_ctx=256, cartridge=cpath)
+    b = fucina.load(path, n_ctx=256, cartridge=halves)
+    assert a.generate([40, 41], max_tokens=6, temperature=0) == b.generate([40, 41], max_tokens=6, temperature=0)
+    assert b.prefix.p == len(ids)

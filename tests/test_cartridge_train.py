@@ -160,3 +160,27 @@ def test_train_is_deterministic_and_resumes_bit_for_bit(tiny, tmp_path):
                         out=str(tmp_path / "c.st"), resume=True)
     with pytest.raises(CartridgeError, match="fewer than p"):
         train_cartridge(model, tok, "short", SelfStudyConfig(p=64), out=str(tmp_path / "d.st"))
+
+
+@pytest.mark.slow
+def test_self_study_on_smollm2(tmp_path):
+    """A few conversations on a real model: finite losses that do not blow up, a saved
+    cartridge that loads and answers behind the chat template."""
+    from pathlib import Path
+
+    import fucina
+
+    path = Path.home() / ".cache" / "fucina" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} absent")
+    doc = (Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "cartridge_doc.txt").read_text()
+    model = load_model(path)
+    tok = Tokenizer.from_metadata(model.gguf.metadata)
+    cfg = SelfStudyConfig(p=32, conversations=4, accum=2, chunk_tokens=128, max_question=16, max_answer=24)
+    out = str(tmp_path / "c.safetensors")
+    cart = train_cartridge(model, tok, doc, cfg, out=out)
+    losses = cart.meta["losses"]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    llm = fucina.load(path, cartridge=out)
+    reply = llm.chat(max_tokens=8, temperature=0).send("Who founded the Tessaly Institute?")
+    assert isinstance(reply, str) and llm.model.config.arch == "llama"

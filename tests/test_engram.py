@@ -312,3 +312,28 @@ def test_cli_equiv_train_and_engram_flags(tiny, tmp_path, capsys):
     assert llm.model.residual_hooks
     llm.generate("the cat", max_tokens=3, temperature=0)
     assert main(["run", model, "--engram", str(corpus), "-p", "x", "-n", "1"]) == 1   # not an Engram file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder"])
+def test_equiv_on_real_models(name, capsys):
+    from conftest import present_model
+    from fucina.cli.main import main
+    path = present_model(name)
+    assert main(["engram", "equiv", str(path), "-t", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal") == 2, out
+
+
+def test_graft_history_follows_copied_rows(tiny):
+    eng = _trained(Engram.for_model(tiny, [1], capacity=31, n_head=2, head_dim=8)).attach(tiny)
+    try:
+        want = _logits(tiny, True)
+        a, b = tiny.init_cache(64), tiny.init_cache(64)
+        tiny.forward_step(a, IDS[:10], 0)
+        b.copy_rows(a, 0, 8)                 # a server slot adopting a shared prefix
+        got = tiny.forward_step_all_logits(b, IDS[8:12], 8)
+        torch.testing.assert_close(got, want[8:12], rtol=1e-4, atol=1e-4)
+    finally:
+        eng.detach()
+    assert not type(a).copy_listeners

@@ -90,3 +90,12 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, qwen3_vocab, tmp_
         return float(np.median(d))
     assert err(ours) <= 1.05 * err(ref), (err(ours), err(ref))
     assert greedy(model, ids, 4) == oracle_mod.greedy_tokens(path, ids, 4, tmp_path)
+
+
+def test_expert_streaming_same_output(tmp_path):
+    """--moe-ram: the routed stacks stream from the file under a budget, same tokens."""
+    from fucina.text.api import load
+
+    path = write_glm4moe(tmp_path / "m.gguf", seed=1)
+    want = load(path, n_ctx=64).generate("hello", max_tokens=8, temperature=0)
+    assert load(path, n_ctx=64, moe_ram="70%").generate("hello", max_tokens=8, temperature=0) == want

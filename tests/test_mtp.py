@@ -152,14 +152,14 @@ def test_mtp_drafted_equals_plain(tmp_path, mtp_always, opts):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A llama synth model (native step: the batched verify route) and a head trained for it
-    through the CLI, in a few steps."""
+    through the CLI, in a few steps (two of its 16 sequences held out)."""
     from fucina.cli.main import main
     from synth import write_model
 
     d = tmp_path_factory.mktemp("mtp")
     path = write_model(d / "m.gguf", "llama", seed=3)
     head = d / "head.gguf"
-    assert main(["mtp", "train", path, "--out", str(head), "--steps", "3", "--sequences", "2", "--tokens", "8",
+    assert main(["mtp", "train", path, "--out", str(head), "--steps", "3", "--sequences", "16", "--tokens", "4",
                  "--seed", "1", "--threads", "1"]) == 0
     return path, str(head)
 
@@ -208,3 +208,19 @@ def test_bad_heads_raise_typed_errors(trained, tmp_path):
         mtp.load_head(model, tmp_path / "missing.gguf")
     with pytest.raises(mtp.MTPHeadError, match="carries no NextN block"):
         load(path, mtp=True)
+
+
+def test_head_misses_leave_the_cascade_on():
+    """A head's rejected drafts mute the head (its bucket's budget falls to 0), never the
+    cost gate's on/off decision, which the exact matches' drafts keep deciding."""
+    from fucina.text.speculative.gate import MTP_BUCKET, CostGate
+
+    g = CostGate(max_draft=8, min_draft=1)
+    for _ in range(12):
+        g.settle(3, 0, 1, MTP_BUCKET)
+    assert g.active() and g.bucket_acceptance(MTP_BUCKET) < 0.1
+    g.draft_cost = 0.1
+    assert g.budget(0, MTP_BUCKET) == 0
+    for _ in range(12):
+        g.settle(3, 0, 1, 1)
+    assert not g.active()

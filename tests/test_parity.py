@@ -122,6 +122,24 @@ def _cos(a, b):
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
+def oracle_tokens(path, text, tmp_path) -> list[int]:
+    """llama.cpp's token ids of `text` with the file's vocabulary."""
+    f = tmp_path / "p.txt"
+    f.write_text(text)
+    return [int(x) for x in oracle_mod.run("llama-tokenize", "-m", str(path), "-f", str(f), "--ids",
+                                           "--log-disable").strip().strip("[]").split(",")]
+
+
+def ours_and_exact(path, ids):
+    """Our logits of `ids` and the exact model's (the reference path: f32 arithmetic)."""
+    ours = teacher_forced_logits(load_model(path), ids).numpy()
+    K.set_enabled(False)
+    try:
+        return ours, teacher_forced_logits(load_model(path), ids).numpy()
+    finally:
+        K.set_enabled(True)
+
+
 def _live(path, ids, tmp_path, *extra):
     out = tmp_path / "ref.f32"
     oracle_mod.run("llama-logits", str(path), ",".join(map(str, ids)), str(out), *extra)
@@ -138,17 +156,9 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, tmp_path, name):
     if not (VOCAB_DIR / "vocab-qwen3.gguf").exists():
         pytest.skip("shared Qwen3 vocab not present")
     path = SYNTH[name](tmp_path / "m.gguf", VOCAB_DIR / "vocab-qwen3.gguf", gguf.GGMLQuantizationType.Q8_0)
-    text = tmp_path / "p.txt"
-    text.write_text(TEXT)
-    ids = [int(x) for x in oracle_mod.run("llama-tokenize", "-m", path, "-f", str(text), "--ids",
-                                          "--log-disable").strip().strip("[]").split(",")]
+    ids = oracle_tokens(path, TEXT, tmp_path)
     ref = _live(path, ids, tmp_path)
-    ours = teacher_forced_logits(load_model(path), ids).numpy()
-    K.set_enabled(False)
-    try:
-        exact = teacher_forced_logits(load_model(path), ids).numpy()
-    finally:
-        K.set_enabled(True)
+    ours, exact = ours_and_exact(path, ids)
     ours_err, llama_err = 1 - _cos(ours, exact).mean(), 1 - _cos(ref, exact).mean()
     # every route quantizes activations per 32 as llama.cpp does (batch-invariant kernels):
     # the same arithmetic, so the distances agree to within a few percent (qwen2 Q8_0

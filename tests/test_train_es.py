@@ -44,10 +44,10 @@ def _cfg(**kw):
     return ESConfig(**{**base, **kw})
 
 
-def _run(path, out, iterations, reward="nll", workers=1, resume=None, **kw):
+def _run(path, out, iterations, reward="nll", workers=1, resume=None, init=None, **kw):
     m, tok, tpl, exs = _setup(path)
     t = ESTrainer(m, tok, tpl, _cfg(**kw), exs, reward, str(out), workers=workers, model_path=path,
-                  progress=False)
+                  progress=False, init=init)
     try:
         if resume:
             t.resume(resume)
@@ -131,6 +131,14 @@ def test_adapter_reproduces_the_trained_model(model_path, tmp_path):
     load_adapters(m, [str(tmp_path / "adapter.gguf")])
     got = score_batch(m, tok, [], exs, Reward("nll", False), 8)
     assert math.isclose(got, want, rel_tol=1e-4), (got, want)
+
+
+def test_start_from_an_adapter(model_path, tmp_path):
+    first = _run(model_path, tmp_path / "a", 2)
+    again = _run(model_path, tmp_path / "b", 0, init=str(tmp_path / "a" / "adapter.gguf"))
+    assert all(torch.equal(x, y) for x, y in zip(first.theta, again.theta))
+    with pytest.raises(ESError, match="rank"):
+        _run(model_path, tmp_path / "c", 0, init=str(tmp_path / "a" / "adapter.gguf"), rank=2)
 
 
 def test_same_bytes_with_one_and_two_workers(model_path, tmp_path):

@@ -73,7 +73,8 @@ def _batch(n=20, vocab=260, seed=0):
 
 #: targets a family has no weight for: qwen3moe's and qwen35moe's ffn are experts (kept frozen)
 #: and deepseek2's MLA has no attn_v (its joint K/V latent attn_kv_a_mqa counts as "k")
-ABSENT = {"qwen3moe": {"gate", "up", "down"}, "qwen35moe": {"gate", "up", "down"}, "deepseek2": {"v"}}
+ABSENT = {"qwen3moe": {"gate", "up", "down"}, "qwen35moe": {"gate", "up", "down"}, "deepseek2": {"v"},
+          "gpt-oss": {"gate", "up", "down"}}
 
 
 @pytest.mark.parametrize("arch", TRAINABLE)

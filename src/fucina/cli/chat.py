@@ -103,6 +103,8 @@ def add_parser(sub) -> None:
     from fucina.cli.grammar_args import add_grammar_args
     add_grammar_args(s)
     add_spec_args(s)
+    from fucina.cli.diffusion_args import add_diffusion_args
+    add_diffusion_args(s)
     s.set_defaults(func=cmd_chat)
 
 
@@ -222,8 +224,10 @@ def cmd_chat(args) -> int:
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
                    engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
     llm.cartridge = getattr(args, "cartridge", None) or None
-    session = ChatSession(llm, args)
-    if session.raw:
+    from fucina.cli.diffusion_args import DiffusionChat, check_flags
+    diffusion = check_flags(llm.model, args)      # a dream/llada model denoises each reply
+    session = DiffusionChat(llm, args) if diffusion else ChatSession(llm, args)
+    if session.raw and not diffusion:
         print(f"fucina: warning: {session.name} has no chat template (a base model, not a chat "
               f"model): each message is continued as a raw completion. Use a chat model "
               f"(e.g. the default, {CHAT_DEFAULT}) to chat.", file=sys.stderr)

@@ -17,7 +17,7 @@ from fucina.errors import FucinaError
 
 #: the flags only ES reads (the gradient path refuses them), with their ES defaults
 ES_DEFAULTS = dict(reward=None, iterations=100, population=8, sigma=0.02, mode="lora", workers=1,
-                   norm="rank", anchor="none", anchor_lambda=0.0, max_tokens=32)
+                   norm="rank", anchor="none", anchor_lambda=0.0, max_tokens=32, init=None)
 ES_LR, ES_BATCH = 0.002, 8
 
 
@@ -40,6 +40,8 @@ def add_es_args(s) -> None:
                                                                    "start (default none)")
     g.add_argument("--anchor-lambda", type=float, help="anchored decay strength (default 0)")
     g.add_argument("--max-tokens", type=int, help="reply length for acc/regex (default 32)")
+    g.add_argument("--init", metavar="ADAPTER.gguf", help="start from this adapter (same --targets, --rank, "
+                   "--alpha), e.g. an nll run's before a sparse acc/regex reward")
 
 
 def es_flags_given(args) -> list[str]:
@@ -79,7 +81,8 @@ def cmd_finetune_es(args) -> int:
         print(f"fucina: {msg}", file=sys.stderr)
 
     trainer = ESTrainer(model, tok, tpl, cfg, examples, opt["reward"], args.out, workers=opt["workers"],
-                        model_path=str(path), threads=args.threads, log=log, progress=not args.no_progress)
+                        model_path=str(path), threads=args.threads, log=log, progress=not args.no_progress,
+                        init=opt["init"])
     try:
         if args.resume:
             trainer.resume(args.resume)

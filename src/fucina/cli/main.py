@@ -19,7 +19,7 @@ from fucina.errors import FucinaError
 # Subcommand modules contributed by other parts of the stack; each has add_parser(sub).
 EXTRA_COMMANDS = ("fucina.cli.chat", "fucina.cli.template", "fucina.cli.serve", "fucina.cli.finetune",
                   "fucina.cli.cartridge", "fucina.cli.engram",
-                  "fucina.cli.mtp")
+                  "fucina.cli.mtp", "fucina.cli.quantize")
 
 
 def _load(args, *, threads: int | None = None):
@@ -118,6 +118,9 @@ def cmd_run(args) -> int:
     from fucina.cli.finetune import apply_lora_args
     apply_lora_args(model, args)
     tok = _tokenizer(model)
+    from fucina.cli import diffusion_args
+    if diffusion_args.check_flags(model, args):     # a dream/llada model denoises a canvas
+        return diffusion_args.run(model, tok, args)
     ids = parse_ids(args.tokens) if args.tokens else tok.encode(args.prompt or "")
     if not ids:
         raise FucinaError("the prompt encodes to no tokens")
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fucina.cli.chat import add_sampling_args, add_spec_args
     from fucina.cli.grammar_args import add_grammar_args
 
-    s = sub.add_parser("run", help="continue a prompt (greedy unless --temp > 0)")
+    s = sub.add_parser("run", help="continue a prompt (greedy unless --temp > 0); a diffusion model denoises")
     s.add_argument("model", nargs="?", help=model_help)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--prompt", "-p", help="prompt text")
@@ -308,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(s)
     add_grammar_args(s)
     add_spec_args(s)
+    from fucina.cli.diffusion_args import add_diffusion_args
+    add_diffusion_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("logits", help="teacher-forced logits as raw float32 [rows, n_vocab]")
@@ -378,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in sub.choices:
             add_moe_args(sub.choices[name])
             add_pipeline_args(sub.choices[name])
-            add_mtp_args(sub.choices[name])
+            if name != "bench":
+                add_mtp_args(sub.choices[name])
     return p
 
 

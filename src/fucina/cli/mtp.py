@@ -1,5 +1,5 @@
 """`fucina mtp train MODEL --out HEAD.gguf`: a multi-token-prediction head trained by
-self-distillation (train/mtp.py), and `--mtp` for run, chat, serve and bench: a head drafts
+self-distillation (train/mtp.py), and `--mtp` for run, chat and serve: a head drafts
 for speculative decoding (`--spec`; lossless, the verify pass decides)."""
 from __future__ import annotations
 

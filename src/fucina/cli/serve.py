@@ -97,6 +97,9 @@ def cmd_serve(args) -> int:
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
                    engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
     llm.cartridge = getattr(args, "cartridge", None) or None   # every conversation starts behind it
+    if getattr(llm.model, "diffusion", False):
+        raise FucinaError(f"{llm._name()} is a diffusion model: the server does not denoise yet "
+                          "(use fucina run/chat or the Python API's llm.stream, which yields committed blocks)")
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

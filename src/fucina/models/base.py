@@ -90,7 +90,8 @@ class Rope:
 
     def _table(self, end: int) -> torch.Tensor:
         """cos + i sin of every (position, frequency) up to `end`, grown geometrically."""
-        if self.cis.shape[0] < end:
+        # a table made under inference_mode cannot enter autograd: training after inference remakes it
+        if self.cis.shape[0] < end or (self.cis.is_inference() and not torch.is_inference_mode_enabled()):
             n = max(end, 2 * self.cis.shape[0], 256)
             with torch.inference_mode(False):   # grown during inference, read by training too
                 ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
@@ -124,12 +125,15 @@ class Rope:
 
 
 def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: float,
-              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
     """Causal attention of q [m, heads, d] at positions pos0.. over cache rows [0, pos0+m).
 
-    `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA)."""
+    `window` > 0 masks keys with q_pos - k_pos >= window (llama.cpp's standard SWA);
+    `causal` False: every query sees every row [0, pos0+m) (a diffusion canvas)."""
     m, n_head, d = q.shape
     n = pos0 + m
+    if not causal:
+        return _full_attention(q, *cache.span(layer, 0, n), scale)
     start = max(0, pos0 - window + 1) if window > 0 else 0  # no query in this step sees keys before this
     k, v = cache.span(layer, start, n)
     if m == 1 and not softcap:
@@ -191,6 +195,16 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.reshape(1, n_head * d)
 
 
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every query row over every key row, no mask (GQA as grouped heads)."""
+    m, n_head, d = q.shape
+    kvh = k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], scale=scale,
+                                         enable_gqa=kvh != n_head)[0]
+    return out.transpose(0, 1).reshape(m, n_head * d)
+
+
 class Ragged:
     """N streams advanced together by one token each: row r belongs to caches[r] at
     position caches[r].len. Blocks pass it where a single cache would go."""
@@ -203,13 +217,14 @@ class Ragged:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | Ragged, layer: int,
-           pos0: int, rope: "Rope", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           pos0: int, rope: "Rope", scale: float, window: int = 0, softcap: float = 0.0,
+           causal: bool = True) -> torch.Tensor:
     """RoPE q/k, append k/v to the cache, attend. With a Ragged batch each row is rotated at
     its own position and attends over its own cache."""
     if not isinstance(cache, Ragged):
         q, k = rope(q, pos0), rope(k, pos0)
         cache.append(layer, k, v)
-        return attention(q, cache, layer, pos0, scale, window, softcap)
+        return attention(q, cache, layer, pos0, scale, window, softcap, causal)
     q, k = rope.at(q, cache.positions), rope.at(k, cache.positions)
     out = []
     for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s)):
@@ -314,12 +329,14 @@ class DecoderBase:
             raise FucinaError(f"forward_step: cache holds {cache.len} positions, pos0 is {pos0}")
         ids = as_ids(tokens, self.config.n_vocab)
         cache.check_room(ids.numel())
-        return self.run_layers(cache, self.embed(ids), pos0)
+        return self.run_layers(cache, self.embed(ids), pos0, ids)
 
-    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int) -> torch.Tensor:
+    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the embedded rows x [m, n_embd] at positions pos0.. (the cache
         at pos0, with room); the last layer's rows, also kept in `cache.hidden_rows` when
-        the cache keeps them (a multi-token-prediction head drafts from them)."""
+        the cache keeps them (a multi-token-prediction head drafts from them). `ids`, the
+        rows' token ids, are what residual hooks (Engram) look up."""
         m = x.shape[0]
         ptrs = self._native_cache(cache)
         tables = [t.table(pos0 + m) for t in self.rope_tables(cache.capacity)] if ptrs is not None else None
@@ -333,6 +350,8 @@ class DecoderBase:
             cache.reserve(n)
             h = x[s:s + n]
             if self.residual_hooks:
+                if ids is None:
+                    raise FucinaError("a residual hook needs the rows' token ids (run_layers(..., ids=))")
                 h = self._hooked_rows(h, ids[s:s + n], cache, pos0 + s, ptrs, tables)
             elif ptrs is not None:
                 self.native_plan.run(h, ptrs, pos0 + s, tables)    # in place

@@ -87,6 +87,7 @@ class Model(DecoderBase):
     act = "silu"            # the ffn's activation (ACTS)
     embed_scale = 1.0       # embeddings times this (Gemma: sqrt(n_embd))
     final_softcap = 0.0     # logits -> tanh(l / cap) * cap when > 0
+    causal = True           # False: a diffusion canvas, every row attends to every row
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         t = self.check_and_embed(f, checked)
@@ -135,7 +136,7 @@ class Model(DecoderBase):
         if L.k_norm is not None:
             k = rms_norm(k, L.k_norm, c.rms_eps)
         rope = self.rope_tables(cache.capacity)[s.rope]
-        return self.attn_out(L, attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window))
+        return self.attn_out(L, attend(q, k, v, cache, i, pos0, rope, self.plan_scale(), s.window, causal=self.causal))
 
     def attn_out(self, L: Layer, a: torch.Tensor) -> torch.Tensor:
         """The attention heads [m, n_head * v_dim] through the output projection."""
@@ -160,7 +161,7 @@ class Model(DecoderBase):
         return dict(mixer=s.mixer, ffn=s.ffn, n_head=s.n_head, n_kv=s.n_head_kv, head_dim=s.head_dim,
                     window=s.window, rope=s.rope, attn_norm=L.attn_norm, q_norm=L.q_norm, k_norm=L.k_norm,
                     post_attn_norm=L.post_attn_norm, ffn_norm=L.ffn_norm, post_ffn_norm=L.post_ffn_norm,
-                    qkv_bias=L.bqkv, wo=L.wo, down=L.down, **fused_qkv, **fused_gu)
+                    qkv_bias=L.bqkv, wo=L.wo, down=L.down, bidir=int(not self.causal), **fused_qkv, **fused_gu)
 
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config

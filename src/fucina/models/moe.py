@@ -110,9 +110,11 @@ class Experts:
 
 
 def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-        act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        run: Callable[[int, tuple, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """sum over each row's chosen experts e of weight * down_e(act(gate_e(x)) * up_e(x)):
-    x [m, n_embd], ids/weights [m, k] -> [m, n_embd]."""
+    x [m, n_embd], ids/weights [m, k] -> [m, n_embd]. `run(e, expert e's weights, rows)`,
+    when given, is the expert's own function instead (gpt-oss: biases, swiglu_oai)."""
     m, k = ids.shape
     out = torch.zeros(m, experts.down.out_features, dtype=torch.float32)
     flat = ids.reshape(-1)
@@ -129,6 +131,9 @@ def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         rows, w = rows_of[at:at + n], w_of[at:at + n]
         at += n
         xs, ws = x[rows], held[e]
+        if run is not None:
+            out.index_add_(0, rows, run(e, ws, xs) * w[:, None])
+            continue
         g, u = ws[0](xs).chunk(2, dim=-1) if len(ws) == 2 else (ws[0](xs), ws[1](xs))
         out.index_add_(0, rows, ws[-1](act(g) * u) * w[:, None])
     return out

@@ -27,6 +27,9 @@ FAMILIES: dict[str, str] = {
     "qwen3moe": "fucina.models.qwen3moe",
     "glm4moe": "fucina.models.glm4moe",
     "bitnet": "fucina.models.bitnet",
+    "gpt-oss": "fucina.models.gpt_oss",
+    "dream": "fucina.models.dream",
+    "llada": "fucina.models.llada",
 }
 
 

@@ -192,8 +192,14 @@ class LLM:
         from fucina.models.cache_q8 import make_cache
         from fucina.text import grammar as grammars
         from fucina.text.constraint import for_reply, pop_options
+        from fucina.text.diffusion import DIFFUSION_ONLY, is_diffusion
         from fucina.text.sampler import Sampler
 
+        if is_diffusion(self.model):
+            return self._denoise(prompt, max_tokens, options)
+        if DIFFUSION_ONLY & set(options):
+            raise InvalidArgument(f"{self._name()} is not a diffusion model: "
+                                  f"{', '.join(sorted(DIFFUSION_ONLY & set(options)))} apply only to dream/llada models")
         options = dict(options)
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
                                  options.pop("spec_max", 16))
@@ -205,6 +211,26 @@ class LLM:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
         processor = for_reply(self.tokenizer, grammar, stop_ids=self._stop_ids(), n_vocab=self.config.n_vocab)
         return self._complete(ids, max_tokens, Sampler(cfg, processor), stops, spec)
+
+    def _denoise(self, prompt: str | Sequence[int], max_tokens: int, options: dict) -> Iterator[str]:
+        """A diffusion model's reply (text.diffusion): a canvas of the prompt + max_tokens
+        (or `canvas`) denoised with llama-diffusion-cli's settings; pieces per committed block."""
+        from fucina.text.diffusion import DIFFUSION_KEYS, DiffusionConfig, fit, reply
+
+        options = dict(options)
+        bad = sorted(set(options) - DIFFUSION_KEYS)
+        if bad:
+            raise InvalidArgument(f"{self._name()} is a diffusion model: {', '.join(bad)} do not apply to it "
+                                  f"(it takes {', '.join(sorted(DIFFUSION_KEYS - {'temp'}))})")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
+        if options.get("seed") is None:
+            options["seed"] = fresh_seed()
+        cfg = DiffusionConfig.from_kwargs(None, **fit(len(ids), _count("max_tokens", max_tokens), options))
+
+        def run():
+            self.last = yield from reply(self.model, self.tokenizer, ids, cfg)
+            return self.last.text
+        return run()
 
     def _stop_ids(self) -> set[int]:
         return set(getattr(self.tokenizer, "eog_ids", ()) or ())

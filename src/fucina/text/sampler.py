@@ -35,6 +35,29 @@ from fucina.kernels import first_max
 from fucina.text.logit_processor import LogitProcessor
 
 
+def check_numbers(obj, error: type[Exception], prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Every dataclass field of `obj` an integer (declared int) or a finite number, else `error`."""
+    for f in fields(obj):
+        if f.name in skip:
+            continue
+        v = getattr(obj, f.name)
+        whole = f.type in ("int", int)
+        kind = numbers.Integral if whole else numbers.Real
+        if isinstance(v, bool) or not isinstance(v, kind) or (not whole and not math.isfinite(v)):
+            raise error(f"{prefix}{f.name} must be {'an integer' if whole else 'a finite number'}, got {v!r}")
+
+
+def with_keywords(cls, base, kw: dict, error: type[Exception], what: str):
+    """`base` (or cls()) with the keywords set: None skipped, `temp` for temperature,
+    an unknown name raises `error`."""
+    if "temp" in kw:
+        kw.setdefault("temperature", kw.pop("temp"))
+    bad = sorted(set(kw) - {f.name for f in fields(cls)})
+    if bad:
+        raise error(f"unknown {what} option(s): {', '.join(bad)}")
+    return replace(base or cls(), **{k: v for k, v in kw.items() if v is not None})
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0       # <= 0: greedy (argmax)
@@ -57,13 +80,7 @@ class SamplingConfig:
             self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            whole = f.type in ("int", int)
-            kind = numbers.Integral if whole else numbers.Real
-            if isinstance(v, bool) or not isinstance(v, kind) or (not whole and not math.isfinite(v)):
-                raise SamplingError(f"{f.name} must be {'an integer' if whole else 'a finite number'}, "
-                                    f"got {v!r}")
+        check_numbers(self, SamplingError)
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.repeat_penalty <= 0:
@@ -79,14 +96,7 @@ class SamplingConfig:
     def from_kwargs(cls, base: "SamplingConfig | None" = None, **kw: Any) -> "SamplingConfig":
         """Build from keyword names (llama.cpp/OpenAI spelling); None values are skipped,
         unknown names are an error. `temp` is accepted for `temperature`."""
-        if "temp" in kw:
-            kw.setdefault("temperature", kw.pop("temp"))
-        names = {f.name for f in fields(cls)}
-        bad = sorted(set(kw) - names)
-        if bad:
-            raise TypeError(f"unknown sampling option(s): {', '.join(bad)}")
-        kw = {k: v for k, v in kw.items() if v is not None}
-        return replace(base or cls(), **kw)
+        return with_keywords(cls, base, kw, TypeError, "sampling")
 
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingConfig)) | {"temp"}

@@ -333,7 +333,8 @@ def _load_state(path: str, params: CartridgeParams, opt, cfg: SelfStudyConfig) -
 
 def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], cfg: SelfStudyConfig, *,
              opt=None, prog: Progress | None = None, state_path: str | None = None,
-             log: Callable[[str], None] = lambda s: None) -> Progress:
+             log: Callable[[str], None] = lambda s: None, on_step: Callable[[Progress], None] | None = None
+             ) -> Progress:
     """Adam steps over conversations prog.done.. cfg.conversations, `accum` per step
     (the last step may take fewer); the state is written to `state_path` after each."""
     opt = opt or torch.optim.Adam(params.params(), lr=cfg.lr)
@@ -357,8 +358,11 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
         prog.seconds += dt
         if state_path:
             _save_state(state_path, params, opt, prog, cfg)
+        if on_step is not None:
+            on_step(prog)
         log(f"step {prog.steps}: conversations {prog.done}/{cfg.conversations}, loss {prog.losses[-1]:.4f}, "
-            f"{dt:.1f} s ({t_gen:.1f} s self-study), total {prog.seconds / 60:.1f} min")
+            f"{dt:.1f} s ({t_gen:.1f} s self-study), total {prog.seconds / 60:.1f} min; "
+            f"[{got[0].kind}] {got[0].question[:70]!r} -> {got[0].answer[:70]!r}")
     return prog
 
 
@@ -382,12 +386,18 @@ def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out:
             log(f"resuming after {prog.done} conversations ({prog.steps} steps)")
         log(f"cartridge: p {cfg.p} ({cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
             f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(study.ids)} tokens")
-        prog = optimize(model, params, study.sample, cfg, opt=opt, prog=prog, state_path=state_path, log=log)
+
+        def result(prog: Progress) -> Cartridge:
+            meta = dict(cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
+                        init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
+            return params.cartridge(meta=meta)
+
+        # OUT after every step too: an interrupted run leaves a usable cartridge
+        prog = optimize(model, params, study.sample, cfg, opt=opt, prog=prog, state_path=state_path, log=log,
+                        on_step=(lambda pr: result(pr).save(out)) if out else None)
     finally:
         trainable.close()
-    meta = dict(cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
-                init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
-    result = params.cartridge(meta=meta)
+    final = result(prog)
     if out:
-        result.save(out)
-    return result
+        final.save(out)
+    return final

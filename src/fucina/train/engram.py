@@ -78,45 +78,50 @@ def window_loss(model, x: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
     return F.cross_entropy(model.head(x).float(), labels)
 
 
-def train(model, eng: Engram, ids: Sequence[int], *, steps: int, lr: float = 3e-3, ctx: int = 256, seed: int = 0,
-          log: Callable[[str], None] | None = None) -> list[float]:
-    """`steps` Adam steps (cosine schedule) over windows of `ids` in a seeded order, only
-    the graft's parameters; returns each step's loss. Attached while it trains."""
+def fit(model, params: list[torch.Tensor], ids: Sequence[int], start: int, *, steps: int, lr: float, ctx: int,
+        seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
+    """`steps` Adam steps (cosine schedule to zero) on `params` over windows of `ids` in a
+    seeded order, the forward starting at layer `start` from each window's cached prefix;
+    returns each step's loss."""
     if steps < 1:
         raise FucinaError("engram training: --steps must be >= 1")
-    params = [p for p in eng.parameters()]
-    for p in params:
-        p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
     rng = np.random.default_rng(seed)
-    start = min(eng.plan.layer_ids)
     wins = [(prefix(model, x, start), x, y) for x, y in windows(ids, ctx)]
-    losses, t0 = [], time.perf_counter()
+    losses, t0, order = [], time.perf_counter(), []
+    for step in range(steps):
+        if not order:
+            order = list(rng.permutation(len(wins)))
+        h, x, y = wins[order.pop()]
+        opt.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss = window_loss(model, h, x, y, start)
+            loss.backward()
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.step()
+        losses.append(loss.item())
+        if log and (step % 10 == 0 or step == steps - 1):
+            log(f"step {step + 1}/{steps}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:.0f} s")
+    return losses
+
+
+def train(model, eng: Engram, ids: Sequence[int], *, steps: int, lr: float = 3e-3, ctx: int = 256, seed: int = 0,
+          log: Callable[[str], None] | None = None) -> list[float]:
+    """Train only the graft's parameters (attached while it trains); each step's loss."""
+    params = list(eng.parameters())
+    for p in params:
+        p.requires_grad_(True)
     attached = eng._attached is not None
     if not attached:
         eng.attach(model)
     try:
-        order: list[int] = []
-        for step in range(steps):
-            if not order:
-                order = list(rng.permutation(len(wins)))
-            h, x, y = wins[order.pop()]
-            opt.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                loss = window_loss(model, h, x, y, start)
-                loss.backward()
-            for g in opt.param_groups:
-                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))   # cosine to zero
-            opt.step()
-            losses.append(loss.item())
-            if log and (step % 10 == 0 or step == steps - 1):
-                log(f"step {step + 1}/{steps}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:.0f} s")
+        return fit(model, params, ids, min(eng.plan.layer_ids), steps=steps, lr=lr, ctx=ctx, seed=seed, log=log)
     finally:
         for p in params:
             p.requires_grad_(False)
         if not attached:
             eng.detach()
-    return losses
 
 
 def trainable_parameters(eng: Engram) -> int:

@@ -359,8 +359,8 @@ def _fused_slots(model) -> list[tuple[object, list]]:
 class LoRATarget:
     """Unmerged LoRA pairs over the frozen weights; theta = [A_0, B_0, A_1, B_1, ...]."""
 
-    def __init__(self, model, cfg: ESConfig):
-        from fucina.weights.lora import Adapter, LoRALinear, _apply_unmerged, model_weights
+    def __init__(self, model, cfg: ESConfig, init: str | None = None):
+        from fucina.weights.lora import Adapter, LoRALinear, _apply_unmerged, model_weights, read_adapter
         if any(isinstance(w, LoRALinear) for w in model_weights(model).values()):
             raise ESError("the model already carries a LoRA adapter; ES trains a fresh one")
         self.model, self.cfg = model, cfg
@@ -373,6 +373,14 @@ class LoRATarget:
             bound = 1.0 / math.sqrt(w.in_features)   # kaiming-uniform A, zero B, as PEFT
             pairs[n] = ((torch.rand(cfg.rank, w.in_features, generator=g) * 2 - 1) * bound,
                         torch.zeros(w.out_features, cfg.rank))
+        if init is not None:   # start from an adapter (e.g. an nll run's, before a sparse reward)
+            start = read_adapter(init)
+            if set(start.pairs) != set(pairs) or start.alpha != cfg.alpha or \
+                    any(start.pairs[n][0].shape != pairs[n][0].shape or start.pairs[n][1].shape != pairs[n][1].shape
+                        for n in pairs):
+                raise ESError(f"{init}: the starting adapter must have this run's targets, rank and alpha "
+                              f"({','.join(cfg.targets)}, r {cfg.rank}, alpha {cfg.alpha})")
+            pairs = {n: (start.pairs[n][0].float(), start.pairs[n][1].float()) for n in pairs}
         self.init = [t for n in self.names for t in pairs[n]]
         self.scale = cfg.alpha / cfg.rank
         _apply_unmerged(model, [(Adapter(model.config.arch, cfg.alpha, pairs), 1.0)])
@@ -456,8 +464,12 @@ class FullTarget:
         return out
 
 
-def make_target(model, cfg: ESConfig):
-    return LoRATarget(model, cfg) if cfg.mode == "lora" else FullTarget(model, cfg)
+def make_target(model, cfg: ESConfig, init: str | None = None):
+    if cfg.mode == "lora":
+        return LoRATarget(model, cfg, init)
+    if init is not None:
+        raise ESError("a starting adapter is for mode lora")
+    return FullTarget(model, cfg)
 
 
 # -- one process's share of an iteration ------------------------------------------------------
@@ -466,13 +478,13 @@ class Evaluator:
     """A model with theta installed, scoring members on the iteration's batch."""
 
     def __init__(self, model, tokenizer, template, cfg: ESConfig, examples: list[ESExample],
-                 reward: Reward):
+                 reward: Reward, init: str | None = None):
         if not examples:
             raise ESError("the dataset is empty")
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.examples, self.reward = examples, reward
         self.stop_ids = _stop_ids(tokenizer, template)
-        self.target = make_target(model, cfg)
+        self.target = make_target(model, cfg, init)
         self.es = Strategy(self.target.init, cfg)
 
     def score(self, theta: list[torch.Tensor], iteration: int) -> float:
@@ -502,6 +514,7 @@ class WorkerSpec:
     cfg: dict
     examples: list[ESExample]
     reward: str | Callable[[str, dict], float]
+    init: str | None = None
 
 
 def _worker(spec: WorkerSpec, conn) -> None:
@@ -515,7 +528,8 @@ def _worker(spec: WorkerSpec, conn) -> None:
         model = load_model(spec.model_path)
         tok = Tokenizer.from_metadata(model.gguf.metadata)
         tpl = ChatTemplate.from_metadata(model.gguf.metadata, tok)
-        ev = Evaluator(model, tok, tpl, ESConfig(**spec.cfg), spec.examples, parse_reward(spec.reward))
+        ev = Evaluator(model, tok, tpl, ESConfig(**spec.cfg), spec.examples, parse_reward(spec.reward),
+                       spec.init)
         conn.send(("ready", None))
     except BaseException as e:   # reported to the parent, which raises it as an ESError
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -584,19 +598,20 @@ class _Pool:
 
 class ESTrainer:
     """Evolution strategies over `model` with `reward` on `examples`. `workers` > 1 evaluates
-    members in that many processes in all (this one included; they load `model_path`)."""
+    members in that many processes in all (this one included; they load `model_path`).
+    `init`: an adapter.gguf to start from (mode lora; same targets, rank and alpha)."""
 
     def __init__(self, model, tokenizer, template, cfg: ESConfig, examples: list[ESExample],
                  reward: str | Callable[[str, dict], float], out_dir: str | None = None, *,
                  workers: int = 1, model_path: str | None = None, threads: int | None = None,
-                 log=None, progress: bool = True):
+                 log=None, progress: bool = True, init: str | None = None):
         if workers < 1:
             raise ESError(f"workers must be at least 1, got {workers}")
         if workers > 1 and model_path is None:
             raise ESError("member-parallel workers load the model from its file: give model_path")
         self.cfg, self.out_dir, self.workers = cfg, out_dir, workers
         self.reward = parse_reward(reward)
-        self.ev = Evaluator(model, tokenizer, template, cfg, examples, self.reward)
+        self.ev = Evaluator(model, tokenizer, template, cfg, examples, self.reward, init)
         self.history: list[dict] = []
         self.elapsed = 0.0
         self.log = log or (lambda s: None)
@@ -604,7 +619,7 @@ class ESTrainer:
         self.pool = None
         if workers > 1:
             t = threads or max(1, (os.cpu_count() or 1) // workers)
-            spec = WorkerSpec(str(model_path), t, asdict(cfg), examples, reward)
+            spec = WorkerSpec(str(model_path), t, asdict(cfg), examples, reward, init)
             self.pool = _Pool([spec] * (workers - 1))
 
     @property

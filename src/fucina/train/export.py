@@ -120,13 +120,18 @@ def export_merged(base_path: str | os.PathLike, model, adapters: list[tuple[Adap
         else:
             stats["requantized"] += 1
         _add_encoded(w, name, dense, qt)
+    f.close()
+    write_and_move(w, tmp, out)
+    return stats
+
+
+def write_and_move(w, tmp: str, out) -> None:
+    """Finish writer w (at tmp) and move the file to out in one step."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    f.close()
     os.replace(tmp, out)
-    return stats
 
 
 def _add_encoded(w, name: str, dense: torch.Tensor, qt: GGMLType) -> None:

@@ -8,7 +8,9 @@ self-distillation on a CPU (no dataset needed).
    head's entry q reads the token x_q and the trunk's state at q - 1 and is trained to give
    x_{q+1} (cross-entropy over the draft vocabulary: the continuations' most frequent
    tokens) and to reproduce the trunk's own state at q (smooth L1: the state it hands the
-   next draft step when drafts chain, EAGLE's feature loss).
+   next draft step when drafts chain, EAGLE's feature loss). One sequence in HELD_OUT is
+   held out; the head written is the one most accurate on those (a few thousand
+   self-distilled tokens are memorised long before the loss stops falling).
 3. The head: the NextN shape (models/mtp.py), its block the family's own layer code run
    through the training stand-in cache (train/forward.py), initialised from the trunk's
    last layer with eh_proj passing the state through, so it starts as "one more layer".
@@ -40,7 +42,7 @@ from fucina.models.schema.mtp import NEXTN
 from fucina.weights import LinearWeight
 
 PROMPTS = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Write a short story about a baker who discovers an old family recipe.",
     "Explain how photosynthesis works, step by step.",
     "What are the main causes of inflation? Explain simply.",
     "Write a poem about the sea at night.",
@@ -79,6 +81,9 @@ SIMPLE = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "q_no
           "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm", "attn_output": "wo",
           "ffn_down": "down"}
 QKV = ("attn_q", "attn_k", "attn_v")
+BATCH = 8     # self-distilled streams decoded in lockstep
+HELD_OUT = 8  # one sequence in this many is held out: the head kept is the one best on them
+EVAL_EVERY = 25
 
 
 @dataclass
@@ -177,12 +182,16 @@ def initial_values(model) -> dict[str, torch.Tensor]:
 
 
 def self_distill(llm, opts: TrainOptions) -> list[list[int]]:
-    """Token sequences: each prompt (templated when the model has a chat template) and the
-    model's greedy continuation of it."""
+    """Token sequences: each prompt (templated when the model has a chat template; after the
+    first round, opened with one sampled token for variety) and the model's greedy
+    continuation of it, BATCH streams decoded in lockstep (one weight pass for all)."""
+    from fucina.text.batch import generate_batch
+    from fucina.text.sampler import Sampler, SamplingConfig
+
     rng = random.Random(opts.seed)
     prompts = list(opts.prompts)
     rng.shuffle(prompts)
-    seqs = []
+    starts = []
     for n in range(opts.sequences):
         p = prompts[n % len(prompts)]
         if llm.has_chat_template:
@@ -190,13 +199,19 @@ def self_distill(llm, opts: TrainOptions) -> list[list[int]]:
                                        add_special=False, parse_special=True)
         else:
             ids = llm.tokenize(p)
-        if n >= len(prompts):        # later rounds: continue from a sampled first token for variety
+        if n >= len(prompts):
             llm.generate(ids, max_tokens=1, temperature=1.0, seed=opts.seed + n)
             ids = ids + list(llm.last.tokens)
-        llm.generate(ids, max_tokens=opts.tokens, temperature=0.0)
-        seqs.append(ids + list(llm.last.tokens))
+        starts.append(ids)
+    seqs: list[list[int]] = []
+    stop = list(getattr(llm.tokenizer, "eog_ids", ()) or ())
+    for at in range(0, len(starts), BATCH):
+        group = starts[at:at + BATCH]
+        replies = generate_batch(llm.model, llm.tokenizer, group, [Sampler(SamplingConfig()) for _ in group],
+                                 max_tokens=opts.tokens, stop_ids=stop)
+        seqs += [ids + list(r.tokens) for ids, r in zip(group, replies)]
         if opts.log:
-            opts.log(f"sequence {n + 1}/{opts.sequences}: {len(seqs[-1])} tokens")
+            opts.log(f"sequences {len(seqs)}/{len(starts)}: {sum(len(q) for q in seqs)} tokens")
     return seqs
 
 
@@ -237,7 +252,9 @@ class HeadTrainer:
         self.enorm, self.hnorm = torch.nn.Parameter(self.head.enorm.clone()), torch.nn.Parameter(self.head.hnorm.clone())
         self.params += [self.eh.w, self.enorm, self.hnorm]
         self.draft_w = self.head.draft_w          # frozen [n_draft, n_embd]
-        self.data = [self._prepare(s) for s in seqs if len(s) >= 3]
+        data = [self._prepare(s) for s in seqs if len(s) >= 3]
+        n_val = len(data) // HELD_OUT if len(data) >= 2 * HELD_OUT else 0
+        self.data, self.val = data[:len(data) - n_val], data[len(data) - n_val:]
 
     @torch.no_grad()
     def _prepare(self, ids: list[int]):
@@ -277,6 +294,7 @@ class HeadTrainer:
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, o.steps) / o.steps)))
         t0, ce_avg, acc_avg = time.perf_counter(), None, None
+        best, best_values, best_step = -1.0, None, 0
         for step in range(o.steps):
             item = self.data[rng.randrange(len(self.data))]
             loss, ce, acc = self.loss(item)
@@ -287,9 +305,27 @@ class HeadTrainer:
             sched.step()
             ce_avg = float(ce) if ce_avg is None else 0.95 * ce_avg + 0.05 * float(ce)
             acc_avg = float(acc) if acc_avg is None else 0.95 * acc_avg + 0.05 * float(acc)
-            if o.log and (step % 50 == 0 or step == o.steps - 1):
-                o.log(f"step {step + 1}/{o.steps}: cross-entropy {ce_avg:.3f}, next-token accuracy {acc_avg:.1%}")
-        return dict(steps=o.steps, seconds=time.perf_counter() - t0, cross_entropy=ce_avg, accuracy=acc_avg)
+            last = step == o.steps - 1
+            if self.val and ((step + 1) % EVAL_EVERY == 0 or last):
+                val = self.evaluate()
+                if val > best:
+                    best, best_values, best_step = val, self.values(), step + 1
+            if o.log and (step % 50 == 0 or last):
+                held = f", held-out {best:.1%} (best, step {best_step})" if self.val else ""
+                o.log(f"step {step + 1}/{o.steps}: cross-entropy {ce_avg:.3f}, next-token accuracy {acc_avg:.1%}{held}")
+        self.best_values = best_values
+        return dict(steps=o.steps, seconds=time.perf_counter() - t0, cross_entropy=ce_avg, accuracy=acc_avg,
+                    held_out_accuracy=best if self.val else None, kept_step=best_step if self.val else o.steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Next-token accuracy on the held-out sequences (what a first draft token scores)."""
+        hits = total = 0
+        for tokens, states, targets, _ in self.val:
+            pred = (self.forward(tokens, states) @ self.draft_w.T).argmax(-1)
+            hits += int((pred == targets).sum())
+            total += targets.numel()
+        return hits / total if total else 0.0
 
     def values(self) -> dict[str, torch.Tensor]:
         v = layer_values(self.model, self.head.block.layers[0])
@@ -310,7 +346,7 @@ def train_head(llm, out: str | os.PathLike, opts: TrainOptions | None = None) ->
     t1 = time.perf_counter()
     trainer = HeadTrainer(model, opts, seqs)
     stats = trainer.train()
-    write_head(model, trainer.values(), out, trainer.vocab.tolist())
+    write_head(model, trainer.best_values or trainer.values(), out, trainer.vocab.tolist())
     stats.update(sequences=len(seqs), tokens=sum(len(s) for s in seqs), distill_seconds=t1 - t0,
                  total_seconds=time.perf_counter() - t0, draft_vocab=len(trainer.vocab))
     return stats

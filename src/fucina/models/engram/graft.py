@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 import torch
 
+from fucina.models.cache import KVCache
 from fucina.models.engram import store
 from fucina.models.engram.layer import PARAMS, EngramLayer
 from fucina.models.engram.plan import EngramError, HashPlan
@@ -98,12 +99,29 @@ class Engram(torch.nn.Module):
         for lid in self.plan.layer_ids:
             model.add_residual_hook(lid, self)
         self._attached = weakref.ref(model)
+        KVCache.copy_listeners.append(self._copied)
         return self
+
+    def _copied(self, dst, src, start: int, end: int) -> None:
+        """A cache adopted rows [start, end) of another (a server slot's shared prefix): so
+        does its history, when both have one that reaches."""
+        s = self._streams.get(src)
+        if s is None or s.known < end or end > dst.capacity:
+            return
+        d = self._stream(dst)
+        if d.known < start:
+            return
+        d.ids[start:end] = s.ids[start:end]
+        for lid in self.plan.layer_ids:
+            d.conv[lid][start:end] = s.conv[lid][start:end]
+        d.known = end
 
     def detach(self) -> None:
         model = self._attached() if self._attached is not None else None
         if model is not None:
             model.remove_residual_hooks(self)
+        if self._copied in KVCache.copy_listeners:
+            KVCache.copy_listeners.remove(self._copied)
         self._attached = None
 
     def _stream(self, cache) -> _Stream:

@@ -1,0 +1,165 @@
+"""Engram on a frozen model: perplexity of the arms, and the decode cost of a graft.
+
+    python benchmarks/engram.py ppl MODEL --train TEXT --held TEXT [--steps 60] [--layers 24,27]
+        [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
+    python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
+
+`ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
+graft with one-row tables: what extra parameters without a memory buy), full (the graft),
+lora (LoRA on every projection of the layers from the first memory layer up, rank chosen so
+its parameters match the graft's), each scored as `fucina perplexity` scores (chunks of
+--eval-ctx, second halves) on the training text and on held-out text.
+`speed`: greedy single-token decode steps with and without a graft attached, alternated
+per repetition in one process (the box's load moves both alike); the ratio of medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fucina.models import load_model
+from fucina.models.engram import Engram
+from fucina.text.evaluate import perplexity
+from fucina.text.tokenizer import Tokenizer
+from fucina.train.engram import compress_table, fit, train, trainable_parameters
+
+
+def _setup(args):
+    import fucina.kernels as kernels
+    from fucina.models.hub import resolve_model as resolve
+
+    kernels.set_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    model = load_model(resolve(args.model))
+    return model, Tokenizer.from_metadata(model.gguf.metadata)
+
+
+def _ppl(model, tok, text: str, ctx: int) -> float:
+    ids = tok.encode(text)
+    return perplexity(model, ids, ctx, tok.bos_id if tok.add_bos else None)[0]
+
+
+def _train_lora(model, ids, eng_params: int, start: int, steps: int, ctx: int, lr: float, seed: int):
+    from fucina.train.lora import LoRAConfig, LoRAModel
+
+    def trained(lm):   # parameters of the layers that get gradients (start and above)
+        return sum(t.numel() for name, t in lm.named_params().items() if int(name.split(".")[1]) >= start)
+
+    probe = LoRAModel(model, LoRAConfig(rank=1, alpha=2.0, targets="all"), seed=seed)
+    per_rank = trained(probe)
+    probe.detach()
+    rank = max(1, round(eng_params / per_rank))
+    lm = LoRAModel(model, LoRAConfig(rank=rank, alpha=2.0 * rank, targets="all"), seed=seed)
+    fit(model, lm.params(), ids, start, steps=steps, lr=lr, ctx=ctx, seed=seed)
+    return lm, rank, trained(lm)
+
+
+def cmd_ppl(args) -> None:
+    model, tok = _setup(args)
+    train_text, held_text = open(args.train).read(), open(args.held).read()
+    ids = tok.encode(train_text)
+    layers = [int(x) for x in args.layers.split(",")]
+    lookup = compress_table(tok)
+    rows, eng_params = [], 0
+    print(f"# {args.model}: training text {len(ids)} tokens, held-out {len(tok.encode(held_text))} tokens, "
+          f"layers {layers}, {args.steps} steps of {args.ctx} tokens, lr {args.lr}")
+    for arm in args.arms.split(","):
+        t = time.perf_counter()
+        extra, lm = {}, None
+        if arm in ("cap1", "full"):
+            eng = Engram.for_model(model, layers, capacity=1 if arm == "cap1" else args.capacity, seed=args.seed,
+                                   lookup=lookup, pad_id=tok.bos_id or 0)
+            losses = train(model, eng, ids, steps=args.steps, lr=args.lr, ctx=args.ctx, seed=args.seed)
+            extra = dict(params=trainable_parameters(eng), first_loss=round(losses[0], 3),
+                         last_loss=round(losses[-1], 3))
+            if arm == "full":
+                eng_params = trainable_parameters(eng)
+            eng.attach(model)
+        elif arm == "lora":
+            lm, rank, n = _train_lora(model, ids, eng_params or 10_000_000, min(layers), args.steps, args.ctx,
+                                      args.lr / 10, args.seed)
+            extra = dict(params=n, rank=rank)
+        seconds = time.perf_counter() - t
+        p_train = _ppl(model, tok, train_text, args.eval_ctx)
+        p_held = _ppl(model, tok, held_text, args.eval_ctx)
+        if arm in ("cap1", "full"):
+            eng.detach()
+        if lm is not None:
+            lm.detach()
+        row = dict(arm=arm, ppl_train=round(p_train, 4), ppl_held=round(p_held, 4), train_s=round(seconds, 1),
+                   **extra)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = next((r for r in rows if r["arm"] == "bare"), None)
+    if base:
+        for r in rows:
+            print(f"{r['arm']:5s}  train ppl {r['ppl_train']:8.3f} ({r['ppl_train'] / base['ppl_train']:.3f}x bare)"
+                  f"  held-out ppl {r['ppl_held']:8.3f} ({r['ppl_held'] / base['ppl_held']:.3f}x bare)")
+
+
+def _decode(model, ids, gen: int) -> float:
+    cache = model.init_cache(len(ids) + gen + 1)
+    logits = model.forward_step(cache, ids, 0)
+    t = time.perf_counter()
+    for _ in range(gen):
+        nxt = int(torch.argmax(logits))
+        logits = model.forward_step(cache, [nxt], cache.len)
+    return gen / (time.perf_counter() - t)
+
+
+def cmd_speed(args) -> None:
+    model, tok = _setup(args)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it keeps running")
+    layers = [int(x) for x in args.layers.split(",")]
+    eng = Engram.for_model(model, layers, capacity=args.capacity, lookup=compress_table(tok))
+    with torch.no_grad():      # a trained graft's cost: nonzero value path
+        for p in eng.parameters():
+            p.add_(0.01)
+    bare, graft = [], []
+    _decode(model, ids, 8)
+    for _ in range(args.reps):
+        bare.append(_decode(model, ids, args.gen))
+        eng.attach(model)
+        graft.append(_decode(model, ids, args.gen))
+        eng.detach()
+    b, g = statistics.median(bare), statistics.median(graft)
+    print(json.dumps(dict(model=args.model, layers=layers, bare_tok_s=round(b, 1), graft_tok_s=round(g, 1),
+                          ratio=round(g / b, 3), bare=[round(x, 1) for x in bare],
+                          graft=[round(x, 1) for x in graft])))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("ppl")
+    s.add_argument("model")
+    s.add_argument("--train", required=True)
+    s.add_argument("--held", required=True)
+    s.add_argument("--steps", type=int, default=60)
+    s.add_argument("--layers", default="24,27")
+    s.add_argument("--ctx", type=int, default=128)
+    s.add_argument("--eval-ctx", type=int, default=256)
+    s.add_argument("--lr", type=float, default=1e-2)
+    s.add_argument("--capacity", type=int, default=20011)
+    s.add_argument("--arms", default="bare,cap1,full,lora")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=2)
+    s.set_defaults(func=cmd_ppl)
+    s = sub.add_parser("speed")
+    s.add_argument("model")
+    s.add_argument("--layers", default="24,27")
+    s.add_argument("--capacity", type=int, default=20011)
+    s.add_argument("--gen", type=int, default=64)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--threads", type=int, default=2)
+    s.set_defaults(func=cmd_speed)
+    args = p.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
