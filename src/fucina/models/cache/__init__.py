@@ -23,6 +23,7 @@ per-layer specs: `DecoderBase.init_cache`).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -41,9 +42,9 @@ def _per_layer(x: int | list[int], n: int) -> list[int]:
 
 class KVCache:
     training = False   # models.base.attention: True only on the training stand-in (train.forward)
-    # f(dst, src, start, end) after every copy_rows: state a system keeps per cache by position
-    # (an Engram graft's history) follows the rows
-    copy_listeners: list = []
+    # objects whose rows_copied(dst, src, start, end) runs after every copy_rows: state a system
+    # keeps per cache by position (an Engram graft's history) follows the rows (held weakly)
+    copy_listeners: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, n_layers: int, kv_heads: int | list[int], head_dim: int | list[int],
                  capacity: int, dtype: torch.dtype = torch.float16, *, v_dim: int | list[int] | None = None,
@@ -156,8 +157,8 @@ class KVCache:
         self.len = end
         for mem in self.memories:
             mem.commit(end)
-        for listener in KVCache.copy_listeners:
-            listener(self, src, start, end)
+        for listener in list(KVCache.copy_listeners):
+            listener.rows_copied(self, src, start, end)
 
     # -- costs and descriptions ------------------------------------------------------
     def nbytes(self) -> int:
