@@ -23,6 +23,7 @@ per-layer specs: `DecoderBase.init_cache`).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -43,9 +44,9 @@ class KVCache:
     training = False   # models.base.attention: True only on the training stand-in (train.forward)
     hidden_rows = None  # [capacity, n_embd] f32: each position's last hidden row, when the model keeps them
 
-    # f(dst, src, start, end) after every copy_rows: state a system keeps per cache by position
-    # (an Engram graft's history) follows the rows
-    copy_listeners: list = []
+    # objects whose rows_copied(dst, src, start, end) runs after every copy_rows: state a system
+    # keeps per cache by position (an Engram graft's history) follows the rows (held weakly)
+    copy_listeners: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, n_layers: int, kv_heads: int | list[int], head_dim: int | list[int],
                  capacity: int, dtype: torch.dtype = torch.float16, *, v_dim: int | list[int] | None = None,
@@ -158,8 +159,8 @@ class KVCache:
         self.len = end
         for mem in self.memories:
             mem.commit(end)
-        for listener in KVCache.copy_listeners:
-            listener(self, src, start, end)
+        for listener in list(KVCache.copy_listeners):
+            listener.rows_copied(self, src, start, end)
 
     # -- costs and descriptions ------------------------------------------------------
     def nbytes(self) -> int:

@@ -99,10 +99,10 @@ class Engram(torch.nn.Module):
         for lid in self.plan.layer_ids:
             model.add_residual_hook(lid, self)
         self._attached = weakref.ref(model)
-        KVCache.copy_listeners.append(self._copied)
+        KVCache.copy_listeners.add(self)
         return self
 
-    def _copied(self, dst, src, start: int, end: int) -> None:
+    def rows_copied(self, dst, src, start: int, end: int) -> None:
         """A cache adopted rows [start, end) of another (a server slot's shared prefix): so
         does its history, when both have one that reaches."""
         s = self._streams.get(src)
@@ -120,8 +120,7 @@ class Engram(torch.nn.Module):
         model = self._attached() if self._attached is not None else None
         if model is not None:
             model.remove_residual_hooks(self)
-        if self._copied in KVCache.copy_listeners:
-            KVCache.copy_listeners.remove(self._copied)
+        KVCache.copy_listeners.discard(self)
         self._attached = None
 
     def _stream(self, cache) -> _Stream:
