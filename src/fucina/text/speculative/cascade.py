@@ -34,7 +34,7 @@ ANCHORED_MATCH = 16   # the evidence an aligned anchored document (a prediction)
 # the recycling chain is judged from this many drafted tokens: its drafts are one or two
 # tokens at ~10% on SmolLM2, and 16 of them were ~10 losing verify passes a story
 RECYCLING_DECIDE_AFTER = 4
-MTP_DEFERS_TO = 4     # an exact match this long drafts instead of the MTP head
+MTP_DEFERS_TO = 2     # an exact match this long drafts instead of the MTP head (min_match: every one)
 
 
 class Gate:
@@ -111,6 +111,7 @@ class SpeculationIndex(DraftSource):
         self._pending: tuple[Gate, list[int]] | None = None
         self.mtp: MTPDrafter | None = None      # set by bind() when the model has a head
         self.mtp_gate = Gate(mute_acceptance, mute_commits, decide_after=RECYCLING_DECIDE_AFTER)
+        self._pass_head = False    # this step's draft is not the head's (its bucket does not pay)
 
     def _gate(self) -> Gate:
         return Gate(self.mute_acceptance, self.mute_commits)
@@ -155,7 +156,9 @@ class SpeculationIndex(DraftSource):
         # threads, 5 pairs, grounded summary 0.94x (its one-token drafts took passes the long
         # matches would have drafted further: 2.39 -> 2.29 tokens a step)
         short = best_len == 1 < self.min_match and self.short_matches and not self.short_gate.muted()
-        if self._mtp_drafts(best_len):
+        drafts_head = self._mtp_drafts(best_len)
+        self._pass_head = False
+        if drafts_head:
             draft = self.mtp.suggest(context, n)
             if draft:
                 self._pending = (self.mtp_gate, draft)
@@ -177,7 +180,10 @@ class SpeculationIndex(DraftSource):
 
     def _mtp_drafts(self, best_len: int) -> bool:
         return (self.mtp is not None and best_len < MTP_DEFERS_TO and not self.mtp_gate.muted()
-                and self.mtp.usable())
+                and not self._pass_head and self.mtp.usable())
+
+    def pass_over_model(self) -> None:
+        self._pass_head = True
 
     def bind(self, model, cache) -> None:
         head = getattr(model, "mtp", None)
@@ -223,6 +229,7 @@ class SpeculationIndex(DraftSource):
             self._pending = (gate, draft[:new_len]) if new_len > 0 else None
 
     def observe(self, committed: Sequence[int]) -> None:
+        self._pass_head = False
         committed = [int(t) for t in committed]
         if not committed:
             return

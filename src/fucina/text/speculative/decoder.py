@@ -35,7 +35,7 @@ import torch
 from fucina.errors import FucinaError
 from fucina.kernels import first_max_rows
 from fucina.text.generate import Reply, ReplyDecoder
-from fucina.text.speculative.gate import CostGate, match_bucket, shared_costs
+from fucina.text.speculative.gate import MTP_BUCKET, CostGate, match_bucket, shared_costs
 from fucina.text.speculative.source import DraftSource
 
 
@@ -267,8 +267,14 @@ class SpeculativeDecoder:
         bucket = self.source.bucket()
         self._bucket = match_bucket(self.source.match_len()) if bucket is None else bucket
         self.gate.set_draft_cost(self._draft_steps())
-        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket),
-                   cache.capacity - cache.len - n_carried, rd.max_tokens - len(rd.reply.tokens) - 1)
+        limit = min(cache.capacity - cache.len - n_carried, rd.max_tokens - len(rd.reply.tokens) - 1)
+        room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), limit)
+        if room < self.min_draft and bucket == MTP_BUCKET:
+            # the head does not pay here now: the other sources draft this step (else a weak
+            # head, never drafting, would never be muted and would hold every short match back)
+            self._bucket = match_bucket(self.source.match_len())
+            self.source.pass_over_model()
+            room = min(self.max_draft, self.gate.budget(self.shared_rows, self._bucket), limit)
         if room < self.min_draft:
             s.fallback_steps += 1
             return []

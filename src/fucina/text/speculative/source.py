@@ -41,6 +41,9 @@ class DraftSource:
         """The gate's evidence bucket for the next draft (None: by `match_len`)."""
         return None
 
+    def pass_over_model(self) -> None:
+        """The next draft must not come from a model-based source (its bucket does not pay)."""
+
     def draft_seconds(self) -> float:
         """Wall time a drafted token costs the source itself (a model-based source's
         forward passes; index lookups: 0), which the cost gate adds to its verify rows."""
