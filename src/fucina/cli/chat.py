@@ -126,7 +126,7 @@ def _split_positionals(args) -> tuple[str | None, str | None]:
 
 
 def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None, lora_scale=None, moe_ram=None,
-             moe_policy="heat", engram=None, mtp=None, **stages):
+             moe_policy="heat", engram=None, mtp=None, cartridge=None, **stages):
     import fucina.kernels as kernels
     from fucina.text.api import load
 
@@ -139,7 +139,7 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
         import torch
         torch.set_num_threads(n)
     llm = load(model_arg, n_ctx=n_ctx, cache_type=cache_type, lora=lora, lora_scale=lora_scale, moe_ram=moe_ram,
-               moe_policy=moe_policy, engram=engram, mtp=mtp, **stages)
+               moe_policy=moe_policy, engram=engram, mtp=mtp, cartridge=cartridge, **stages)
     llm.model                     # chat computes at once: build the decoder inside the start-up GC pause
     from fucina.cli.common import resume_gc
     resume_gc()
@@ -222,8 +222,8 @@ def cmd_chat(args) -> int:
     llm = load_llm(model_arg or CHAT_DEFAULT, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
-    llm.cartridge = getattr(args, "cartridge", None) or None
+                   engram=getattr(args, "engram", None), mtp=mtp_value(args),
+                   cartridge=getattr(args, "cartridge", None) or None, **pipeline_kwargs(args))
     from fucina.cli.diffusion_args import DiffusionChat, check_flags
     diffusion = check_flags(llm.model, args)      # a dream/llada model denoises each reply
     session = DiffusionChat(llm, args) if diffusion else ChatSession(llm, args)

@@ -95,8 +95,9 @@ def cmd_serve(args) -> int:
     llm = load_llm(args.model, threads=args.threads, n_ctx=args.ctx, cache_type=args.cache_type,
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
-                   engram=getattr(args, "engram", None), mtp=mtp_value(args), **pipeline_kwargs(args))
-    llm.cartridge = getattr(args, "cartridge", None) or None   # every conversation starts behind it
+                   engram=getattr(args, "engram", None), mtp=mtp_value(args),
+                   cartridge=getattr(args, "cartridge", None) or None,   # every conversation starts behind it
+                   **pipeline_kwargs(args))
     if getattr(llm.model, "diffusion", False):
         raise FucinaError(f"{llm._name()} is a diffusion model: the server does not denoise yet "
                           "(use fucina run/chat or the Python API's llm.stream, which yields committed blocks)")
