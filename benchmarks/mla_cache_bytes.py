@@ -1,6 +1,6 @@
 """The deepseek2 KV cache's bytes per position: fucina's latent cache beside llama.cpp's.
 
-    FUCINA_LLAMA_CPP=../shared/reference/bin python benchmarks/mla_cache_bytes.py [--ctx 4096]
+    FUCINA_LLAMA_CPP=/path/to/llama.cpp/bin python benchmarks/mla_cache_bytes.py [--ctx 4096]
 
 Writes random-weight deepseek2 GGUFs with DeepSeek-V2-Lite's attention geometry (16 heads,
 kv_lora_rank 512, rope 64, nope 128, v 128; tiny experts and 2 layers: the cache's cost per

@@ -3,7 +3,7 @@
 `write_model(path, arch, ...)` writes a decoder of any registered family with seeded
 random weights; its per-layer tensors are the family's own schema (`Model.schema.tensors`,
 the one loading reads), so a new family needs no change here beyond its metadata quirks. The vocabulary is either a small synthetic byte-level one or copied
-from a vocab-only GGUF (e.g. ../shared/data/vocab/vocab-qwen3.gguf) so llama.cpp can
+from a vocab-only GGUF (e.g. a vocab-qwen3.gguf) so llama.cpp can
 tokenize with it too.
 """
 from __future__ import annotations

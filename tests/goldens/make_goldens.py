@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the committed parity goldens from the llama.cpp oracle.
 
-usage: FUCINA_LLAMA_CPP=../shared/reference/bin python tests/goldens/make_goldens.py
+usage: FUCINA_LLAMA_CPP=/path/to/llama.cpp/bin python tests/goldens/make_goldens.py
 
 For each case: the prompt's token ids (llama-tokenize), the top-k logits of the scored
 positions (llama-logits), and llama.cpp's 32-token greedy continuation (argmax, one

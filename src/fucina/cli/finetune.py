@@ -36,7 +36,7 @@ def apply_lora_args(model, args) -> None:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("finetune", help="LoRA fine-tune on the quantized GGUF (writes DIR/adapter.gguf)",
+    s = sub.add_parser("finetune", help="LoRA fine-tune on the quantized GGUF, by gradients or --method es (writes DIR/adapter.gguf)",
                        description="Train LoRA adapters over the frozen, still-quantized model. Data: "
                        "JSONL lines with 'messages' (chat template; loss on assistant turns), "
                        "'prompt'/'completion', or 'text'. Ctrl-C writes a checkpoint; --resume DIR "
