@@ -119,7 +119,8 @@ def test_two_replicas_behind_vllm_router(smollm2_path, tmp_path):
     rproc = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(rport), "--policy", "cache_aware",
                               "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports],
                               "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                              "--retry-max-retries", "3", "--log-level", "warning",
+                              "--retry-max-retries", "3", "--cb-failure-threshold", "1",
+                              "--log-level", "warning",
                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())],
                              stdout=rlog, stderr=subprocess.STDOUT, start_new_session=True)
     try:
