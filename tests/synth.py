@@ -210,3 +210,19 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def chunked_logits(model, ids, chunks, native: bool = True, capacity: int = 64):
+    """Every position's logits of `ids` fed in chunks of the given sizes (a prefill split
+    as a server or a verify step would), on the native step or the torch blocks."""
+    import torch
+    before = model.use_native_step
+    model.use_native_step = native
+    try:
+        cache, out, pos = model.init_cache(capacity), [], 0
+        for n in chunks:
+            out.append(model.forward_step_all_logits(cache, ids[pos:pos + n], pos))
+            pos += n
+        return torch.cat(out)
+    finally:
+        model.use_native_step = before

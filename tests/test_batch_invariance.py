@@ -5,7 +5,8 @@ it runs alone (m = 1), in a block of rows, in a prefill chunk of any size, or as
 stream of forward_step_batch, on every native format and ISA level (torch.equal, not
 allclose). The quantized matmuls go further: one canonical per-block formula on every
 ISA, so AVX-512, AVX2 and the scalar unit agree bit for bit as well. The torch path
-(use_native_step = False) stays the close-not-bitwise reference (test_native_step).
+(use_native_step = False) is close to the native step, not bitwise (test_native_step), and
+chunk-invariant on its own (test_torch_invariance).
 """
 from __future__ import annotations
 

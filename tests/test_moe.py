@@ -10,7 +10,7 @@ import fucina.kernels as K
 from fucina.errors import FucinaError, GGUFError
 from fucina.kernels import KernelError
 from fucina.models import load_model, moe
-from synth import write_model
+from synth import chunked_logits, write_model
 from test_batch_invariance import check_batch_rows_equal_alone
 
 Q = gguf.GGMLQuantizationType
@@ -27,15 +27,7 @@ def _model(tmp_path_factory, qtype):
 
 
 def _prefill(model, chunks, native=True):
-    model.use_native_step = native
-    try:
-        cache, out, pos = model.init_cache(64), [], 0
-        for n in chunks:
-            out.append(model.forward_step_all_logits(cache, IDS[pos:pos + n], pos))
-            pos += n
-        return torch.cat(out)
-    finally:
-        model.use_native_step = True
+    return chunked_logits(model, IDS, chunks, native)
 
 
 def test_routing_softmax_topk_renormalised():

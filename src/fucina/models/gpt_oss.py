@@ -41,6 +41,10 @@ def sink_attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale
     """Causal attention of q [m, heads, d] at pos0.. over the cache, one extra logit per head
     (sinks [heads]) in every row's softmax: p_j = exp(s_j) / (sum_j exp(s_j) + exp(sink))."""
     m, n_head, d = q.shape
+    if m > 1 and not cache.training and not (q.requires_grad and torch.is_grad_enabled()):
+        # row by row, each as its own decode step reads: batch invariance (base._rows_attention)
+        return torch.cat([sink_attention(q[r:r + 1], cache, layer, pos0 + r, scale, window, sinks)
+                          for r in range(m)])
     n = pos0 + m
     start = max(0, pos0 - window + 1) if window > 0 else 0
     k, v = cache.span(layer, start, n)

@@ -121,10 +121,22 @@ def mla_attention(w: MLAWeights, x: torch.Tensor, cache: KVCache | Ragged, layer
     latent = rms_norm(kv[:, :g.kv_lora], w.kv_a_norm, eps)[:, None, :]    # [m, 1, rank]
     q_pe, k_pe = rope(q_pe.contiguous(), pos0), rope(kv[:, None, g.kv_lora:].contiguous(), pos0)
     cache.append(layer, latent, k_pe)
+    if m > 1 and not cache.training and not torch.is_grad_enabled():
+        # inference: row by row past the projections, each row the ops of its own decode step
+        # (an einsum over m rows picks its GEMM by m, so rows would differ by chunking)
+        v = torch.cat([_absorbed(w, q_nope[r:r + 1], q_pe[r:r + 1], cache, layer, pos0 + r, scale)
+                       for r in range(m)])
+    else:
+        v = _absorbed(w, q_nope, q_pe, cache, layer, pos0, scale)
+    return w.wo(v.reshape(m, g.n_head * g.v_dim))
+
+
+def _absorbed(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, pos0: int,
+              scale: float) -> torch.Tensor:
+    """Rows at pos0.. through the absorbed k_b, the latent attention and v_b -> [m, H, v]."""
     q_abs = torch.einsum("mhd,hrd->mhr", q_nope, w.k_b)                   # [m, H, rank]
     o = _latent_attention(q_abs, q_pe, cache, layer, pos0, scale)
-    v = torch.einsum("mhr,hvr->mhv", o, w.v_b)                            # [m, H, v]
-    return w.wo(v.reshape(m, g.n_head * g.v_dim))
+    return torch.einsum("mhr,hvr->mhv", o, w.v_b)                         # [m, H, v]
 
 
 def _latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, pos0: int,

@@ -136,6 +136,18 @@ class Model(llama.Model):
                                    L.ssm_dt_bias, L.ssm_a, state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps)
             mem.write(pos0, window, state)
             return L.ssm_out(o.view(1, -1))
+        if not cache.training and not torch.is_grad_enabled() and kernels.delta_step_ok():
+            # inference: row by row through decode's native call, so a row's output does not
+            # depend on the step it came in (the chunked scan's reduction order does: 1.6e-5)
+            keep, outs, inner = min(m, mem.horizon), [], []
+            qkv, z, b, a = (t.float().contiguous() for t in (qkv, z, b, a))
+            for r in range(m):
+                outs.append(kernels.delta_step(qkv[r], z[r], b[r], a[r], window, L.conv, L.ssm_dt_bias, L.ssm_a,
+                                               state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps))
+                if r >= m - keep:
+                    inner.append((pos0 + r + 1, window.clone(), state.clone()))
+            mem.write(pos0, window, state, inner)
+            return L.ssm_out(torch.stack(outs))
         conv, full = delta_net.causal_conv(qkv.float(), window, L.conv)
         conv = F.silu(conv)
         kd = c.n_k_heads * c.d_state

@@ -17,6 +17,15 @@ from fucina.models import llama, moe, qwen35
 from fucina.models.schema.qwen35moe import MOE_FFN, Config, Schema, layer_schema  # noqa: F401
 
 
+def shared_gate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x . w) per row, [m, 1], computed the same way whatever m is (batch invariance):
+    one dot per row (`x @ w` over m rows picks its kernel by m), and the sigmoid over 16
+    copies of each value, so every value takes the vector path (over m values the last
+    m % 8 take the scalar tail on AVX2, whose rounding differs)."""
+    gate = torch.stack([torch.dot(row, w) for row in x.float()])
+    return torch.sigmoid(gate[:, None].repeat(1, 16))[:, :1]
+
+
 class Model(qwen35.Model):
     schema = Schema
     ffn_tensors = MOE_FFN
@@ -31,7 +40,7 @@ class Model(qwen35.Model):
         g, u = (L.w_shared(x).chunk(2, dim=-1) if L.w_shared is not None
                 else (L.ffn_gate_shexp(x), L.ffn_up_shexp(x)))
         shared = L.ffn_down_shexp(F.silu(g) * u)
-        return routed + shared * torch.sigmoid(x.float() @ L.ffn_gate_inp_shexp)[..., None]
+        return routed + shared * shared_gate(x, L.ffn_gate_inp_shexp)
 
     def build_plan(self) -> None:
         return None   # the native MoE ffn (csrc/generic/moe_impl.inc) has no shared expert yet
