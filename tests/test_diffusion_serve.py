@@ -111,3 +111,24 @@ def test_diffusion_fields_on_an_autoregressive_model_are_400s(tmp_path):
                        timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "diffusion_steps"
     assert "not a diffusion model" in r.json()["error"]["message"]
+
+
+def test_a_diffusion_gemma_server_answers_as_the_api(tmp_path, served):
+    import fucina
+    from synth_diffusion_gemma import write_diffusion_gemma
+    llm = fucina.load(write_diffusion_gemma(tmp_path / "dg.gguf"))
+    ids = [2, 40, 41, 42]
+    want = llm.generate(ids, 24, seed=3, steps=5, entropy_bound=0.2)
+    body = {"prompt": ids, "max_tokens": 24, "seed": 3, "diffusion_steps": 5, "entropy_bound": 0.2}
+    with live(Server.from_llm(llm)) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert "".join(c["choices"][0]["text"] for c in _sse(r) if c.get("choices")) == want
+        for field, value in (("canvas", 32), ("top_k", 3), ("t_min", "x")):
+            r = httpx.post(f"{url}/v1/completions", json={**body, field: value}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    url, _, _ = served          # and the other way: an EB field on a dream server
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "entropy_bound": 0.2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "entropy_bound"

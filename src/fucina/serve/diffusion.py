@@ -1,4 +1,4 @@
-"""Serving a text-diffusion model (dream, llada): every route answers by denoising.
+"""Serving a text-diffusion model (dream, llada, diffusion-gemma): every route answers by denoising.
 
 A request's reply is the canvas of its prompt denoised with llama-diffusion-cli's loop
 (fucina.text.diffusion.reply, what `llm.generate` / `llm.stream` run), so the same
@@ -14,6 +14,11 @@ Request fields, by the CLI's flag names: `diffusion_steps`, `diffusion_eps`,
 honour (stop sequences, log-probabilities, min_p and the penalties, grammars and
 response formats, forced tool calls, speculation) are a 400 naming the field, and so
 are diffusion fields sent to an autoregressive model.
+
+diffusion-gemma takes `diffusion_steps` (its max steps per canvas), `entropy_bound`,
+`t_min`, `t_max`, `self_conditioning` and `seed` (its canvas is the file's; the other
+diffusion fields and temperature/top_k/top_p are 400s); its reply streams canvas by
+canvas as each is committed.
 
 Requests are served one at a time, in arrival order (a canvas pass is one batch of
 its own; `n` choices are denoised one after another, choice i with seed + i).
@@ -37,6 +42,8 @@ FIELDS = {"diffusion_steps": "steps", "diffusion_eps": "eps", "diffusion_block_l
           "canvas": "canvas"}
 #: sampling fields of the autoregressive sampler, and the value that leaves it alone
 AR_SAMPLING = {"min_p": 0, "frequency_penalty": 0, "presence_penalty": 0, "repeat_penalty": 1}
+#: diffusion-gemma's entropy-bound sampler (with diffusion_steps for its max steps, and seed)
+EB_FIELDS = ("entropy_bound", "t_min", "t_max", "self_conditioning")
 MAX_TOKENS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 DEFAULT_REPLY = 256
 
@@ -47,10 +54,10 @@ def accept(server, body: Any, turns) -> None:
     if not isinstance(body, dict):
         return
     if not is_diffusion(server.engine.model):
-        given = [k for k in FIELDS if body.get(k) is not None]
+        given = [k for k in (*FIELDS, *EB_FIELDS) if body.get(k) is not None]
         if given:
             raise bad(f"{', '.join(repr(k) for k in given)}: {server.model_id} is not a diffusion model "
-                      "(these fields apply to dream and llada models)", given[0])
+                      "(these fields apply to dream, llada and diffusion-gemma models)", given[0])
         return
     f = Fields(body)
     for key, inert in AR_SAMPLING.items():
@@ -77,6 +84,12 @@ def accept(server, body: Any, turns) -> None:
         n_prompt, room = len(req.ids), server.engine.n_ctx - len(req.ids)
         req.max_tokens = min(req.max_tokens, room) if asked is not None else min(DEFAULT_REPLY, room)
         s = req.sampling
+        if getattr(server.engine.model, "block_diffusion", False):
+            req.diffusion = _gemma(server, f, body, n_prompt, s.seed)
+            continue
+        for key in EB_FIELDS:
+            if body.get(key) is not None:
+                raise bad(f"'{key}' applies to diffusion-gemma models, not {server.model_id}", key)
         try:
             cfg = DiffusionConfig.from_kwargs(None, **fit(n_prompt, req.max_tokens, dict(
                 kw, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)))
@@ -88,6 +101,27 @@ def accept(server, body: Any, turns) -> None:
         if cfg.canvas <= n_prompt:
             raise bad(f"the canvas ({cfg.canvas}) must be longer than the prompt ({n_prompt} tokens)", "canvas")
         req.diffusion = cfg
+
+
+def _gemma(server, f: Fields, body: dict, n_prompt: int, seed: int):
+    """diffusion-gemma's settings: its canvas is the file's, sampled by the EB sampler."""
+    from fucina.text.diffusion_gemma import GemmaDiffusionConfig
+
+    for key in [k for k in FIELDS if k != "diffusion_steps"] + ["temperature", "top_k", "top_p"]:
+        if body.get(key) is not None:
+            raise bad(f"'{key}': {server.model_id} denoises its own canvases with the entropy-bound sampler "
+                      f"(it takes diffusion_steps, {', '.join(EB_FIELDS)}, seed)", key)
+    C = server.engine.model.config.canvas_length
+    if n_prompt + C > server.engine.n_ctx:
+        raise ApiError(400, f"the prompt ({n_prompt} tokens) and a canvas of {C} exceed the context of "
+                       f"{server.engine.n_ctx}", code="context_length_exceeded")
+    kw = dict(steps=f.int("diffusion_steps", None, 1), entropy_bound=f.num("entropy_bound", None, 0.0),
+              t_min=f.num("t_min", None), t_max=f.num("t_max", None),
+              self_conditioning=f.bool("self_conditioning", None), seed=seed)
+    try:
+        return GemmaDiffusionConfig.for_model(server.engine.model, **kw)
+    except InvalidArgument as e:
+        raise bad(str(e), next((k for k in EB_FIELDS if k in str(e)), None)) from None
 
 
 def _ar_only(server, key: str) -> ApiError:
@@ -134,7 +168,11 @@ class DiffusionEngine(Engine):
             slot.busy, slot.requests = True, slot.requests + 1
             self.metrics.prompt(len(req.ids), 0, 0)
             job.sink(Started(len(req.ids), 0))
-            gen = reply(self.model, self.tokenizer, req.ids, cfg, on_step=lambda *_: not job.cancelled)
+            if isinstance(cfg, DiffusionConfig):
+                gen = reply(self.model, self.tokenizer, req.ids, cfg, on_step=lambda *_: not job.cancelled)
+            else:      # diffusion-gemma: cancelled between blocks
+                from fucina.text import diffusion_gemma
+                gen = diffusion_gemma.reply(self.model, self.tokenizer, req.ids, req.max_tokens, cfg, self.n_ctx)
             while True:
                 try:
                     text = next(gen)
