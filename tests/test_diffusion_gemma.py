@@ -44,10 +44,9 @@ def gemma4_reference(g4, enc_scale, prompt, canvas, monkeypatch) -> torch.Tensor
         g4.forward_step_all_logits(cache, prompt, 0)
         for L, s in zip(g4.layers, scales):
             L.out_scale = s
-    plain = base.attention
-
     def both_ways(q, cache, layer, pos0, scale, window=0, softcap=0.0, causal=True):
-        return plain(q, cache, layer, pos0, scale, 0, softcap, False)
+        lo = max(0, pos0 + 1 - window) if window else 0     # a sliding layer reaches window - 1 back
+        return base._full_attention(q, *cache.span(layer, lo, pos0 + q.shape[0]), scale)
     monkeypatch.setattr(base, "attention", both_ways)
     monkeypatch.setattr(gemma4, "attention", both_ways)
     embed = g4.embed
@@ -55,7 +54,8 @@ def gemma4_reference(g4, enc_scale, prompt, canvas, monkeypatch) -> torch.Tensor
     return g4.forward_step_all_logits(cache, canvas, len(prompt))
 
 
-@pytest.mark.parametrize("prompt", [[], PROMPT], ids=["no-prefix", "prefix"])
+@pytest.mark.parametrize("prompt", [[], PROMPT, PROMPT + list(range(50, 58))],
+                         ids=["no-prefix", "prefix", "prefix-past-the-window"])
 def test_the_canvas_pass_is_gemma4s_bidirectional_forward(files, model, prompt, monkeypatch):
     g4 = load_model(files[1])
     assert g4.config.arch == "gemma4" and model.config.arch == "diffusion-gemma"
