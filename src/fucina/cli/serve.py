@@ -52,8 +52,8 @@ def add_parser(sub) -> None:
                               "the prefix). Any `model` name in a request is answered by the loaded "
                               "model; unset sampling fields take the model's recommendation, else "
                               "llama.cpp's defaults, with a fresh seed per request. A text-diffusion model (dream, "
-                              "llada, diffusion-gemma) is served by denoising, one request at a time, its settings request "
-                              "fields named after run's flags (diffusion_steps, canvas, entropy_bound, ...).")
+                              "llada, diffusion-gemma) is served by denoising, one request at a time, its settings "
+                              "request fields named after run's flags (diffusion_steps, canvas, entropy_bound, ...).")
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8080)
