@@ -14,7 +14,8 @@ import numpy as np
 from fucina.models.registry import FAMILIES, family
 
 DIFFUSION_ARCHS = ("dream", "llada")   # text diffusion: denoise a canvas, no next-token step
-ARCHS = tuple(a for a in FAMILIES if a not in DIFFUSION_ARCHS)   # the one family list tests parametrize from
+BLOCK_DIFFUSION_ARCHS = ("diffusion-gemma",)   # its own writer: tests/synth_diffusion_gemma.py
+ARCHS = tuple(a for a in FAMILIES if a not in DIFFUSION_ARCHS + BLOCK_DIFFUSION_ARCHS)   # the one family list tests parametrize from
 
 
 def _copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:

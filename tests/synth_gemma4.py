@@ -33,18 +33,18 @@ def write_gemma4(path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_
                  softcap: float = 30.0, out_scale: bool = True, v_proj: bool = True, seed: int = 0,
                  ctx: int = 2048, chat_template: bool = True, extra: dict | None = None,
                  extra_tensors: dict | None = None, experts: int = 0, experts_used: int = 2, moe_ffn: int = 64,
-                 fused_experts: bool = False, router_std: float = 8.0) -> str:
+                 fused_experts: bool = False, router_std: float = 8.0, arch: str = "gemma4") -> str:
     n = layers
     shared = shared if shared is not None else (1 if n >= 3 else 0)
     # alternate, the last KV layer global (llama.cpp's shared layers read the last two)
     pattern = pattern if pattern is not None else [(n - shared - 1 - i) % 2 == 1 for i in range(n)]
     dswa = head_dim_swa or (head_dim // 2 if head_dim >= 64 else head_dim)   # q8_0 rows need 32
     kvh, ffs = _list(kv_heads, n), _list(ffn, n)
-    w = gguf.GGUFWriter(str(path), "gemma4")
+    w = gguf.GGUFWriter(str(path), arch)
     n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     for key, v in (extra or {}).items():
         (w.add_float32 if isinstance(v, float) else w.add_int32)(key, v)
-    w.add_name("synthetic-gemma4")
+    w.add_name(f"synthetic-{arch}")
     w.add_context_length(ctx)
     w.add_embedding_length(hidden)
     w.add_block_count(n)

@@ -325,13 +325,6 @@ def test_chat_denoises_each_turn_over_the_whole_conversation(synth, tmp_path, mo
     assert "is a diffusion model" in capsys.readouterr().err
 
 
-def test_serving_a_diffusion_model_is_a_typed_error(synth, capsys):
-    from fucina.cli.main import main
-    _, path, _ = synth
-    assert main(["serve", path, "--port", "0"]) == 1
-    assert "the server does not denoise" in capsys.readouterr().err
-
-
 def test_a_kernels_build_without_the_bidir_field_keeps_the_torch_path(synth, monkeypatch):
     """An older native build would attend causally: the plan is refused, not misused."""
     from fucina import kernels

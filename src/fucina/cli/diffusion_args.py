@@ -10,6 +10,12 @@ from fucina.errors import FucinaError
 
 FLAGS = {"diffusion_steps": "steps", "diffusion_eps": "eps", "diffusion_block_length": "block_length",
          "diffusion_algorithm": "algorithm", "canvas": "canvas", "diffusion_add_gumbel_noise": "add_gumbel_noise"}
+# diffusion-gemma's entropy-bound sampler (with --diffusion-steps for its max steps and --seed)
+EB_FLAGS = {"entropy_bound": "entropy_bound", "t_min": "t_min", "t_max": "t_max",
+            "no_self_conditioning": "self_conditioning"}
+# dream/llada's loop: what diffusion-gemma has no use for (its canvas is the file's)
+CANVAS_ONLY = ("diffusion_eps", "diffusion_block_length", "diffusion_algorithm", "diffusion_add_gumbel_noise",
+               "canvas", "temp", "top_k", "top_p")
 # autoregressive-only flags a denoiser cannot honour
 AR_ONLY = ("min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "stop", "spec",
            "spec_ref", "json_schema", "json_object", "regex", "lark", "grammar", "greedy", "tokens")
@@ -29,6 +35,14 @@ def add_diffusion_args(p) -> None:
                    help="gumbel noise on the logits when temp > 0 (as llama.cpp: the first row only)")
     g.add_argument("--canvas", type=int, default=None, metavar="N",
                    help="the canvas length, prompt included (llama-diffusion-cli -ub); default: prompt + --gen")
+    e = p.add_argument_group("block text diffusion (diffusion-gemma: the entropy-bound sampler; --diffusion-steps "
+                             "is its max steps per canvas, defaults from the file, else 48)")
+    e.add_argument("--entropy-bound", type=float, default=None, metavar="F",
+                   help="accept positions while the lower-entropy ones sum to at most F nats (default 0.1)")
+    e.add_argument("--t-max", type=float, default=None, metavar="F", help="temperature of the first step (0.8)")
+    e.add_argument("--t-min", type=float, default=None, metavar="F", help="temperature approached at the last (0.4)")
+    e.add_argument("--no-self-conditioning", action="store_true", default=None,
+                   help="denoise without feeding each step's distribution to the next")
 
 
 def given(args) -> dict:
@@ -36,16 +50,31 @@ def given(args) -> dict:
     return {name: getattr(args, flag) for flag, name in FLAGS.items() if getattr(args, flag, None) is not None}
 
 
+def _named(args, names) -> list[str]:
+    return ["--" + f.replace("_", "-") for f in names if getattr(args, f, None) not in (None, False)]
+
+
 def check_flags(model, args) -> bool:
     """True when `model` denoises; a diffusion flag on an autoregressive model, or an
-    autoregressive-only flag on a diffusion model, is an error."""
+    autoregressive-only flag on a diffusion model, or one family's diffusion flag on the
+    other's, is an error."""
     from fucina.text.diffusion import is_diffusion
 
+    arch = model.config.arch
     if not is_diffusion(model):
-        if given(args):
-            flags = ", ".join("--" + f.replace("_", "-") for f in FLAGS if getattr(args, f, None) is not None)
-            raise FucinaError(f"{flags}: {model.config.arch} is not a diffusion model (these apply to dream and llada)")
+        flags = _named(args, list(FLAGS) + list(EB_FLAGS))
+        if flags:
+            raise FucinaError(f"{', '.join(flags)}: {arch} is not a diffusion model "
+                              "(these apply to dream, llada and diffusion-gemma)")
         return False
+    if getattr(model, "block_diffusion", False):
+        flags = _named(args, CANVAS_ONLY)
+        if flags:
+            raise FucinaError(f"{', '.join(flags)}: {arch} denoises its own canvases with the entropy-bound sampler "
+                              "(it takes --diffusion-steps, --entropy-bound, --t-max, --t-min, "
+                              "--no-self-conditioning, --seed)")
+    elif _named(args, EB_FLAGS):
+        raise FucinaError(f"{', '.join(_named(args, EB_FLAGS))}: these apply to diffusion-gemma, not {arch}")
     bad = [f for f in AR_ONLY if getattr(args, f, None) not in (None, False, [], ())]
     if bad:
         raise FucinaError(f"{', '.join('--' + f.replace('_', '-') for f in bad)}: {model.config.arch} is a "
@@ -77,8 +106,13 @@ class LiveView:
             return
         text = "".join("_" if t == self.mask else self.tok.token_to_piece(int(t)).decode("utf-8", "replace")
                        for t in canvas[self.n:])
+        self.show(f"[step {step}/{steps}]", text)
+
+    def show(self, header: str, text: str) -> None:
+        if not self.on:
+            return
         width = max(shutil.get_terminal_size().columns, 20)
-        body = f"[step {step}/{steps}]\n{text}"
+        body = f"{header}\n{text}"
         self.clear()
         self.out.write(body + "\n")
         self.out.flush()
@@ -90,14 +124,60 @@ class LiveView:
             self.lines = 0
 
 
+def gemma_config(model, args):
+    from fucina.text.defaults import fresh_seed
+    from fucina.text.diffusion_gemma import GemmaDiffusionConfig
+
+    return GemmaDiffusionConfig.for_model(
+        model, steps=args.diffusion_steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
+        self_conditioning=False if args.no_self_conditioning else None,
+        seed=args.seed if args.seed is not None else fresh_seed())
+
+
+class BlockView(LiveView):
+    """diffusion-gemma's live view: the committed reply, then the canvas being denoised
+    (its argmax at each step)."""
+
+    def __init__(self, tokenizer, out=None):
+        super().__init__(tokenizer, 0, -1, out)
+        self.committed, self.block = "", -1
+
+    def step(self, info) -> None:
+        if info.index == 0:
+            self.block += 1
+        canvas = "".join(self.tok.token_to_piece(int(t)).decode("utf-8", "replace") for t in info.argmax)
+        self.show(f"[block {self.block} step {info.index + 1}/{info.total}]", self.committed + canvas)
+
+
 def denoise_to(out, model, tok, ids: list[int], args) -> "object":
     """Denoise after `ids` with the command line's settings, the live view on a terminal,
     then the reply written to `out`; returns the generate.Reply."""
     from fucina.text.diffusion import reply
 
+    if getattr(model, "block_diffusion", False):
+        from fucina.text import diffusion_gemma
+
+        view = BlockView(tok, out)
+        n_ctx = getattr(args, "ctx", None) or min(model.config.n_ctx_train, 4096)
+
+        def pieces():
+            gen = diffusion_gemma.reply(model, tok, ids, args.gen, gemma_config(model, args), n_ctx,
+                                        on_step=view.step)
+            while True:
+                try:
+                    text = next(gen)
+                except StopIteration as done:
+                    return done.value
+                view.committed += text
+                yield text
+        return _drain(out, pieces(), view)
     cfg = config(args, len(ids))
     view = LiveView(tok, len(ids), model.config.mask_token_id, out)
     gen = reply(model, tok, ids, cfg, on_step=view)
+    return _drain(out, gen, view)
+
+
+def _drain(out, gen, view) -> "object":
     text = []
     while True:
         try:

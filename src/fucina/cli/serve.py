@@ -51,7 +51,9 @@ def add_parser(sub) -> None:
                               "/v1/messages; GET /v1/models, /health, /metrics (each /v1 route also without "
                               "the prefix). Any `model` name in a request is answered by the loaded "
                               "model; unset sampling fields take the model's recommendation, else "
-                              "llama.cpp's defaults, with a fresh seed per request.")
+                              "llama.cpp's defaults, with a fresh seed per request. A text-diffusion model (dream, "
+                              "llada, diffusion-gemma) is served by denoising, one request at a time, its settings "
+                              "request fields named after run's flags (diffusion_steps, canvas, entropy_bound, ...).")
     s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8080)
@@ -98,9 +100,6 @@ def cmd_serve(args) -> int:
                    engram=getattr(args, "engram", None), mtp=mtp_value(args),
                    cartridge=getattr(args, "cartridge", None) or None,   # every conversation starts behind it
                    **pipeline_kwargs(args))
-    if getattr(llm.model, "diffusion", False):
-        raise FucinaError(f"{llm._name()} is a diffusion model: the server does not denoise yet "
-                          "(use fucina run/chat or the Python API's llm.stream, which yields committed blocks)")
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "gpt-oss": "fucina.models.gpt_oss",
     "dream": "fucina.models.dream",
     "llada": "fucina.models.llada",
+    "diffusion-gemma": "fucina.models.diffusion_gemma",
 }
 
 

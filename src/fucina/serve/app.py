@@ -34,7 +34,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fucina.errors import ContextFull, FucinaError, InvalidArgument, PipelineError, SamplingError
-from fucina.serve import anthropic, openai
+from fucina.serve import anthropic, diffusion, openai
+from fucina.serve.choices import turns_of
 from fucina.serve.engine import Engine, QueueFull, Scheduler, check_fits
 from fucina.serve.protocol import ApiError, check_depth
 from fucina.serve.turn import ClientGone, Turn
@@ -68,7 +69,8 @@ class Server:
 
         path = str(getattr(getattr(llm.model, "gguf", None), "path", "model"))
         name = os.path.basename(path).removesuffix(".gguf")
-        engine = Engine(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
+        kind = diffusion.DiffusionEngine if getattr(llm.model, "diffusion", False) else Engine
+        engine = kind(llm.model, llm.tokenizer, llm.template, n_ctx=llm.n_ctx, slots=slots, batch=batch,
                         cache_type=llm.cache_type, name=name, kv_budget=kv_budget, spec=spec, spec_max=spec_max,
                         prefix=llm.prefix,
                         **({"chunk": chunk} if chunk else {}))
@@ -155,6 +157,7 @@ class Server:
             self.guard(request)
             body = await self.read_json(request)
             turn, opt = parse(self, body)
+            diffusion.accept(self, body, turns_of(turn))
             turn.submit()
         except Exception as e:
             return self.error_response(e, dialect)

@@ -73,6 +73,7 @@ class GenRequest:
     speculative: bool | None = None     # None: the engine's default (serve --spec)
     references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
     prefix: int = 0                     # leading ids that stand for a cartridge's rows (not prompt tokens)
+    diffusion: Any = None               # a diffusion model's text.diffusion.DiffusionConfig (serve.diffusion)
 
 
 @dataclass

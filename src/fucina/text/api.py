@@ -195,11 +195,14 @@ class LLM:
         from fucina.text.diffusion import DIFFUSION_ONLY, is_diffusion
         from fucina.text.sampler import Sampler
 
+        from fucina.text.diffusion_gemma import ONLY as BLOCK_DIFFUSION_ONLY
+
         if is_diffusion(self.model):
             return self._denoise(prompt, max_tokens, options)
-        if DIFFUSION_ONLY & set(options):
+        if (DIFFUSION_ONLY | BLOCK_DIFFUSION_ONLY) & set(options):
             raise InvalidArgument(f"{self._name()} is not a diffusion model: "
-                                  f"{', '.join(sorted(DIFFUSION_ONLY & set(options)))} apply only to dream/llada models")
+                                  f"{', '.join(sorted((DIFFUSION_ONLY | BLOCK_DIFFUSION_ONLY) & set(options)))} "
+                                  "apply only to dream/llada/diffusion-gemma models")
         options = dict(options)
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
                                  options.pop("spec_max", 16))
@@ -213,22 +216,33 @@ class LLM:
         return self._complete(ids, max_tokens, Sampler(cfg, processor), stops, spec)
 
     def _denoise(self, prompt: str | Sequence[int], max_tokens: int, options: dict) -> Iterator[str]:
-        """A diffusion model's reply (text.diffusion): a canvas of the prompt + max_tokens
-        (or `canvas`) denoised with llama-diffusion-cli's settings; pieces per committed block."""
+        """A diffusion model's reply, pieces per committed block: dream/llada's (text.diffusion:
+        a canvas of the prompt + max_tokens, or `canvas`, denoised with llama-diffusion-cli's
+        settings) or diffusion-gemma's (text.diffusion_gemma: canvases denoised by the
+        entropy-bound sampler, committed one after another)."""
+        from fucina.text import diffusion_gemma as dg
         from fucina.text.diffusion import DIFFUSION_KEYS, DiffusionConfig, fit, reply
 
+        blocks = getattr(self.model, "block_diffusion", False)
+        keys = dg.KEYS if blocks else DIFFUSION_KEYS
         options = dict(options)
-        bad = sorted(set(options) - DIFFUSION_KEYS)
+        bad = sorted(set(options) - keys)
         if bad:
-            raise InvalidArgument(f"{self._name()} is a diffusion model: {', '.join(bad)} do not apply to it "
-                                  f"(it takes {', '.join(sorted(DIFFUSION_KEYS - {'temp'}))})")
+            raise InvalidArgument(f"{self._name()} is a {'block-' * blocks}diffusion model: {', '.join(bad)} "
+                                  f"do not apply to it (it takes {', '.join(sorted(keys - {'temp'}))})")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
         if options.get("seed") is None:
             options["seed"] = fresh_seed()
-        cfg = DiffusionConfig.from_kwargs(None, **fit(len(ids), _count("max_tokens", max_tokens), options))
+        max_tokens = _count("max_tokens", max_tokens)
+        if blocks:
+            cfg = dg.GemmaDiffusionConfig.for_model(self.model, **options)
+            gen = dg.reply(self.model, self.tokenizer, ids, max_tokens, cfg, self.n_ctx)
+        else:
+            gen = reply(self.model, self.tokenizer, ids, DiffusionConfig.from_kwargs(None, **fit(len(ids), max_tokens,
+                                                                                                 options)))
 
         def run():
-            self.last = yield from reply(self.model, self.tokenizer, ids, cfg)
+            self.last = yield from gen
             return self.last.text
         return run()
 
