@@ -12,9 +12,9 @@ fused call) alternated A B C A B C in one process, process CPU time per call, me
 --rounds. `ptqtp`: `fucina quantize --ptqtp K` of SRC for each K (wall time, the share
 decorated), then for SRC, each decorated file and each --against file: mean KL to SRC over
 --tokens teacher-forced ids, and greedy decode tokens/s (one token a step, the models
-alternated per round, median of --rounds), with the decode ratio to the first --against. `kl`: teacher-forced logits over --tokens ids of a
-fixed text from fucina (native kernels), from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP)
-and from the exact model (the same file on fucina's reference path: every weight widened
+alternated per round, median of --rounds), with the decode ratio to the first --against.
+`kl`: teacher-forced logits over --tokens ids of a fixed text from fucina (native kernels),
+from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP) and from the exact model (the same file on fucina's reference path: every weight widened
 to f32, f32 arithmetic); mean over positions of KL(exact || each). Speed figures on a
 shared box are loaded: quote the ratios.
 """
@@ -152,7 +152,8 @@ def ptqtp(args) -> None:
             t = time.perf_counter()
             report = decorate(args.src, out, planes)
             sh = shares(report)
-            print(f"PTQTP K={planes}: decorated {sh['decorated']:.1%} of the weights in {time.perf_counter() - t:.0f} s "
+            took = time.perf_counter() - t
+            print(f"PTQTP K={planes}: decorated {sh['decorated']:.1%} of the weights in {took:.0f} s "
                   f"(kept: {', '.join(f'{w} {v:.1%}' for w, v in sh.items() if w != 'decorated')})", flush=True)
         paths[f"PTQTP{planes}"] = out
     for q in args.against:

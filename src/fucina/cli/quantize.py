@@ -35,7 +35,8 @@ TYPES = ("BF16", "F16", "F32", "MXFP4", "Q1_0", "Q2_K", "Q3_K", "Q4_0", "Q4_1", 
 
 def add_parser(sub) -> None:
     types = TYPES
-    s = sub.add_parser("quantize", help="re-encode a GGUF's matrices to another format, with a per-tensor report")
+    s = sub.add_parser("quantize", help="re-encode a GGUF's matrices to another format or to PTQTP trit-planes, "
+                                        "with a per-tensor report")
     s.add_argument("input", help="GGUF file to read")
     s.add_argument("output", help="GGUF file to write")
     target = s.add_mutually_exclusive_group(required=True)
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
                         help="decorate every eligible projection (in-dim a multiple of 256) with K = 1, 2 or 3 "
                              "PTQTP trit-planes (multiplication-free TQ2_0 planes, <name>.ptqtpN tensors)")
     s.add_argument("--all", action="store_true", help="re-encode the embeddings and output head too (--type only)")
-    s.add_argument("--tensors", help="comma-separated tensor names: re-encode only these")
+    s.add_argument("--tensors", help="comma-separated tensor names: re-encode (or decorate) only these")
     s.set_defaults(func=cmd_quantize)
 
 
