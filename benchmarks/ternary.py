@@ -14,9 +14,9 @@ decorated), then for SRC, each decorated file and each --against file: mean KL t
 --tokens teacher-forced ids, and greedy decode tokens/s (one token a step, the models
 alternated per round, median of --rounds), with the decode ratio to the first --against.
 `kl`: teacher-forced logits over --tokens ids of a fixed text from fucina (native kernels),
-from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP) and from the exact model (the same file on fucina's reference path: every weight widened
-to f32, f32 arithmetic); mean over positions of KL(exact || each). Speed figures on a
-shared box are loaded: quote the ratios.
+from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP) and from the exact model (the same file on
+fucina's reference path: every weight widened to f32, f32 arithmetic); mean over positions
+of KL(exact || each). Speed figures on a shared box are loaded: quote the ratios.
 """
 from __future__ import annotations
 
