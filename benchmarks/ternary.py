@@ -2,14 +2,21 @@
 
     python benchmarks/ternary.py kernels [--isa avx512 --isa avx2]   # per-call time, TQ2_0 / TQ1_0 / Q4_K
     python benchmarks/ternary.py kl MODEL.gguf [--tokens 64]          # mean KL to the exact model, ours and llama.cpp's
+    python benchmarks/ternary.py ptqtp SRC.gguf --planes 1 2 3 [--against Q.gguf ...]   # decorate, KL, decode speed
+    python benchmarks/ternary.py speedfile SRC.gguf OUT.gguf --planes 2   # PTQTP layout, residual planes (speed only)
+    python benchmarks/ternary.py decode A.gguf B.gguf ...              # paired greedy decode tok/s, ratios to A
 
 `kernels`: the Qwen3-0.6B ffn shape (3072 x 1024) at m = 1 (decode), 4 (a verify pass) and
-128 (prefill), one thread, the three formats alternated A B C A B C in one process, process
-CPU time per call, median of --rounds. `kl`: teacher-forced logits over --tokens ids of a
-fixed text from fucina (native kernels), from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP)
-and from the exact model (the same file on fucina's reference path: every weight widened
-to f32, f32 arithmetic); mean over positions of KL(exact || each). Speed figures on a
-shared box are loaded: quote the ratios.
+128 (prefill), one thread, the three formats and PTQTP K = 1, 2, 3 (K stacked TQ2_0 planes, one
+fused call) alternated A B C A B C in one process, process CPU time per call, median of
+--rounds. `ptqtp`: `fucina quantize --ptqtp K` of SRC for each K (wall time, the share
+decorated), then for SRC, each decorated file and each --against file: mean KL to SRC over
+--tokens teacher-forced ids, and greedy decode tokens/s (one token a step, the models
+alternated per round, median of --rounds), with the decode ratio to the first --against.
+`kl`: teacher-forced logits over --tokens ids of a fixed text from fucina (native kernels),
+from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP) and from the exact model (the same file on
+fucina's reference path: every weight widened to f32, f32 arithmetic); mean over positions
+of KL(exact || each). Speed figures on a shared box are loaded: quote the ratios.
 """
 from __future__ import annotations
 
@@ -34,11 +41,28 @@ def rand_raw(qt: T, n: int, k: int, rng) -> torch.Tensor:
     return torch.as_tensor(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, int(qt)))
 
 
+def _ptqtp_weights(n: int, k: int, rng) -> dict:
+    """PTQTP K = 1..3 fitted to one random matrix's first 256 rows, tiled to n rows (the
+    solver is slow; the kernel's time does not depend on the values)."""
+    from fucina.quant.ptqtp import fit, plane_bytes
+    from fucina.weights.ptqtp import PtqtpWeight
+
+    W = rng.standard_normal((256, k)).astype(np.float32) * 0.05
+    out = {}
+    for planes in (1, 2, 3):
+        f = fit(W, planes)
+        out[f"PTQTP{planes}"] = PtqtpWeight([np.tile(plane_bytes(f, p), (n // 256, 1)) for p in range(planes)], n, k)
+    return out
+
+
 def kernels(args) -> None:
     K.set_threads(1)
     n, k = 3072, 1024
     rng = np.random.default_rng(0)
     raws = {qt: rand_raw(qt, n, k, rng) for qt in FORMATS}
+    ptqtp = _ptqtp_weights(n, k, rng)
+    calls = {qt.name: (lambda x, qt=qt: K.matmul(raws[qt], qt, n, k, x)) for qt in FORMATS}
+    calls.update(ptqtp)
     for isa in args.isa or K.supported_isas():
         if isa not in K.supported_isas():
             continue
@@ -46,18 +70,18 @@ def kernels(args) -> None:
         for m in (1, 4, 128):
             x = torch.randn(m, k)
             reps = max(1, 64 // m)
-            times = {qt: [] for qt in FORMATS}
+            times = {name: [] for name in calls}
             for _ in range(args.rounds):
-                for qt in FORMATS:
-                    K.matmul(raws[qt], qt, n, k, x)
+                for name, call in calls.items():
+                    call(x)
                     t = time.process_time()
                     for _ in range(reps):
-                        K.matmul(raws[qt], qt, n, k, x)
-                    times[qt].append((time.process_time() - t) / reps)
-            med = {qt: statistics.median(v) * 1e6 for qt, v in times.items()}
-            q4 = med[T.Q4_K]
-            print(f"{isa:8s} m={m:<4d} " + "  ".join(f"{qt.name} {med[qt]:8.1f} us ({q4 / med[qt]:.2f}x Q4_K)"
-                                                    for qt in FORMATS), flush=True)
+                        call(x)
+                    times[name].append((time.process_time() - t) / reps)
+            med = {name: statistics.median(v) * 1e6 for name, v in times.items()}
+            q4 = med["Q4_K"]
+            print(f"{isa:8s} m={m:<4d} " + "  ".join(f"{name} {med[name]:8.1f} us ({q4 / med[name]:.2f}x Q4_K)"
+                                                    for name in calls), flush=True)
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
@@ -94,6 +118,97 @@ def kl(args) -> None:
     print(line, flush=True)
 
 
+def _decode_tps(models: dict, steps: int, rounds: int) -> dict:
+    """Greedy decode tokens/s of each model (one token a step after a 4-token prompt), the
+    models alternated per round, median of the rounds."""
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            cache = model.init_cache(steps + 8)
+            logits = model.forward_step(cache, [1, 2, 3, 4], 0)
+            t = time.perf_counter()
+            for i in range(steps):
+                logits = model.forward_step(cache, [int(logits.argmax())], 4 + i)
+            times[name].append(steps / (time.perf_counter() - t))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def ptqtp(args) -> None:
+    from fucina.cli.quantize import decorate, shares
+    from fucina.models import load_model
+    from fucina.text.evaluate import teacher_forced_logits
+
+    K.set_threads(args.threads)
+    ids = list(range(100, 100 + args.tokens))
+    if args.text:
+        from fucina.text.tokenizer import Tokenizer
+        with open(args.text) as fh:
+            ids = Tokenizer.from_gguf(args.src).encode(fh.read())[: args.tokens]
+    paths = {}
+    os.makedirs(args.out, exist_ok=True)
+    for planes in args.planes:
+        out = os.path.join(args.out, f"{os.path.basename(args.src)[:-5]}-ptqtp{planes}.gguf")
+        if not os.path.exists(out):
+            t = time.perf_counter()
+            report = decorate(args.src, out, planes)
+            sh = shares(report)
+            took = time.perf_counter() - t
+            print(f"PTQTP K={planes}: decorated {sh['decorated']:.1%} of the weights in {took:.0f} s "
+                  f"(kept: {', '.join(f'{w} {v:.1%}' for w, v in sh.items() if w != 'decorated')})", flush=True)
+        paths[f"PTQTP{planes}"] = out
+    for q in args.against:
+        paths[os.path.basename(q)] = q
+    ref = teacher_forced_logits(load_model(args.src), ids).numpy()
+    models = {name: load_model(p) for name, p in paths.items()}
+    for name, m in models.items():
+        print(f"{name}: mean KL to {os.path.basename(args.src)} over {len(ids)} tokens "
+              f"{_kl(ref, teacher_forced_logits(m, ids).numpy()):.4e}", flush=True)
+    tps = _decode_tps(models, args.steps, args.rounds)
+    base = tps[os.path.basename(args.against[0])] if args.against else None
+    for name, v in tps.items():
+        print(f"{name}: decode {v:.1f} tok/s" + (f" ({v / base:.2f}x {os.path.basename(args.against[0])})"
+                                                 if base else ""), flush=True)
+
+
+def decode(args) -> None:
+    """Greedy decode tokens/s of each file, alternated per round, ratios to the first."""
+    from fucina.models import load_model
+
+    K.set_threads(args.threads)
+    models = {os.path.basename(p): load_model(p) for p in args.models}
+    tps = _decode_tps(models, args.steps, args.rounds)
+    base = tps[os.path.basename(args.models[0])]
+    for name, v in tps.items():
+        print(f"{name}: decode {v:.1f} tok/s ({v / base:.2f}x {os.path.basename(args.models[0])})", flush=True)
+
+
+def speedfile(args) -> None:
+    """A PTQTP-layout file for speed runs only: each eligible projection as K planes from
+    ggml's TQ2_0 encoder on the running residual (seconds, where the solver takes hours on a
+    0.6B model); the kernels' time does not depend on the values, its closeness is not PTQTP's."""
+    import gguf
+
+    from fucina.cli.quantize import _rel_err, _rewrite, ptqtp_eligible
+    from fucina.gguf.ptqtp import PLANES_KEY, VERSION, VERSION_KEY, plane_name
+    from fucina.quant import dequantize, quantize
+
+    def encode(w, name, t, rows):
+        res = rows.clone()
+        for p in range(args.planes):
+            q = quantize(res, int(T.TQ2_0))
+            res -= dequantize(q.reshape(-1), T.TQ2_0, res.numel()).reshape(res.shape)
+            w.add_tensor(plane_name(name, p), q.numpy(), raw_shape=tuple(q.shape),
+                         raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+        return dict(dst=f"PTQTP{args.planes}", rel_err=_rel_err(rows - res, rows))
+
+    def keys(w):
+        w.add_uint32(VERSION_KEY, VERSION)
+        w.add_uint32(PLANES_KEY, args.planes)
+
+    report = _rewrite(args.src, args.out, None, lambda t, asked: ptqtp_eligible(t), encode, "", keys)
+    print(f"{sum(r['kept'] is None for r in report)} tensors as {args.planes} residual TQ2_0 planes -> {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -103,8 +218,27 @@ def main() -> None:
     s = sub.add_parser("kl")
     s.add_argument("model")
     s.add_argument("--tokens", type=int, default=64)
+    s = sub.add_parser("ptqtp")
+    s.add_argument("src")
+    s.add_argument("--planes", type=int, nargs="+", default=[1, 2, 3])
+    s.add_argument("--against", nargs="*", default=[], help="other encodings of SRC (first: the decode baseline)")
+    s.add_argument("--out", default="ptqtp-out", help="folder for the decorated files (kept: reruns reuse them)")
+    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--text", help="a text file to take the ids from (default: ids 100..)")
+    s.add_argument("--steps", type=int, default=32)
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--threads", type=int, default=2)
+    s = sub.add_parser("decode")
+    s.add_argument("models", nargs="+")
+    s.add_argument("--steps", type=int, default=32)
+    s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--threads", type=int, default=2)
+    s = sub.add_parser("speedfile")
+    s.add_argument("src")
+    s.add_argument("out")
+    s.add_argument("--planes", type=int, default=2)
     a = ap.parse_args()
-    {"kernels": kernels, "kl": kl}[a.cmd](a)
+    {"kernels": kernels, "kl": kl, "ptqtp": ptqtp, "decode": decode, "speedfile": speedfile}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ enum {
     FK_TQ1_0 = 34, FK_TQ2_0 = 35,
     FK_MXFP4 = 39,
 };
+/* PTQTP (generic/ptqtp_impl.inc): FK_PTQTP_BASE + K (K = 1..3) names K stacked TQ2_0
+ * trit-planes of one matrix; not a GGML type, never read from a file's type field */
+enum { FK_PTQTP_BASE = 1000 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
 typedef struct {

@@ -82,6 +82,8 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_TQ1_0: *bs = 256; *ts = 54; return 1;
     case FK_TQ2_0: *bs = 256; *ts = 66; return 1;
     case FK_MXFP4: *bs = 32; *ts = 17; return 1;
+    case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
+        *bs = 256; *ts = 66; return 1;
     }
     return 0;
 }
@@ -297,7 +299,8 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
            y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
            lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M) &&
            (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
-           !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r;   /* no LoRA on expert stacks */
+           !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r &&   /* no LoRA on expert stacks */
+           y->gate_exps.qtype < FK_PTQTP_BASE && y->up_exps.qtype < FK_PTQTP_BASE && y->down_exps.qtype < FK_PTQTP_BASE;
 }
 
 /* a DeltaNet mixer's settings and weights (fk_delta.h) */
@@ -522,7 +525,7 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize
     const int64_t *ids = (const int64_t *)(uintptr_t)v[5];
     float *out = (float *)(uintptr_t)v[7];
     const long long rb = v[2], n = v[3], k = v[4], count = v[6];
-    if (!type_block(v[0], &bs, &ts) || !w || !ids || !out || n <= 0 || k <= 0 ||
+    if (v[0] > FK_PTQTP_BASE || !type_block(v[0], &bs, &ts) || !w || !ids || !out || n <= 0 || k <= 0 ||
         k % bs || rb != k / bs * ts || count < 0 || k > (1LL << 28)) {
         PyErr_SetString(PyExc_ValueError, "dequant_rows: inconsistent shapes or null pointer");
         return NULL;

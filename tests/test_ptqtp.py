@@ -73,16 +73,34 @@ def fits():
 
 
 def test_fused_planes_equal_the_per_plane_sum_bitwise(fits, isa):
+    """The native multi-plane kernel (one call, csrc/generic/ptqtp_impl.inc) against each
+    plane's own TQ2_0 matmul summed in plane order, at every m of the decode GEMV (1-8),
+    the multi-row and the prefill routes, on an odd row count; and m rows == m single rows."""
+    import fucina.kernels as K
     from fucina.weights.ptqtp import PtqtpWeight
 
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(6))
     for planes, f in zip((1, 2, 3), fits):
         w = PtqtpWeight.from_fit(f, "m")
-        for m in (1, 2, 5, 9):   # the decode GEMV's rows and the panel route
+        if K.available():
+            assert w.kernel is not None and w.kernel.qtype == K.PTQTP_BASE + planes
+        singles = torch.cat([w(x[i:i + 1]) for i in range(33)])
+        for m in range(1, 34):
             got = w(x[:m])
             assert torch.equal(got, w.per_plane(x[:m])), (planes, m, isa)
+            assert torch.equal(got, singles[:m]), (planes, m, isa)   # batch invariant
         ref = x.double() @ w.dequantize().double().T
         assert ((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_fused_weights_stack_plane_by_plane(fits, isa):
+    from fucina.weights.ptqtp import PtqtpWeight
+
+    a, b = PtqtpWeight.from_fit(fits[1], "a"), PtqtpWeight.from_fit(fits[1], "b")
+    fused = PtqtpWeight.fuse([a, b])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(fused(x), torch.cat([a(x), b(x)], dim=-1))
+    assert PtqtpWeight.fuse([a, PtqtpWeight.from_fit(fits[0], "c")]) is None   # plane counts differ
 
 
 def test_a_plane_count_outside_one_to_three_is_refused_by_the_weight():

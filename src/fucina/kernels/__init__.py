@@ -395,6 +395,24 @@ def attach(weight) -> None:
     weight.kernel = QuantKernel(weight)
 
 
+#: the kernels' pseudo type of K stacked TQ2_0 PTQTP planes is PTQTP_BASE + K (csrc/fk_common.h)
+PTQTP_BASE = 1000
+
+
+def attach_ptqtp(weight) -> None:
+    """Give a PtqtpWeight (K planes stacked in `weight.stacked`, a TQ2_0 LinearWeight
+    [K n, k]) the fused native kernel: one call, x quantized once, the K plane outputs
+    summed in plane order in C (csrc/generic/ptqtp_impl.inc); the layer step takes it like
+    any weight. Without native kernels the weight keeps its reference path."""
+    weight.kernel = None
+    stacked = weight.stacked
+    if not available() or stacked.kernel is None:
+        return
+    k = QuantKernel(stacked)
+    k.weight, k.qtype, k.n = weight, PTQTP_BASE + weight.k, weight.out_features
+    weight.kernel = k
+
+
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}

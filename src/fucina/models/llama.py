@@ -22,6 +22,7 @@ from fucina.models.cache import KVCache
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.llama import QK_NORMS, TENSORS, Config, Schema, T, norm, with_qk_norms  # noqa: F401
 from fucina.weights import LinearWeight
+from fucina.weights.ptqtp import PtqtpWeight
 
 
 class Layer:
@@ -68,7 +69,11 @@ class Layer:
 
 def fuse(f: GGUFFile, parts: list[LinearWeight | None]) -> LinearWeight | None:
     """Stack same-typed weights into one (the parts' mmap pages are then released)."""
-    if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+    if any(p is None for p in parts):
+        return None
+    if all(isinstance(p, PtqtpWeight) for p in parts):   # trit-planes fuse plane by plane
+        return PtqtpWeight.fuse(parts)
+    if any(not isinstance(p, LinearWeight) for p in parts) or len({p.qtype for p in parts}) != 1:
         return None
     fused = LinearWeight.fuse(parts)
     for p in parts:

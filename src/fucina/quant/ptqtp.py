@@ -110,8 +110,9 @@ def _solve_groups(w: torch.Tensor, K: int, cand: torch.Tensor) -> tuple[torch.Te
     return S.to(torch.int8), mag, it, unconverged
 
 
-def fit(weight, planes: int) -> Fit:
-    """Fit `planes` trit-planes to a matrix [n, k] (k a multiple of 256)."""
+def fit(weight, planes: int, progress=None) -> Fit:
+    """Fit `planes` trit-planes to a matrix [n, k] (k a multiple of 256); `progress(g)` is
+    called with the number of 256-groups done after each chunk of them."""
     if planes not in (1, 2, 3):
         raise QuantError(f"PTQTP takes 1, 2 or 3 planes, not {planes}")
     W = torch.as_tensor(np.asarray(weight, dtype=np.float32) if not isinstance(weight, torch.Tensor) else weight)
@@ -127,6 +128,8 @@ def fit(weight, planes: int) -> Fit:
         trits.append(t)
         scales.append(s)
         its, unconv = max(its, i), unconv + u
+        if progress is not None:
+            progress(t.shape[0])
     T = torch.cat(trits).view(n, k, planes).permute(2, 0, 1).contiguous()
     A = torch.cat(scales).view(n, k // GROUP, planes).permute(2, 0, 1).contiguous()
     return Fit(T, A, its, unconv)

@@ -48,6 +48,9 @@ class LinearWeight:
 
     @classmethod
     def from_tensor(cls, t: TensorInfo) -> "LinearWeight":
+        if getattr(t, "planes", None):   # a PTQTP-decorated matrix (fucina.gguf.ptqtp): its planes
+            from fucina.weights.ptqtp import PtqtpWeight
+            return PtqtpWeight.from_info(t)
         if len(t.ne) == 1:
             in_f, out_f = t.ne[0], 1
         else:

@@ -1,11 +1,13 @@
 """PtqtpWeight: a matrix as K PTQTP trit-planes (fucina.quant.ptqtp), y = sum_k x @ P_k^T.
 
 The K planes are TQ2_0 matrices of the same shape; they are kept stacked as one
-[K * out, in] TQ2_0 LinearWeight, so one native call quantizes the activations once and
-runs every plane in one pass over the weights (the canonical route: each output is one
-fixed formula whatever the rows computed with it), and the K slices of its output are
-summed in plane order. That equals the per-plane sum bit for bit (`per_plane`, the
-reference the tests hold it to).
+[K * out, in] TQ2_0 matrix. With native kernels one call (kernels.attach_ptqtp,
+csrc/generic/ptqtp_impl.inc) quantizes the activations once, runs every plane in one pass
+over the weights on the canonical route (each output is one fixed formula whatever the
+rows computed with it) and sums the K outputs in plane order; the decoder's layer step
+takes the weight like any other. That equals the per-plane sum bit for bit (`per_plane`,
+the reference the tests hold it to). Loaded from a GGUF's `<name>.ptqtpN` planes
+(fucina.gguf.ptqtp) by `LinearWeight.from_tensor`.
 """
 from __future__ import annotations
 
@@ -14,19 +16,22 @@ import torch
 
 from fucina.errors import QuantError
 from fucina.gguf import GGMLType
-from fucina.weights.linear import LinearWeight
+from fucina.weights.linear import LinearWeight, bytes_view
 
 
 class PtqtpWeight:
-    def __init__(self, planes: list[np.ndarray], out_features: int, in_features: int, name: str = ""):
+    def __init__(self, planes: list, out_features: int, in_features: int, name: str = ""):
         if not 1 <= len(planes) <= 3:
             raise QuantError(f"{name}: PTQTP takes 1, 2 or 3 planes, not {len(planes)}")
         self.k = len(planes)
         self.out_features, self.in_features, self.name = out_features, in_features, name
-        raw = torch.cat([torch.as_tensor(np.ascontiguousarray(p)).reshape(out_features, -1) for p in planes])
+        parts = [p if isinstance(p, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(p)) for p in planes]
+        raw = parts[0].reshape(out_features, -1) if self.k == 1 else torch.cat(
+            [p.reshape(out_features, -1) for p in parts])
         self.stacked = LinearWeight(raw, GGMLType.TQ2_0, self.k * out_features, in_features, name)
-        from fucina.kernels import attach
+        from fucina.kernels import attach, attach_ptqtp
         attach(self.stacked)
+        attach_ptqtp(self)
 
     @classmethod
     def from_fit(cls, fit, name: str = "") -> "PtqtpWeight":
@@ -34,19 +39,47 @@ class PtqtpWeight:
         K, n, k = fit.trits.shape
         return cls([plane_bytes(fit, p) for p in range(K)], n, k, name)
 
+    @classmethod
+    def from_info(cls, info) -> "PtqtpWeight":
+        """A GGUF's decorated matrix (fucina.gguf.ptqtp.PtqtpInfo): its planes' bytes, in order."""
+        k = info.ne[0]
+        n = info.n_elements // k
+        return cls([bytes_view(t.data) for t in info.planes], n, k, info.name)
+
+    @classmethod
+    def fuse(cls, parts: list["PtqtpWeight"], name: str = "") -> "PtqtpWeight | None":
+        """Stack weights along the output dim plane by plane (fused QKV, gate/up): the same
+        bytes as decorating the stacked matrix. None when plane counts or in-dims differ."""
+        if not parts or len({(p.k, p.in_features) for p in parts}) != 1:
+            return None
+        K = parts[0].k
+        planes = [torch.cat([p.plane_raw(i) for p in parts]) for i in range(K)]
+        return cls(planes, sum(p.out_features for p in parts), parts[0].in_features,
+                   name or "+".join(p.name for p in parts))
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
+    @property
+    def nbytes(self) -> int:
+        return self.stacked.nbytes
+
+    def plane_raw(self, p: int) -> torch.Tensor:
+        n = self.out_features
+        return self.stacked.raw[p * n:(p + 1) * n]
+
     def plane(self, p: int) -> LinearWeight:
         """Plane p alone (a view of the stacked bytes)."""
-        n = self.out_features
-        w = LinearWeight(self.stacked.raw[p * n:(p + 1) * n], GGMLType.TQ2_0, n, self.in_features, f"{self.name}.ptqtp{p}")
+        w = LinearWeight(self.plane_raw(p), GGMLType.TQ2_0, self.out_features, self.in_features,
+                         f"{self.name}.ptqtp{p}")
         from fucina.kernels import attach
         attach(w)
         return w
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         y = self.stacked(x)
         n = self.out_features
         out = y[..., :n]

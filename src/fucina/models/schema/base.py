@@ -15,6 +15,7 @@ import numpy as np
 
 from fucina.errors import FucinaError, GGUFError
 from fucina.gguf import GGUFFile, TensorInfo, Zero, meta_float_opt, meta_int_opt
+from fucina.gguf.ptqtp import planes_of
 
 REQUIRED = object()   # a meta_field default: the key must be present
 
@@ -137,6 +138,8 @@ def check_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], required: bool 
     its element count, a matrix (out, in) as [in, out] rows (outer dims flattened), an
     expert stack (n_expert, out, in) exactly. None when absent and optional."""
     t = f.tensors.get(name)
+    if t is None:
+        t = planes_of(f, name)   # a PTQTP-decorated matrix: its planes (gguf/ptqtp.py)
     if t is None:
         if required:
             raise GGUFError(f"{f.path}: missing tensor {name!r}")
