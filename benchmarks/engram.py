@@ -3,6 +3,7 @@
     python benchmarks/engram.py ppl MODEL --train TEXT --held TEXT [--steps 60] [--layers 24,27]
         [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
     python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
+        [--arms bare,cut,torch,native]
 
 `ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
 graft with one-row tables: what extra parameters without a memory buy), full (the graft),
@@ -10,7 +11,10 @@ lora (LoRA on every projection of the layers from the first memory layer up, ran
 its parameters match the graft's), each scored as `fucina perplexity` scores (chunks of
 --eval-ctx, second halves) on the training text and on held-out text.
 `speed`: greedy single-token decode steps with and without a graft attached, alternated
-per repetition in one process (the box's load moves both alike); the ratio of medians.
+per repetition in one process (the box's load moves every arm alike); the ratios of
+medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
+change nothing: the cut's own cost); torch (the graft's torch layer); native (the graft's
+one-call native forward, what inference runs).
 """
 from __future__ import annotations
 
@@ -111,7 +115,14 @@ def _decode(model, ids, gen: int) -> float:
     return gen / (time.perf_counter() - t)
 
 
+def _identity_hook(layer, x, ids, pos0, cache):
+    return x
+
+
 def cmd_speed(args) -> None:
+    """Arms, alternated per repetition: bare (one native step a token); cut (the step cut at
+    the memory layers by hooks that return the residual unchanged: what cutting costs);
+    torch (the graft's torch layer); native (the graft's one-call native forward)."""
     model, tok = _setup(args)
     ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it keeps running")
     layers = [int(x) for x in args.layers.split(",")]
@@ -119,17 +130,36 @@ def cmd_speed(args) -> None:
     with torch.no_grad():      # a trained graft's cost: nonzero value path
         for p in eng.parameters():
             p.add_(0.01)
-    bare, graft = [], []
+
+    def arm(name):
+        if name == "cut":
+            for lid in layers:
+                model.add_residual_hook(lid, _identity_hook)
+        elif name in ("torch", "native"):
+            eng.native = name == "native"
+            eng.attach(model)
+        try:
+            return _decode(model, ids, args.gen)
+        finally:
+            model.remove_residual_hooks(_identity_hook)
+            if eng._attached is not None:
+                eng.detach()
+
+    arms = args.arms.split(",")
+    times = {a: [] for a in arms}
     _decode(model, ids, 8)
     for _ in range(args.reps):
-        bare.append(_decode(model, ids, args.gen))
-        eng.attach(model)
-        graft.append(_decode(model, ids, args.gen))
-        eng.detach()
-    b, g = statistics.median(bare), statistics.median(graft)
-    print(json.dumps(dict(model=args.model, layers=layers, bare_tok_s=round(b, 1), graft_tok_s=round(g, 1),
-                          ratio=round(g / b, 3), bare=[round(x, 1) for x in bare],
-                          graft=[round(x, 1) for x in graft])))
+        for a in arms:
+            times[a].append(arm(a))
+    med = {a: statistics.median(v) for a, v in times.items()}
+    b = med.get("bare")
+    out = dict(model=args.model, layers=layers, threads=args.threads, gen=args.gen, reps=args.reps,
+               tok_s={a: round(v, 1) for a, v in med.items()})
+    if b:
+        out["ratio"] = {a: round(v / b, 3) for a, v in med.items()}
+        out["added_ms_per_token"] = {a: round(1e3 / v - 1e3 / b, 3) for a, v in med.items()}
+    out["runs"] = {a: [round(x, 1) for x in v] for a, v in times.items()}
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -156,6 +186,7 @@ def main() -> None:
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--arms", default="bare,cut,torch,native")
     s.set_defaults(func=cmd_speed)
     args = p.parse_args()
     args.func(args)
