@@ -195,15 +195,16 @@ class Engram(torch.nn.Module):
         """The layer's fixed arguments of the native forward (plan geometry and parameter
         addresses), rebuilt when a parameter's storage moved; None: a parameter the kernel
         cannot read (not f32 contiguous)."""
-        params = [getattr(mod, name) for name in PARAMS]
-        ptrs = tuple(p.data_ptr() for p in params)
+        ptrs = tuple(p.data_ptr() for p in mod._parameters.values())   # cheap: no Module.__getattr__
         pack = self._packs.get(layer)
         if pack is None or pack[0] != ptrs:
+            params = [getattr(mod, name) for name in PARAMS]
             if any(p.dtype != torch.float32 or not p.is_contiguous() for p in params):
                 return None
+            ptrs = tuple(p.data_ptr() for p in mod._parameters.values())
             li, plan = self.plan.index(layer), self.plan
             keep = (np.ascontiguousarray(plan.multipliers[li]), plan.mods[li], plan.offsets[li])
-            pt = dict(zip(PARAMS, ptrs))
+            pt = {name: p.data_ptr() for name, p in zip(PARAMS, params)}
             fixed = (plan.max_ngram, plan.n_head, plan.pad, *(a.ctypes.data for a in keep), pt["table"],
                      plan.table_rows[li], self.head_dim, pt["key_w"], pt["key_b"], pt["key_norm"], pt["query_norm"],
                      pt["value_w"], pt["value_b"], pt["conv_norm"], pt["conv_w"], mod.kernel, mod.dilation)
@@ -214,8 +215,9 @@ class Engram(torch.nn.Module):
                         s: _Stream) -> torch.Tensor:
         """x + the layer's output, one native call (the residual rows are copied, not
         written in place: the caller may hold them)."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).contiguous()
-        out = x.to(torch.float32, copy=True).contiguous()
+        if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.long and ids.dim() == 1 and ids.is_contiguous()):
+            ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).contiguous()
+        out = x.clone() if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         if ids.numel() != m or out.shape != (m, self.n_embd):
             raise EngramError(f"engram: {tuple(x.shape)} residual rows and {ids.numel()} ids do not fit a layer "
                               f"of width {self.n_embd}")
