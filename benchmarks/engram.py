@@ -4,6 +4,7 @@
         [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
     python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
         [--arms bare,cut,torch,native] [--clock wall|cpu]
+    python benchmarks/engram.py layer MODEL [--layers 24] [--calls 400] [--reps 5] [--threads 1]
 
 `ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
 graft with one-row tables: what extra parameters without a memory buy), full (the graft),
@@ -15,6 +16,8 @@ per repetition in one process (the box's load moves every arm alike); the ratios
 medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
 change nothing: the cut's own cost); torch (the graft's torch layer); native (the graft's
 one-call native forward, what inference runs).
+`layer`: one memory layer's decode call alone (process CPU time): the torch layer, the
+native hook, the kernel.
 """
 from __future__ import annotations
 
@@ -169,6 +172,49 @@ def cmd_speed(args) -> None:
     print(json.dumps(out))
 
 
+def cmd_layer(args) -> None:
+    """One memory layer's decode call, process CPU time a call (median of --reps rounds of
+    --calls calls): the torch layer, the graft's native hook (its Python path and the
+    kernel), and the kernel alone (one `_engram.forward`)."""
+    from fucina.kernels import engram as native_engram
+
+    model, tok = _setup(args)
+    lid = int(args.layers.split(",")[0])
+    eng = Engram.for_model(model, [lid], capacity=args.capacity, lookup=compress_table(tok))
+    with torch.no_grad():
+        for p in eng.parameters():
+            p.add_(0.01)
+    cache, d = model.init_cache(args.calls + 1), model.config.n_embd
+    x, ids = torch.randn(1, d), torch.tensor([123])
+
+    def timed(call) -> float:
+        rounds = []
+        for _ in range(args.reps):
+            eng._streams.clear()
+            with torch.inference_mode():
+                eng(lid, x, ids, 0, cache)
+                t = time.process_time()
+                for pos in range(1, args.calls + 1):
+                    call(pos)
+            rounds.append((time.process_time() - t) / args.calls * 1e6)
+        return statistics.median(rounds)
+
+    out = {}
+    for name, native in (("torch_layer_us", False), ("native_hook_us", True)):
+        eng.native = native
+        out[name] = round(timed(lambda pos: eng(lid, x, ids, pos, cache)), 1)
+    fixed, y = eng._native_args(lid, eng.layers[str(lid)]), x.clone()
+    lookup = eng.plan.lookup.ctypes.data
+
+    def raw(pos):
+        s = eng._streams[cache]
+        native_engram.forward(y.data_ptr(), 1, d, ids.data_ptr(), eng.plan.n_vocab, lookup, s.ids_ptr, pos,
+                              s.ids.shape[0], *fixed, s.conv_ptr[lid])
+
+    out["kernel_us"] = round(timed(raw), 1)
+    print(json.dumps(dict(model=args.model, layer=lid, threads=args.threads, isa=native_engram.level(), **out)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -196,6 +242,14 @@ def main() -> None:
     s.add_argument("--arms", default="bare,cut,torch,native")
     s.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     s.set_defaults(func=cmd_speed)
+    s = sub.add_parser("layer")
+    s.add_argument("model")
+    s.add_argument("--layers", default="24")
+    s.add_argument("--capacity", type=int, default=20011)
+    s.add_argument("--calls", type=int, default=400)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--threads", type=int, default=1)
+    s.set_defaults(func=cmd_layer)
     args = p.parse_args()
     args.func(args)
 
