@@ -41,4 +41,15 @@ tokenizer_merge = Extension(
     language="c++",
 )
 
-setup(ext_modules=[ext, tokenizer_merge])
+# the Engram layer's inference forward (fucina.kernels.engram; its own ISA sections)
+engram = Extension(
+    "fucina.kernels._engram",
+    sources=["csrc/engram_module.cpp"],
+    depends=["csrc/generic/engram_impl.inc", "csrc/isa/avx2_engram.inc", "csrc/isa/avx512_engram.inc"],
+    include_dirs=["csrc"],
+    define_macros=[("FK_X86", "1")] if x86 else [],
+    extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-Wall"],
+    language="c++",
+)
+
+setup(ext_modules=[ext, tokenizer_merge, engram])

@@ -3,6 +3,8 @@
     python benchmarks/engram.py ppl MODEL --train TEXT --held TEXT [--steps 60] [--layers 24,27]
         [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
     python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
+        [--arms bare,cut,torch,native] [--clock wall|cpu]
+    python benchmarks/engram.py layer MODEL [--layers 24] [--calls 400] [--reps 5] [--threads 1]
 
 `ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
 graft with one-row tables: what extra parameters without a memory buy), full (the graft),
@@ -10,7 +12,12 @@ lora (LoRA on every projection of the layers from the first memory layer up, ran
 its parameters match the graft's), each scored as `fucina perplexity` scores (chunks of
 --eval-ctx, second halves) on the training text and on held-out text.
 `speed`: greedy single-token decode steps with and without a graft attached, alternated
-per repetition in one process (the box's load moves both alike); the ratio of medians.
+per repetition in one process (the box's load moves every arm alike); the ratios of
+medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
+change nothing: the cut's own cost); torch (the graft's torch layer); native (the graft's
+one-call native forward, what inference runs).
+`layer`: one memory layer's decode call alone (process CPU time): the torch layer, the
+native hook, the kernel.
 """
 from __future__ import annotations
 
@@ -101,17 +108,31 @@ def cmd_ppl(args) -> None:
                   f"  held-out ppl {r['ppl_held']:8.3f} ({r['ppl_held'] / base['ppl_held']:.3f}x bare)")
 
 
-def _decode(model, ids, gen: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _decode(model, ids, gen: int, clock: str = "wall") -> float:
+    """Tokens a second of `clock`: wall, or the process's CPU time (on a box shared with
+    other work the CPU time a token takes moves far less than its wall time; with one
+    thread it is the work done, with more it also counts the threads' waits)."""
+    now = CLOCKS[clock]
     cache = model.init_cache(len(ids) + gen + 1)
     logits = model.forward_step(cache, ids, 0)
-    t = time.perf_counter()
+    t = now()
     for _ in range(gen):
         nxt = int(torch.argmax(logits))
         logits = model.forward_step(cache, [nxt], cache.len)
-    return gen / (time.perf_counter() - t)
+    return gen / (now() - t)
+
+
+def _identity_hook(layer, x, ids, pos0, cache):
+    return x
 
 
 def cmd_speed(args) -> None:
+    """Arms, alternated per repetition: bare (one native step a token); cut (the step cut at
+    the memory layers by hooks that return the residual unchanged: what cutting costs);
+    torch (the graft's torch layer); native (the graft's one-call native forward)."""
     model, tok = _setup(args)
     ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it keeps running")
     layers = [int(x) for x in args.layers.split(",")]
@@ -119,17 +140,79 @@ def cmd_speed(args) -> None:
     with torch.no_grad():      # a trained graft's cost: nonzero value path
         for p in eng.parameters():
             p.add_(0.01)
-    bare, graft = [], []
+
+    def arm(name):
+        if name == "cut":
+            for lid in layers:
+                model.add_residual_hook(lid, _identity_hook)
+        elif name in ("torch", "native"):
+            eng.native = name == "native"
+            eng.attach(model)
+        try:
+            return _decode(model, ids, args.gen, args.clock)
+        finally:
+            model.remove_residual_hooks(_identity_hook)
+            if eng._attached is not None:
+                eng.detach()
+
+    arms = args.arms.split(",")
+    times = {a: [] for a in arms}
     _decode(model, ids, 8)
     for _ in range(args.reps):
-        bare.append(_decode(model, ids, args.gen))
-        eng.attach(model)
-        graft.append(_decode(model, ids, args.gen))
-        eng.detach()
-    b, g = statistics.median(bare), statistics.median(graft)
-    print(json.dumps(dict(model=args.model, layers=layers, bare_tok_s=round(b, 1), graft_tok_s=round(g, 1),
-                          ratio=round(g / b, 3), bare=[round(x, 1) for x in bare],
-                          graft=[round(x, 1) for x in graft])))
+        for a in arms:
+            times[a].append(arm(a))
+    med = {a: statistics.median(v) for a, v in times.items()}
+    b = med.get("bare")
+    out = dict(model=args.model, layers=layers, threads=args.threads, gen=args.gen, reps=args.reps, clock=args.clock,
+               tok_s={a: round(v, 1) for a, v in med.items()})
+    if b:
+        out["ratio"] = {a: round(v / b, 3) for a, v in med.items()}
+        out["added_ms_per_token"] = {a: round(1e3 / v - 1e3 / b, 3) for a, v in med.items()}
+    out["runs"] = {a: [round(x, 1) for x in v] for a, v in times.items()}
+    print(json.dumps(out))
+
+
+def cmd_layer(args) -> None:
+    """One memory layer's decode call, process CPU time a call (median of --reps rounds of
+    --calls calls): the torch layer, the graft's native hook (its Python path and the
+    kernel), and the kernel alone (one `_engram.forward`)."""
+    from fucina.kernels import engram as native_engram
+
+    model, tok = _setup(args)
+    lid = int(args.layers.split(",")[0])
+    eng = Engram.for_model(model, [lid], capacity=args.capacity, lookup=compress_table(tok))
+    with torch.no_grad():
+        for p in eng.parameters():
+            p.add_(0.01)
+    cache, d = model.init_cache(args.calls + 1), model.config.n_embd
+    x, ids = torch.randn(1, d), torch.tensor([123])
+
+    def timed(call) -> float:
+        rounds = []
+        for _ in range(args.reps):
+            eng._streams.clear()
+            with torch.inference_mode():
+                eng(lid, x, ids, 0, cache)
+                t = time.process_time()
+                for pos in range(1, args.calls + 1):
+                    call(pos)
+            rounds.append((time.process_time() - t) / args.calls * 1e6)
+        return statistics.median(rounds)
+
+    out = {}
+    for name, native in (("torch_layer_us", False), ("native_hook_us", True)):
+        eng.native = native
+        out[name] = round(timed(lambda pos: eng(lid, x, ids, pos, cache)), 1)
+    fixed, y = eng._native_args(lid, eng.layers[str(lid)]), x.clone()
+    lookup = eng.plan.lookup.ctypes.data
+
+    def raw(pos):
+        s = eng._streams[cache]
+        native_engram.forward(y.data_ptr(), 1, d, ids.data_ptr(), eng.plan.n_vocab, lookup, s.ids_ptr, pos,
+                              s.ids.shape[0], *fixed, s.conv_ptr[lid])
+
+    out["kernel_us"] = round(timed(raw), 1)
+    print(json.dumps(dict(model=args.model, layer=lid, threads=args.threads, isa=native_engram.level(), **out)))
 
 
 def main() -> None:
@@ -156,7 +239,17 @@ def main() -> None:
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--arms", default="bare,cut,torch,native")
+    s.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     s.set_defaults(func=cmd_speed)
+    s = sub.add_parser("layer")
+    s.add_argument("model")
+    s.add_argument("--layers", default="24")
+    s.add_argument("--capacity", type=int, default=20011)
+    s.add_argument("--calls", type=int, default=400)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--threads", type=int, default=1)
+    s.set_defaults(func=cmd_layer)
     args = p.parse_args()
     args.func(args)
 

@@ -339,3 +339,118 @@ def test_graft_history_follows_copied_rows(tiny):
     finally:
         eng.detach()
     assert eng not in type(a).copy_listeners
+
+
+# -- the native forward (csrc/engram_module.cpp) -------------------------------------------------
+
+def _native_or_skip():
+    from fucina.kernels import engram as native_engram
+    if not native_engram.available():
+        pytest.skip("the Engram kernel is not built")
+    return native_engram
+
+
+def _stream_graft(tiny, trained=True, **kw):
+    eng = Engram.for_model(tiny, [1], capacity=31, n_head=2, head_dim=8, lookup=np.arange(tiny.config.n_vocab) // 3,
+                           pad_id=2, **kw)
+    return _trained(eng) if trained else eng
+
+
+def _run_layer(eng, x, ids, cuts, native: bool):
+    """The graft's layer-1 hook over x in pieces of `cuts`, one fresh cache: (out, history)."""
+    from fucina.models.cache import KVCache
+    cache = KVCache(1, 1, 4, x.shape[0] + 4)
+    eng.native, outs, at = native, [], 0
+    try:
+        with torch.inference_mode():
+            for n in cuts:
+                outs.append(eng(1, x[at:at + n].clone(), torch.tensor(ids[at:at + n]), at, cache))
+                at += n
+    finally:
+        eng.native = True
+    s = eng._streams[cache]
+    return torch.cat(outs), s.conv[1][:at].clone(), s.ids[:at].copy()
+
+
+def test_native_forward_matches_the_torch_layer_and_streams_bitwise(tiny, isa):
+    """Every ISA section against the torch layer (the projections' sums in another order:
+    within 2e-5 relative), prefill and decode; pieces == whole bitwise (rows are independent
+    and each reads the history the ones before it wrote)."""
+    _native_or_skip()
+    eng = _stream_graft(tiny)
+    x = torch.randn(len(IDS), tiny.config.n_embd, generator=torch.Generator().manual_seed(5))
+    ref, ref_conv, ref_ids = _run_layer(eng, x, IDS, (len(IDS),), native=False)
+    whole, conv, sids = _run_layer(eng, x, IDS, (len(IDS),), native=True)
+    assert sids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(whole, ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(conv, ref_conv, rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(whole, x)            # the graft moved the residual
+    for cuts in ((1,) * len(IDS), (7, 1, 1, 14)):
+        got, got_conv, _ = _run_layer(eng, x, IDS, cuts, native=True)
+        assert torch.equal(got, whole) and torch.equal(got_conv, conv)
+
+
+def test_native_rows_match_the_plan_and_zero_init_is_exact(tiny, isa):
+    native_engram = _native_or_skip()
+    eng = _stream_graft(tiny, trained=False)
+    plan, comp = eng.plan, eng.plan.compress(np.array(IDS))
+    out = np.zeros((len(IDS), plan.n_heads_total), dtype=np.int64)
+    li = plan.index(1)
+    mult = np.ascontiguousarray(plan.multipliers[li])
+    native_engram.rows(comp.ctypes.data, 0, len(IDS), plan.max_ngram, plan.n_head, plan.pad, mult.ctypes.data,
+                       plan.mods[li].ctypes.data, plan.offsets[li].ctypes.data, out.ctypes.data)
+    assert out.tolist() == plan.rows(1, comp).tolist()
+    x = torch.randn(len(IDS), tiny.config.n_embd)
+    got, conv, _ = _run_layer(eng, x, IDS, (5, 1, 17), native=True)
+    assert torch.equal(got, x) and not conv.any()          # zero-init: the identity, bitwise
+
+
+def test_native_forward_bad_input(tiny):
+    native_engram = _native_or_skip()
+    from fucina.models.engram import EngramError
+    eng = _stream_graft(tiny)
+    with pytest.raises(EngramError, match="out of range"):
+        _run_layer(eng, torch.zeros(2, tiny.config.n_embd), [1, tiny.config.n_vocab], (2,), native=True)
+    x = torch.zeros(1, tiny.config.n_embd)
+    fixed = list(eng._native_args(1, eng.layers["1"]))
+    sids, conv, ids = np.zeros(4, dtype=np.int64), torch.zeros(4, tiny.config.n_embd), torch.tensor([1])
+    call = lambda f, pos0=0: native_engram.forward(x.data_ptr(), 1, tiny.config.n_embd, ids.data_ptr(),  # noqa: E731
+                                                   tiny.config.n_vocab, 0, sids.ctypes.data, pos0, 4, *f,
+                                                   conv.data_ptr())
+    call(fixed)
+    with pytest.raises(ValueError, match="capacity"):
+        call(fixed, pos0=4)                                  # past the history's capacity
+    bad = list(fixed)
+    bad[7] = 5                                               # a table too short for the heads' rows
+    with pytest.raises(ValueError, match="outside the table"):
+        call(bad)
+    bad = list(fixed)
+    bad[9] = 0                                               # a null weight
+    with pytest.raises(ValueError, match="null"):
+        call(bad)
+
+
+def test_mapped_table_gives_the_in_ram_logits_and_reads_ahead(tiny, tmp_path):
+    _native_or_skip()
+    path = tmp_path / "e.safetensors"
+    _stream_graft(tiny).save(path)
+    logits = {}
+    for mmap in (False, True):
+        eng = Engram.load(path, mmap=mmap)
+        assert eng.mapped_layers == ([1] if mmap else [])
+        assert isinstance(eng._mapped.get(1), np.memmap) == mmap
+        eng.attach(tiny)
+        try:
+            logits[mmap] = _logits(tiny, True, (9, 1, 1, 12))
+        finally:
+            eng.detach()
+        # every step after the first reads its rows ahead, each head of each position
+        assert eng.rows_prefetched == (eng.plan.n_heads_total * (len(IDS) - 9) if mmap else 0)
+    assert torch.equal(logits[True], logits[False])
+    from fucina.cli.main import main
+    from fucina.models.engram import graft
+    try:
+        assert main(["run", str(tiny.gguf.path), "--engram", str(path), "--engram-mmap", "-p", "the", "-n", "2"]) == 0
+        assert graft.MMAP_DEFAULT is True
+    finally:
+        graft.MMAP_DEFAULT = None

@@ -7,6 +7,7 @@ inference commands.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -16,9 +17,21 @@ from fucina.errors import FucinaError
 MODEL_HELP = "GGUF file or packaged name (default: SmolLM2-135M-Instruct Q4_1)"
 
 
+class _MmapAction(argparse.Action):
+    """--engram-mmap: every graft this process loads keeps its tables mapped from the file."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from fucina.models.engram import graft
+        graft.MMAP_DEFAULT = True
+        setattr(namespace, self.dest, True)
+
+
 def add_engram_args(p) -> None:
     p.add_argument("--engram", metavar="E.safetensors", default=None,
                    help="graft this Engram n-gram memory (made by `fucina engram train` for this model)")
+    p.add_argument("--engram-mmap", action=_MmapAction, nargs=0, default=False,
+                   help="read the graft's tables through a map of its file (tables larger than RAM; each step's "
+                        "rows are read ahead), not copied into RAM; automatic above 1 GiB a table")
 
 
 def apply_engram_args(model, args) -> None:

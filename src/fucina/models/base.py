@@ -420,7 +420,15 @@ class DecoderBase:
             plans = self._hook_plans = plans if all(p is not None for _, _, p in plans) else []
         return plans or None
 
+    def prefetch_hooks(self, ids: torch.Tensor, pos0: int, cache) -> None:
+        """Hand a step's ids, before layer 0 runs, to the hooks that read ahead (an Engram
+        table in a mapped file starts reading the step's rows)."""
+        for hook in dict.fromkeys(h for hs in self.residual_hooks.values() for h in hs):
+            if hasattr(hook, "prefetch"):
+                hook.prefetch(ids, pos0, cache)
+
     def _hooked_rows(self, h, ids, cache, pos0, ptrs, tables) -> torch.Tensor:
+        self.prefetch_hooks(ids, pos0, cache)
         ranges = self._hook_ranges() if ptrs is not None else None
         if ranges is None:
             for i in range(self.config.n_layer):

@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 import torch
 
+from fucina.kernels import engram as native_engram
 from fucina.models.cache import KVCache
 from fucina.models.engram import store
 from fucina.models.engram.layer import PARAMS, EngramLayer
@@ -30,6 +31,12 @@ from fucina.models.engram.plan import EngramError, HashPlan
 
 FORMAT = "fucina-engram/1"
 MAX_CHECKED_BYTES = 1 << 30   # tables up to this are scanned for non-finite values on load
+# a table above this stays mapped from its file (the kernel reads the rows it gathers, and
+# each step's rows are read ahead before layer 0); below, it is copied into RAM on load
+MMAP_AUTO_BYTES = 1 << 30
+# load()'s default: None automatic (by size), True every table mapped, False every table in
+# RAM (`--engram-mmap` sets True for the process)
+MMAP_DEFAULT: bool | None = None
 
 
 def model_identity(model) -> dict:
@@ -43,15 +50,21 @@ def model_identity(model) -> dict:
 
 
 class _Stream:
-    """One sequence's history: compressed ids and per-layer normed value rows by position."""
+    """One sequence's history: compressed ids and per-layer normed value rows by position
+    (with their addresses, which the native forward writes through)."""
 
     def __init__(self, capacity: int, layer_ids, n_embd: int):
         self.ids = np.zeros(capacity, dtype=np.int64)
         self.conv = {lid: torch.zeros(capacity, n_embd) for lid in layer_ids}
         self.known = 0
+        self.ids_ptr = self.ids.ctypes.data
+        self.conv_ptr = {lid: t.data_ptr() for lid, t in self.conv.items()}
 
 
 class Engram(torch.nn.Module):
+    # False: every step runs the torch layer (the reference the native forward is tested against)
+    native = True
+
     def __init__(self, plan: HashPlan, n_embd: int, head_dim: int, *, kernel: int = 4, model_id: dict | None = None,
                  graft: bool = True, seed: int = 0):
         super().__init__()
@@ -65,7 +78,8 @@ class Engram(torch.nn.Module):
                                   graft=graft, generator=g)
             for i, lid in enumerate(plan.layer_ids)})
         self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._attached = None
+        self._attached, self._packs = None, {}
+        self._mapped, self.rows_prefetched = {}, 0    # {layer: its table mapped from the file}
 
     @classmethod
     def for_model(cls, model, layer_ids, *, capacity: int = 20011, n_head: int = 4, head_dim: int = 32,
@@ -131,15 +145,20 @@ class Engram(torch.nn.Module):
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
         mod = self.layers[str(layer)]
-        comp = self.plan.compress(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
-        m = comp.shape[0]
+        m = x.shape[0]
         if getattr(cache, "training", False):      # a training sequence: starts at 0, nothing kept
+            comp = self.plan.compress(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
             out, _ = mod(x, torch.from_numpy(self.plan.rows(layer, comp)), None)
             return x + out
         s = self._stream(cache)
         if pos0 > s.known:
             raise EngramError(f"engram: this cache's positions before {pos0} were not computed with the graft "
                               f"attached (it knows {s.known}); reset the cache")
+        fixed = self._native_args(layer, mod) if self.native and not torch.is_grad_enabled() and \
+            native_engram.available() else None
+        if fixed is not None:
+            return self._native_forward(layer, fixed, x, ids, pos0, m, s)
+        comp = self.plan.compress(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
         k, p = self.plan.max_ngram - 1, mod.history
         rows = self.plan.rows(layer, comp, s.ids[max(0, pos0 - k):pos0])
         if pos0 >= p:
@@ -151,6 +170,66 @@ class Engram(torch.nn.Module):
         s.conv[layer][pos0:pos0 + m] = vn.detach()
         s.known = pos0 + m
         return x + out
+
+    def prefetch(self, ids, pos0: int, cache) -> None:
+        """Before layer 0 runs: start reading this step's rows of every table mapped from
+        its file (MADV_WILLNEED), so the pages arrive while the layers below the memory run."""
+        if not self._mapped or getattr(cache, "training", False) or not native_engram.available():
+            return
+        s = self._streams.get(cache)
+        if s is None or pos0 > s.known:
+            return
+        comp = self.plan.compress(np.asarray(ids).reshape(-1))
+        prev = s.ids[max(0, pos0 - self.plan.max_ngram + 1):pos0]
+        for lid, table in self._mapped.items():
+            rows = np.ascontiguousarray(self.plan.rows(lid, comp, prev).reshape(-1))
+            self.rows_prefetched += native_engram.willneed(table.ctypes.data, table.shape[1] * 4, table.shape[0],
+                                                           rows.ctypes.data, rows.size)
+
+    @property
+    def mapped_layers(self) -> list[int]:
+        """The memory layers whose table is read from the mapped file."""
+        return sorted(self._mapped)
+
+    def _native_args(self, layer: int, mod: EngramLayer) -> tuple | None:
+        """The layer's fixed arguments of the native forward (plan geometry and parameter
+        addresses), rebuilt when a parameter's storage moved; None: a parameter the kernel
+        cannot read (not f32 contiguous)."""
+        ptrs = tuple(p.data_ptr() for p in mod._parameters.values())   # cheap: no Module.__getattr__
+        pack = self._packs.get(layer)
+        if pack is None or pack[0] != ptrs:
+            params = [getattr(mod, name) for name in PARAMS]
+            if any(p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+                return None
+            ptrs = tuple(p.data_ptr() for p in mod._parameters.values())
+            li, plan = self.plan.index(layer), self.plan
+            keep = (np.ascontiguousarray(plan.multipliers[li]), plan.mods[li], plan.offsets[li])
+            pt = {name: p.data_ptr() for name, p in zip(PARAMS, params)}
+            fixed = (plan.max_ngram, plan.n_head, plan.pad, *(a.ctypes.data for a in keep), pt["table"],
+                     plan.table_rows[li], self.head_dim, pt["key_w"], pt["key_b"], pt["key_norm"], pt["query_norm"],
+                     pt["value_w"], pt["value_b"], pt["conv_norm"], pt["conv_w"], mod.kernel, mod.dilation)
+            pack = self._packs[layer] = (ptrs, fixed, keep)
+        return pack[1]
+
+    def _native_forward(self, layer: int, fixed: tuple, x: torch.Tensor, ids, pos0: int, m: int,
+                        s: _Stream) -> torch.Tensor:
+        """x + the layer's output, one native call (the residual rows are copied, not
+        written in place: the caller may hold them)."""
+        if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.long and ids.dim() == 1 and ids.is_contiguous()):
+            ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).contiguous()
+        out = x.clone() if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        if ids.numel() != m or out.shape != (m, self.n_embd):
+            raise EngramError(f"engram: {tuple(x.shape)} residual rows and {ids.numel()} ids do not fit a layer "
+                              f"of width {self.n_embd}")
+        lookup = self.plan.lookup
+        try:
+            native_engram.forward(out.data_ptr(), m, self.n_embd, ids.data_ptr(), self.plan.n_vocab,
+                                  0 if lookup is None else lookup.ctypes.data, s.ids_ptr, pos0, s.ids.shape[0],
+                                  *fixed, s.conv_ptr[layer])
+        except (IndexError, ValueError) as e:
+            raise EngramError(str(e)) from None
+        s.known = pos0 + m
+        return out
 
     # -- the file -------------------------------------------------------------------------
     def tensors(self) -> dict[str, np.ndarray]:
@@ -172,7 +251,10 @@ class Engram(torch.nn.Module):
         store.write(path, self.tensors(), meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Engram":
+    def load(cls, path: str | os.PathLike, mmap: bool | None = None) -> "Engram":
+        """A graft from its file; `mmap`: keep the tables mapped from the file (True), copy
+        them into RAM (False), or by size (None: MMAP_DEFAULT, else above MMAP_AUTO_BYTES)."""
+        mmap = MMAP_DEFAULT if mmap is None else mmap
         arrays, meta = store.read(path)
         if meta.get("format") != FORMAT:
             raise EngramError(f"{path}: not a fucina Engram file (format {meta.get('format')!r}, want {FORMAT})")
@@ -190,7 +272,8 @@ class Engram(torch.nn.Module):
         eng = cls.__new__(cls)
         torch.nn.Module.__init__(eng)
         eng.plan, eng.n_embd, eng.head_dim, eng.kernel, eng.model_id = plan, n_embd, head_dim, kernel, model_id
-        eng._streams, eng._attached = weakref.WeakKeyDictionary(), None
+        eng._streams, eng._attached, eng._packs = weakref.WeakKeyDictionary(), None, {}
+        eng._mapped, eng.rows_prefetched = {}, 0
         e, layers = head_dim * plan.n_heads_total, {}
         shapes = dict(table=None, key_w=(n_embd, e), key_b=(n_embd,), key_norm=(n_embd,), query_norm=(n_embd,),
                       value_w=(n_embd, e), value_b=(n_embd,), conv_norm=(n_embd,), conv_w=(n_embd, kernel))
@@ -207,6 +290,10 @@ class Engram(torch.nn.Module):
                 want = (plan.table_rows[i], head_dim) if name == "table" else shapes[name]
                 if a is None or a.dtype != np.float32 or tuple(a.shape) != want:
                     raise EngramError(f"{path}: {key} is missing or not f32 {list(want)}")
+                if name == "table" and (mmap if mmap is not None else a.nbytes > MMAP_AUTO_BYTES):
+                    eng._mapped[lid] = a
+                else:
+                    a = np.array(a)          # into RAM
                 t = torch.from_numpy(a)
                 if a.nbytes <= MAX_CHECKED_BYTES and not bool(torch.isfinite(t).all()):
                     raise EngramError(f"{path}: {key} holds NaN or infinite values (a corrupt table)")
@@ -219,6 +306,6 @@ class Engram(torch.nn.Module):
         return eng
 
 
-def attach_file(model, path: str | os.PathLike) -> Engram:
-    """Load an Engram file and graft it onto `model` (checked against it)."""
-    return Engram.load(path).attach(model)
+def attach_file(model, path: str | os.PathLike, mmap: bool | None = None) -> Engram:
+    """Load an Engram file and graft it onto `model` (checked against it); `mmap` as load's."""
+    return Engram.load(path, mmap=mmap).attach(model)
