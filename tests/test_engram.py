@@ -151,7 +151,7 @@ def test_graft_zero_init_is_exactly_zero_with_value_gradients():
 
 # -- the graft on a decoder ----------------------------------------------------------------------
 
-from synth import write_model  # noqa: E402
+from synth import chunked_logits, write_model  # noqa: E402
 
 from fucina.models import load_model  # noqa: E402
 from fucina.models.engram import Engram  # noqa: E402
@@ -165,15 +165,7 @@ def tiny(tmp_path_factory):
 
 
 def _logits(model, native: bool, chunks=(len(IDS),)):
-    model.use_native_step = native
-    try:
-        cache, out, pos = model.init_cache(64), [], 0
-        for n in chunks:
-            out.append(model.forward_step_all_logits(cache, IDS[pos:pos + n], pos))
-            pos += n
-        return torch.cat(out)
-    finally:
-        model.use_native_step = True
+    return chunked_logits(model, IDS, chunks, native)
 
 
 def _trained(eng):
