@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
     cfg = SelfStudyConfig(p=args.p, conversations=args.conversations, seed=args.seed, lr=args.lr,
                           accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                           max_answer=args.max_answer, top_k=args.top_k, init=args.init,
-                          embed_corpus=not args.no_corpus)
+                          embed_corpus=not args.no_corpus, batch=args.batch)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     cart = train_cartridge(model, tok, text, cfg, out=args.out, resume=args.resume, log=log)
     print(f"wrote {args.out}: p {cart.p}, {cart.nbytes() / 1e6:.2f} MB of f16 KV")
@@ -87,6 +87,9 @@ def add_parser(sub) -> None:
     s.add_argument("--conversations", type=positive, default=64,
                    help="self-study conversations (default 64)")
     s.add_argument("--accum", type=positive, default=4, help="conversations per optimizer step (default 4)")
+    s.add_argument("--batch", type=positive, default=8,
+                   help="self-study conversations generated together in lockstep (default 8; "
+                        "the result does not depend on it)")
     s.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
