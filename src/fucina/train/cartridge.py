@@ -460,40 +460,68 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
     return prog
 
 
+class CartridgeRun:
+    """One cartridge's training: its rows, Adam and progress, written to OUT (the
+    cartridge) and OUT.ckpt (what a resume needs) after every step. `start`: begin from
+    these rows (a cartridge file reloaded) instead of initialising from the corpus.
+    `advance(n)` trains up to n conversations (the model must be wrapped in a Trainable)."""
+
+    def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
+                 resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None):
+        if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
+            raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
+        self.model, self.cfg, self.out, self.log = model, cfg, out, log
+        self.cart = start if start is not None else init_cartridge(model, tokenizer, corpus, cfg)
+        self.study = SelfStudy(model, tokenizer, corpus, cfg)
+        self.params = CartridgeParams(self.cart)
+        self.opt = torch.optim.Adam(self.params.params(), lr=cfg.lr)
+        self.state_path = out + ".ckpt" if out else None
+        self.prog = Progress()
+        if resume:
+            if not self.state_path or not os.path.exists(self.state_path):
+                raise CartridgeError(f"nothing to resume: {self.state_path} does not exist")
+            self.prog = _load_state(self.state_path, self.params, self.opt, cfg)
+
+    def nbytes(self) -> int:
+        """RAM the run holds: the rows, their gradients and Adam's two moments (f32)."""
+        train = sum(t.numel() for t in self.params.params())
+        frozen = sum(t.numel() for t in self.params.frozen_k + self.params.frozen_v if t is not None)
+        return 4 * (4 * train + frozen)
+
+    def result(self) -> Cartridge:
+        cfg, prog = self.cfg, self.prog
+        meta = dict(self.cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
+                    init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
+        return self.params.cartridge(meta=meta)
+
+    def advance(self, until: int) -> Progress:
+        from dataclasses import replace
+
+        until = min(until, self.cfg.conversations)
+        if self.prog.done < until:
+            # OUT after every step too: an interrupted run leaves a usable cartridge
+            self.prog = optimize(self.model, self.params, self.study.sample, replace(self.cfg, conversations=until),
+                                 opt=self.opt, prog=self.prog, state_path=self.state_path, log=self.log,
+                                 on_step=(lambda pr: self.result().save(self.out)) if self.out else None,
+                                 many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum))
+        return self.prog
+
+
 def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
                     resume: bool = False, log: Callable[[str], None] = lambda s: None) -> Cartridge:
     """Initialise, self-study, save (OUT, with OUT.ckpt holding what a resume needs)."""
-    if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
-        raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
-    cart = init_cartridge(model, tokenizer, corpus, cfg)
-    study = SelfStudy(model, tokenizer, corpus, cfg)
+    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log)
+    if resume:
+        log(f"resuming after {run.prog.done} conversations ({run.prog.steps} steps)")
     trainable = Trainable(model)
     try:
-        params = CartridgeParams(cart)
-        opt = torch.optim.Adam(params.params(), lr=cfg.lr)
-        state_path = out + ".ckpt" if out else None
-        prog = None
-        if resume:
-            if not state_path or not os.path.exists(state_path):
-                raise CartridgeError(f"nothing to resume: {state_path} does not exist")
-            prog = _load_state(state_path, params, opt, cfg)
-            log(f"resuming after {prog.done} conversations ({prog.steps} steps)")
-        log(f"cartridge: p {cfg.p} ({cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
-            f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(study.ids)} tokens, generated "
-            f"{cfg.batch if study.batch_invariant() else 1} at a time")
-
-        def result(prog: Progress) -> Cartridge:
-            meta = dict(cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
-                        init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
-            return params.cartridge(meta=meta)
-
-        # OUT after every step too: an interrupted run leaves a usable cartridge
-        prog = optimize(model, params, study.sample, cfg, opt=opt, prog=prog, state_path=state_path, log=log,
-                        on_step=(lambda pr: result(pr).save(out)) if out else None,
-                        many=study.samples, ahead=max(cfg.batch, cfg.accum))
+        log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
+            f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(run.study.ids)} tokens, generated "
+            f"{cfg.batch if run.study.batch_invariant() else 1} at a time")
+        run.advance(cfg.conversations)
     finally:
         trainable.close()
-    final = result(prog)
+    final = run.result()
     if out:
         final.save(out)
     return final
