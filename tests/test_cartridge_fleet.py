@@ -153,3 +153,20 @@ def test_serving_a_fleet_picks_a_cartridge_per_request(tiny, tmp_path, capsys):
     ref = fucina.load(path, n_ctx=256, cartridge=files["skerry"])
     ref.generate([40, 41, 42], max_tokens=6, temperature=0)
     assert [int(x) for x in out.read_text().split()] == ref.last.tokens
+
+
+def test_cli_trains_a_fleet_and_a_single_cartridge_alike(tiny, tmp_path, capsys):
+    from fucina.cli.main import main
+
+    path, _, _ = tiny
+    fleet = make_fleet(tmp_path, docs={"plenn": DOCS["plenn"]})
+    opts = ["--conversations", "2", "--accum", "2", "--chunk", "40", "--max-question", "6", "--max-answer", "6",
+            "--batch", "2", "-t", "1"]
+    assert main(["cartridge", "fleet", "train", str(path), fleet.root, "--ram", "1", *opts]) == 0
+    assert main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "src" / "plenn.txt"), "--p", "12",
+                 "--out", str(tmp_path / "one.safetensors"), *opts]) == 0
+    assert "trained 1 cartridges" in capsys.readouterr().out
+    a, b = Cartridge.load(fleet.path("plenn.safetensors")), Cartridge.load(tmp_path / "one.safetensors")
+    assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v) if x is not None)
+    assert main(["cartridge", "fleet", "list", fleet.root]) == 0
+    assert "plenn" in capsys.readouterr().out
