@@ -56,9 +56,9 @@ def main(argv=None) -> int:
         rows.append({"batch": b, "batched_code": batched, "conversations": args.n, "seconds": round(dt, 1),
                      "per_minute": round(60 * args.n / dt, 2), "answer_tokens": tokens, "same_as_first": same})
         if not args.json:
+            note = "" if same is None else f", same as batch {rows[0]['batch']}: {same}"
             print(f"batch {b}: {args.n} conversations in {dt:.1f} s = {60 * args.n / dt:.2f}/min "
-                  f"({tokens} answer tokens){'' if same is None else f', same as batch {rows[0]["batch"]}: {same}'}",
-                  flush=True)
+                  f"({tokens} answer tokens){note}", flush=True)
     if args.json:
         print(json.dumps(rows))
     return 0
