@@ -184,3 +184,34 @@ def test_self_study_on_smollm2(tmp_path):
     llm = fucina.load(path, cartridge=out)
     reply = llm.chat(max_tokens=8, temperature=0).send("Who founded the Tessaly Institute?")
     assert isinstance(reply, str) and llm.model.config.arch == "llama"
+
+
+def test_batched_self_study_is_bitwise_the_one_at_a_time_run(tiny):
+    """Conversations generated together in lockstep equal each generated alone (the native
+    kernels are batch-invariant), streams leaving the batch at different steps included."""
+    model, tok = tiny
+    kw = dict(p=16, chunk_tokens=60, max_question=8, max_answer=10, temperature=1.0)
+    alone = SelfStudy(model, tok, DOC, SelfStudyConfig(batch=1, **kw))
+    assert alone.batch_invariant()
+    # a stop id that ends one conversation's answer early: streams drop out unevenly
+    ref = [alone.sample(i) for i in range(5)]
+    stop = next(int(t[0]) for s in ref for t in s.tokens[2:5])
+    alone.stop.add(stop)
+    ref = [alone.sample(i) for i in range(5)]
+    assert len({len(s.rows) for s in ref}) > 1
+    for batch in (2, 5):
+        together = SelfStudy(model, tok, DOC, SelfStudyConfig(batch=batch, **kw))
+        together.stop.add(stop)
+        got = together.samples(range(5))
+        for a, b in zip(ref, got):
+            assert a.ids == b.ids and a.rows == b.rows and a.question == b.question
+            assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
+            assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+def test_train_does_not_depend_on_the_generation_batch(tiny, tmp_path):
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=6)
+    one = train_cartridge(model, tok, DOC, SelfStudyConfig(batch=1, **kw), out=str(tmp_path / "a.st"))
+    four = train_cartridge(model, tok, DOC, SelfStudyConfig(batch=4, **kw), out=str(tmp_path / "b.st"))
+    assert all(torch.equal(x, y) for x, y in zip(one.k + one.v, four.k + four.v) if x is not None)

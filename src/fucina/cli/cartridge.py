@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from fucina.errors import FucinaError
@@ -45,18 +46,87 @@ def cmd_equiv(args) -> int:
 
 def cmd_train(args) -> int:
     from fucina.cli.main import _load, _tokenizer
-    from fucina.train.cartridge import SelfStudyConfig, train_cartridge
+    from fucina.train.cartridge import train_cartridge
 
     model = _load(args)
     tok = _tokenizer(model)
     text = read_corpus(args.corpus)
-    cfg = SelfStudyConfig(p=args.p, conversations=args.conversations, seed=args.seed, lr=args.lr,
-                          accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
-                          max_answer=args.max_answer, top_k=args.top_k, init=args.init,
-                          embed_corpus=not args.no_corpus)
+    cfg = _config(args, p=args.p, init=args.init, embed_corpus=not args.no_corpus)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     cart = train_cartridge(model, tok, text, cfg, out=args.out, resume=args.resume, log=log)
     print(f"wrote {args.out}: p {cart.p}, {cart.nbytes() / 1e6:.2f} MB of f16 KV")
+    return 0
+
+
+def _training_args(s) -> None:
+    from fucina.cli.common import positive
+
+    s.add_argument("--conversations", type=positive, default=64,
+                   help="self-study conversations (default 64)")
+    s.add_argument("--accum", type=positive, default=4, help="conversations per optimizer step (default 4)")
+    s.add_argument("--batch", type=positive, default=8,
+                   help="self-study conversations generated together in lockstep (default 8; "
+                        "the result does not depend on it)")
+    s.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
+    s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
+    s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
+    s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
+
+
+def _config(args, **kw):
+    from fucina.train.cartridge import SelfStudyConfig
+
+    return SelfStudyConfig(conversations=args.conversations, seed=getattr(args, "seed", 0), lr=args.lr,
+                           accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
+                           max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, **kw)
+
+
+def cmd_fleet_add(args) -> int:
+    from fucina.models.cartridge_fleet import Fleet
+
+    fleet = Fleet.create(args.fleet)
+    for i, corpus in enumerate(args.corpus):
+        name = args.name if args.name and len(args.corpus) == 1 else \
+            os.path.splitext(os.path.basename(corpus))[0]
+        read_corpus(corpus)
+        e = fleet.add(name, corpus, p=args.p, seed=args.seed + i if args.seed is not None else None)
+        print(f"added {e.name}: {e.corpus}, p {e.p}, seed {e.seed}")
+    return 0
+
+
+def cmd_fleet_list(args) -> int:
+    from fucina.models.cartridge_fleet import Fleet
+
+    fleet = Fleet.open(args.fleet)
+    rows = []
+    for e in fleet.entries:
+        path = fleet.path(e.file)
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        rows.append({"name": e.name, "corpus": e.corpus, "p": e.p, "seed": e.seed, "conversations": e.conversations,
+                     "steps": e.steps, "file": e.file if size else None, "bytes": size})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'name':<24} {'p':>5} {'conversations':>13} {'steps':>6} {'file MB':>8}  corpus")
+    for r in rows:
+        print(f"{r['name']:<24} {r['p']:>5} {r['conversations']:>13} {r['steps']:>6} "
+              f"{r['bytes'] / 1e6 if r['bytes'] else float('nan'):>8.2f}  {r['corpus']}")
+    return 0
+
+
+def cmd_fleet_train(args) -> int:
+    from fucina.cli.main import _load, _tokenizer
+    from fucina.models.cartridge_fleet import Fleet
+    from fucina.train.cartridge_fleet import train_fleet
+
+    fleet = Fleet.open(args.fleet)
+    model = _load(args)
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    res = train_fleet(model, _tokenizer(model), fleet, _config(args), budget=args.ram << 20, turn=args.turn,
+                      names=args.only or None, log=log)
+    print(f"trained {len(res['trained'])} cartridges to {args.conversations} conversations "
+          f"({res['loads']} loads, {res['evictions']} evictions)")
     return 0
 
 
@@ -84,15 +154,8 @@ def add_parser(sub) -> None:
     s.add_argument("--corpus", required=True, help="text file (the document)")
     s.add_argument("--p", type=positive, default=128, help="cartridge rows (default 128)")
     s.add_argument("--out", required=True, help="output .safetensors")
-    s.add_argument("--conversations", type=positive, default=64,
-                   help="self-study conversations (default 64)")
-    s.add_argument("--accum", type=positive, default=4, help="conversations per optimizer step (default 4)")
-    s.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    _training_args(s)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
-    s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
-    s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
-    s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
     s.add_argument("--init", choices=("corpus", "random"), default="corpus",
                    help="initial rows: the first p corpus tokens (default) or random vectors")
     s.add_argument("--no-corpus", action="store_true",
@@ -100,6 +163,36 @@ def add_parser(sub) -> None:
     s.add_argument("--resume", action="store_true", help="continue from OUT's checkpoint (OUT.ckpt)")
     s.add_argument("--threads", "-t", type=positive)
     s.set_defaults(func=cmd_train)
+
+    s = cs.add_parser("fleet", help="a fleet: one cartridge per document, trained and served together")
+    fs = s.add_subparsers(dest="fleet_command", metavar="ACTION")
+    f = fs.add_parser("add", help="register documents in a fleet directory (made if missing)")
+    f.add_argument("fleet", help="fleet directory (its manifest is DIR/fleet.json)")
+    f.add_argument("corpus", nargs="+", help="text files, one cartridge each (named after the file)")
+    f.add_argument("--name", help="the cartridge's name (one document only; default: the file's stem)")
+    f.add_argument("--p", type=positive, default=128, help="cartridge rows (default 128)")
+    f.add_argument("--seed", type=int, default=None, help="first seed (default: the document's position)")
+    f.set_defaults(func=cmd_fleet_add)
+    f = fs.add_parser("list", help="the fleet's documents and their training")
+    f.add_argument("fleet")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fleet_list)
+    f = fs.add_parser("train", help="train every document's cartridge by self-study under a RAM budget")
+    f.add_argument("model", help=model_help)
+    f.add_argument("fleet")
+    _training_args(f)
+    f.add_argument("--ram", type=positive, default=512, metavar="MB",
+                   help="training state (rows, gradients, Adam) kept in RAM; the least recently used "
+                        "document is evicted to disk beyond it (default 512)")
+    f.add_argument("--turn", type=positive, default=4, help="optimizer steps a document trains per turn (default 4)")
+    f.add_argument("--only", action="append", metavar="NAME", help="train only these documents (repeatable)")
+    f.add_argument("--threads", "-t", type=positive)
+    f.set_defaults(func=cmd_fleet_train)
+
+    def fleet_action(args):
+        s.print_help()
+        return 2
+    s.set_defaults(func=fleet_action)
 
     def need_action(args):
         top.print_help()

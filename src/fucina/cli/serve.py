@@ -1,5 +1,6 @@
 """`fucina serve [MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
-[--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--chunk N] [--kv-budget N] [--queue N]`.
+[--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--chunk N] [--kv-budget N] [--queue N]
+[--cartridge C] [--fleet DIR [--fleet-ram MB]]`.
 
 OpenAI- and Anthropic-compatible HTTP server (see fucina.serve). Binds to loopback
 unless --host says otherwise.
@@ -79,6 +80,11 @@ def add_parser(sub) -> None:
                    help="lossless speculative decoding for every request (a request's "
                         "'speculative': false opts out; an OpenAI 'prediction' turns it on)")
     s.add_argument("--spec-max", type=int, default=16, metavar="N", help="max draft tokens per pass (16)")
+    s.add_argument("--fleet", metavar="DIR",
+                   help="serve a cartridge fleet: a request whose 'model' (or 'cartridge' field) names one "
+                        "of its trained cartridges runs behind it (fucina cartridge fleet)")
+    s.add_argument("--fleet-ram", type=positive, default=1024, metavar="MB",
+                   help="RAM for loaded fleet cartridges; the least recently used are dropped (default 1024)")
     s.add_argument("--threads", "-t", type=positive)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
@@ -100,10 +106,18 @@ def cmd_serve(args) -> int:
                    engram=getattr(args, "engram", None), mtp=mtp_value(args),
                    cartridge=getattr(args, "cartridge", None) or None,   # every conversation starts behind it
                    **pipeline_kwargs(args))
+    fleet = None
+    if getattr(args, "fleet", None):
+        from fucina.text.cartridge import FleetPrefixes
+        fleet = FleetPrefixes(args.fleet, llm.model, args.fleet_ram << 20)
+        for name in fleet.names():      # a file for another model or a corrupt one fails here, not per request
+            fleet.prefix(name)
+        if not fleet.names():
+            raise FucinaError(f"the fleet {args.fleet} has no trained cartridge yet (fucina cartridge fleet train)")
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,
-                             allow_hosts=args.allow_host, max_queue=args.queue)
+                             allow_hosts=args.allow_host, max_queue=args.queue, fleet=fleet)
     print(f"fucina: serving {server.model_id} on http://{args.host}:{args.port} "
           f"(ctx {server.engine.n_ctx}, slots {len(server.engine.pool.slots)}, batch {server.engine.batch}, "
           f"kv budget {server.engine.kv_budget} tokens)",

@@ -14,7 +14,9 @@ Policy, in one place:
   429 with `Retry-After`, unknown routes 404, a failure inside the engine 500;
 - `model` in a request is accepted whatever it names: the loaded model answers, and
   responses carry its id (clients such as agent frameworks send their own default
-  names; a server with one model has nothing else to route to);
+  names; a server with one model has nothing else to route to); with a cartridge
+  fleet (`fleet`), a `model` that names one of its cartridges, or a `cartridge` field
+  (which must name one), puts that request behind that cartridge;
 - with an API key, every /v1 route needs `Authorization: Bearer KEY` or
   `x-api-key: KEY` (/health stays open); with `allow_hosts`, a request whose Host
   header names another host is refused with 403 (the DNS-rebinding guard).
@@ -50,8 +52,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connecti
 
 class Server:
     def __init__(self, engine: Engine, *, api_key: str | None = None, allow_hosts: Iterable[str] = (),
-                 max_queue: int = 64, model_id: str | None = None):
+                 max_queue: int = 64, model_id: str | None = None, fleet=None):
         self.engine = engine
+        self.fleet = fleet     # text.cartridge.FleetPrefixes: a cartridge per request, by name
         self.scheduler = Scheduler(engine, max_queue)
         self.api_key = api_key or None
         self.allow_hosts = {h.lower().strip() for h in allow_hosts if h.strip()}
@@ -147,6 +150,20 @@ class Server:
         check_depth(body, MAX_DEPTH)
         return body
 
+    def pick_cartridge(self, body: Any, turn: Turn) -> None:
+        """With a fleet: the request's `cartridge` field, else a `model` naming one of its
+        cartridges, puts the request behind that cartridge (else the server's default)."""
+        if self.fleet is None or not isinstance(body, dict):
+            return
+        name = body.get("cartridge")
+        if name is not None and (not isinstance(name, str) or name not in self.fleet):
+            raise ApiError(400, f"'cartridge': the fleet has no trained cartridge {name!r} "
+                                f"(it serves {', '.join(self.fleet.names()) or 'none'})", param="cartridge")
+        if name is None and body.get("model") in self.fleet:
+            name = body["model"]
+        if name is not None:
+            turn.req.cartridge = self.fleet.prefix(name)
+
     def error_response(self, e: BaseException, dialect: str) -> JSONResponse:
         err = self.api_error(e)
         body = anthropic.error_body(err) if dialect == "anthropic" else openai.error_body(err)
@@ -158,6 +175,7 @@ class Server:
             body = await self.read_json(request)
             turn, opt = parse(self, body)
             diffusion.accept(self, body, turns_of(turn))
+            self.pick_cartridge(body, turn)
             turn.submit()
         except Exception as e:
             return self.error_response(e, dialect)
@@ -211,8 +229,9 @@ class Server:
         except ApiError as e:
             return self.error_response(e, "openai")
         card = self._model_card()
-        return JSONResponse({"object": "list", "data": [card], "has_more": False,
-                             "first_id": card["id"], "last_id": card["id"]})
+        cards = [card] + [dict(card, id=n, display_name=n) for n in (self.fleet.names() if self.fleet else [])]
+        return JSONResponse({"object": "list", "data": cards, "has_more": False,
+                             "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
 
     async def model(self, request: Request) -> Response:
         try:

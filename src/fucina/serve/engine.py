@@ -74,6 +74,7 @@ class GenRequest:
     references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
     prefix: int = 0                     # leading ids that stand for a cartridge's rows (not prompt tokens)
     diffusion: Any = None               # a diffusion model's text.diffusion.DiffusionConfig (serve.diffusion)
+    cartridge: Any = None               # a text.cartridge.Prefix this request starts behind (serve --fleet)
 
 
 @dataclass
@@ -258,9 +259,10 @@ class _Stream:
         if len(req.ids) > slot.cache.capacity:
             raise ContextFull(f"prompt of {len(req.ids)} tokens exceeds the context of {slot.cache.capacity}")
         p = 0
-        if engine.prefix is not None:      # a cartridge: seat it unless the slot keeps it
-            engine.prefix.ensure(slot.cache, slot.tokens, req.ids)
-            p = engine.prefix.p
+        self.prefix = req.cartridge or engine.prefix
+        if self.prefix is not None:        # a cartridge: seat it unless the slot keeps it
+            self.prefix.ensure(slot.cache, slot.tokens, req.ids)
+            p = self.prefix.p
         keep = slot.cache.truncate_point(min(common_prefix(slot.tokens, req.ids), len(req.ids) - 1))
         slot.cache.truncate(keep)
         del slot.tokens[keep:]
@@ -282,7 +284,7 @@ class _Stream:
         self.verify = None                 # its verify request riding this step's pass
         self.batched = False               # True: verify rows ride the ragged pass
         if req.references or (engine.spec if req.speculative is None else req.speculative):
-            self.spec = engine.slot_speculation(slot, req.references)
+            self.spec = engine.slot_speculation(slot, req.references, self.prefix)
             self.batched = self.spec.batchable(engine.model, slot.cache)
 
     @property
@@ -418,7 +420,7 @@ class Engine:
             if not live:
                 self.metrics.idle()
 
-    def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]]):
+    def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]], prefix=None):
         """The slot's speculative state (its index mirrors the slot's tokens), armed
         with this request's references (predictions: aligned with the reply's start)."""
         from fucina.text.speculative import Speculation
@@ -427,8 +429,9 @@ class Engine:
         slot.spec.index.clear_references()
         for ref in references:
             slot.spec.add_reference(ref, anchored=True)
-        if self.prefix is not None and self.prefix.cart.corpus:
-            slot.spec.add_reference(self.prefix.cart.corpus)   # the cartridge's document
+        prefix = prefix or self.prefix
+        if prefix is not None and prefix.cart.corpus:
+            slot.spec.add_reference(prefix.cart.corpus)   # the cartridge's document
         return slot.spec
 
     def _admission(self, live: list[_Stream]) -> Callable[[Job], bool]:
@@ -448,8 +451,9 @@ class Engine:
             job.sink(Finished(None))
             return None
         slot = None
-        if self.prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
-            job.req.ids, job.req.prefix = self.prefix.add(job.req.ids), self.prefix.p
+        prefix = job.req.cartridge or self.prefix
+        if prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
+            job.req.ids, job.req.prefix = prefix.add(job.req.ids), prefix.p
         try:
             slot = self.pool.acquire(job.req.ids)
             s = _Stream(self, job, slot)

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from fucina.errors import CartridgeError
 from fucina.models.cartridge import Cartridge, compose
+from fucina.models.cartridge_fleet import Fleet, Resident
 from fucina.text.generate import common_prefix
 
 CartridgeSpec = "str | os.PathLike | Cartridge | Sequence[str | os.PathLike | Cartridge]"
@@ -41,12 +42,15 @@ def load_cartridges(spec, model=None) -> Cartridge | None:
 
 
 class Prefix:
-    """A cartridge as the fixed start of a cache and of its history."""
+    """A cartridge as the fixed start of a cache and of its history. `tag` tells the
+    sentinel ids of different cartridges apart (a fleet's: a slot that holds one
+    cartridge's rows never matches a request for another)."""
 
-    def __init__(self, cart: Cartridge):
+    def __init__(self, cart: Cartridge, tag: int = 0):
         self.cart = cart
         self.p = cart.p
-        self.ids = [-1 - i for i in range(cart.p)]
+        base = -1 - (int(tag) << 24)
+        self.ids = [base - i for i in range(cart.p)]
 
     def seat(self, cache, history: list[int]) -> None:
         cache.reset()
@@ -66,3 +70,39 @@ class Prefix:
 
     def add(self, ids: Sequence[int]) -> list[int]:
         return self.ids + [int(i) for i in ids]
+
+
+class FleetPrefixes:
+    """A fleet's trained cartridges as serving prefixes (`fucina serve --fleet`), loaded
+    on first use and kept under `budget` bytes of RAM, the least recently used dropped
+    first (reloaded from its file when asked for again)."""
+
+    def __init__(self, fleet: "Fleet | str | os.PathLike", model=None, budget: int = 1 << 30):
+        self.fleet = fleet if isinstance(fleet, Fleet) else Fleet.open(fleet)
+        self.model = model
+        self.resident: Resident[Prefix] = Resident(budget, self._load, lambda pr: 4 * sum(
+            t.numel() for t in pr.cart.k + pr.cart.v if t is not None))
+
+    def names(self) -> list[str]:
+        """The cartridges that can be served (trained ones), in manifest order."""
+        return [e.name for e in self.fleet.entries if self.fleet.trained(e)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.names()
+
+    def prefix(self, name: str) -> Prefix:
+        return self.resident.get(name)
+
+    def _load(self, name: str) -> Prefix:
+        import zlib
+
+        e = self.fleet.get(name)
+        path = self.fleet.path(e.file)
+        if not os.path.exists(path):
+            raise CartridgeError(f"the fleet's cartridge {name!r} is not trained yet ({path} does not exist)")
+        cart = Cartridge.load(path)
+        if self.model is not None:
+            cart.check_model(self.model)
+        st = os.stat(path)   # a retrained file gets new sentinel ids: no slot reuses the old rows
+        tag = ((self.fleet.index(name) + 1) << 12) | (zlib.crc32(f"{st.st_mtime_ns}:{st.st_size}".encode()) & 0xFFF)
+        return Prefix(cart, tag)

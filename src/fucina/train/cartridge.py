@@ -8,8 +8,9 @@ conversation:
    the message is about, so the teacher can always answer from what it sees;
 2. bot A, the model with the chunk in its system message, writes that message
    (temperature 0.6);
-3. bot B, the model with the chunk in context, answers greedily; its log-probabilities
-   at each answer position, top-k until 0.99 of the mass, are the targets;
+3. bot B, the model with the same system message (so its prompt reuses bot A's cache
+   rows of the chunk), answers greedily; its log-probabilities at each answer position,
+   top-k until 0.99 of the mass, are the targets;
 4. the student, the model behind the cartridge WITHOUT the chunk, reads the message and
    the answer; the loss is the top-k distillation cross-entropy (forward KL up to the
    teacher's constant entropy; the truncated tail is dropped, not renormalised), the
@@ -17,6 +18,14 @@ conversation:
 Adam over `accum` conversations per step. Conversation i is a pure function of (seed, i)
 and the frozen model, and the optimizer state is checkpointed after every step, so a
 run is deterministic for a seed (same thread count) and resumes where it stopped.
+
+Generation is batched: `batch` conversations at a time, their bots' tokens decoded in
+lockstep (one weight pass per step for all of them, `text.batch.forward_step_batch`),
+each conversation with its own cache, sampler and stop. Where the native kernels are
+batch-invariant (the default route: a row's result never depends on the rows computed
+with it) a conversation's tokens and targets are bitwise those of generating it alone,
+so a run does not depend on `batch`; elsewhere (torch blocks, q8_0 caches, the legacy
+routes) generation falls back to one conversation at a time to keep that promise.
 
 The student forward is the families' own torch blocks at positions p.. over a stand-in
 cache whose rows are the cartridge's followed by the tokens' (`PrefixTrainCache`): the
@@ -36,6 +45,7 @@ import torch
 from fucina.errors import CartridgeError
 from fucina.models.cartridge import Cartridge, layer_geometry
 from fucina.train.forward import TrainCache, _segment, checkpoint_mode
+from fucina.text.batch import forward_step_batch
 from fucina.train.lora import LoRAConfig, LoRAModel, mix64
 
 #: the forms of a self-study message (what kind of message bot A writes, never its content)
@@ -52,7 +62,8 @@ SEED_PROMPTS = {
     "mechanism": "Ask why or how something described in the excerpt above happens. Output only the question.",
 }
 SYSTEM = "Here is an excerpt of a document:\n\n{chunk}"
-ANSWER_SYSTEM = ("Answer using the following excerpt of a document. Be brief and exact.\n\n{chunk}")
+#: bot B's user message: the question, then how to answer (the student sees the question alone)
+ANSWER = "{question}\n\nAnswer from the excerpt, briefly and exactly."
 
 
 @dataclass
@@ -72,6 +83,7 @@ class SelfStudyConfig:
     frozen: int = 1               # leading rows left alone (the attention sink)
     embed_corpus: bool = True     # store the corpus ids in the file (speculation reference)
     checkpoint: str = "auto"      # gradient checkpointing (train.forward.CHECKPOINT_MODES)
+    batch: int = 8                # conversations generated together (the result does not depend on it)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
@@ -204,26 +216,42 @@ class Trainable:
         self.lm.detach()
 
 
-def _decode(model, ids: list[int], max_new: int, pick: Callable, stop: set[int],
-            record: Callable | None = None) -> list[int]:
-    cache = model.init_cache(len(ids) + max_new + 1)
-    logits = model.forward_step(cache, ids, 0)
-    out: list[int] = []
-    while True:
-        if record is not None:
-            record(logits)
-        t = pick(logits, out)
-        if t in stop:
+def _lockstep(model, caches: list, logits: list, picks: list[Callable], stop: set[int], max_new: int,
+              records: list[Callable] | None = None) -> list[list[int]]:
+    """Decode every stream s from its `logits[s]` (its cache holding its prompt) until a
+    stop id or `max_new` tokens, all live streams' next tokens forwarded as one batched
+    step. `picks[s](logits, out)` chooses stream s's token; `records[s](logits)` sees
+    every row stream s picks from. Returns each stream's tokens (no stop id)."""
+    outs: list[list[int]] = [[] for _ in caches]
+    live = list(range(len(caches)))
+    while live:
+        forward = []
+        for s in live:
+            if records is not None:
+                records[s](logits[s])
+            t = picks[s](logits[s], outs[s])
+            if t in stop:
+                continue
+            outs[s].append(t)
+            if len(outs[s]) < max_new:
+                forward.append((s, t))
+        if not forward:
             break
-        out.append(t)
-        if len(out) >= max_new:
-            break
-        logits = model.forward_step(cache, [t], cache.len)
-    return out
+        if len(forward) == 1:
+            s, t = forward[0]
+            step = [model.forward_step(caches[s], [t], caches[s].len)]
+        else:
+            step = forward_step_batch(model, [caches[s] for s, _ in forward], [t for _, t in forward])
+        for r, (s, _) in enumerate(forward):
+            logits[s] = step[r]
+        live = [s for s, _ in forward]
+    return outs
 
 
 class SelfStudy:
-    """Makes the conversations of a run: `sample(i)` depends only on (seed, i) and the model."""
+    """Makes the conversations of a run: conversation i depends only on (seed, i) and the
+    model; `samples(indices)` generates several together (bitwise the same where the
+    kernels are batch-invariant, see the module's note), `sample(i)` one."""
 
     def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, template=None):
         from fucina.text.chat_template import ChatTemplate
@@ -234,6 +262,7 @@ class SelfStudy:
         if not self.ids:
             raise CartridgeError("the corpus encodes to no tokens")
         self.stop = set(self.template.stop_ids(tokenizer)) | set(getattr(tokenizer, "eog_ids", ()) or ())
+        self._invariant: bool | None = None
 
     def _prompt(self, msgs: list[dict]) -> list[int]:
         from fucina.text.chat_template import prompt_ids
@@ -246,33 +275,92 @@ class SelfStudy:
         start = rng.randrange(0, len(self.ids) - n + 1)
         return self.tok.decode(self.ids[start:start + n])
 
-    @torch.inference_mode()
+    def batch_invariant(self) -> bool:
+        """Whether a batched step gives every row the bits of a single step here."""
+        if self._invariant is None:
+            from fucina.text.speculative.decoder import rows_invariant
+            self._invariant = bool(getattr(self.model, "supports_batch", False)) and \
+                rows_invariant(self.model, self.model.init_cache(4))
+        return self._invariant
+
     def sample(self, i: int) -> Sample:
+        return self.samples([i])[0]
+
+    def samples(self, indices: Sequence[int]) -> list[Sample]:
+        """Conversations `indices`, `cfg.batch` at a time (one at a time where a batched
+        step is not bitwise a single one)."""
+        n = max(1, self.cfg.batch) if self.batch_invariant() else 1
+        out: list[Sample] = []
+        idx = [int(i) for i in indices]
+        for at in range(0, len(idx), n):
+            out += self._generate(idx[at:at + n])
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, indices: list[int]) -> list[Sample]:
+        from fucina.text.generate import prefill
         from fucina.text.sampler import Sampler, SamplingConfig
 
-        cfg = self.cfg
-        rng = random.Random(mix64(cfg.seed, 0xCA57, i))
-        chunk = self.chunk(rng)
-        kind = rng.choice(sorted(SEED_PROMPTS))
-        sampler = Sampler(SamplingConfig(temperature=cfg.temperature, seed=rng.getrandbits(32)))
-        a_ids = self._prompt([{"role": "system", "content": SYSTEM.format(chunk=chunk)},
-                              {"role": "user", "content": SEED_PROMPTS[kind]}])
-        q_ids = _decode(self.model, a_ids, cfg.max_question, lambda lg, out: sampler.next(lg, out), self.stop)
-        question = self.tok.decode(q_ids, skip_special=True).strip() or "What does the document say?"
-        b_ids = self._prompt([{"role": "system", "content": ANSWER_SYSTEM.format(chunk=chunk)},
-                              {"role": "user", "content": question}])
-        toks, lps = [], []
+        cfg, model = self.cfg, self.model
+        n_ctx = model.config.n_ctx_train
+        setups = []
+        for i in indices:
+            rng = random.Random(mix64(cfg.seed, 0xCA57, i))
+            chunk = self.chunk(rng)
+            kind = rng.choice(sorted(SEED_PROMPTS))
+            sampler = Sampler(SamplingConfig(temperature=cfg.temperature, seed=rng.getrandbits(32)))
+            system = {"role": "system", "content": SYSTEM.format(chunk=chunk)}
+            a_ids = self._prompt([system, {"role": "user", "content": SEED_PROMPTS[kind]}])
+            setups.append((kind, sampler, system, a_ids))
+        # bot A: the message; one cache per conversation, sized for bot B's turn too
+        caches, histories, logits = [], [], []
+        for _, _, _, a_ids in setups:
+            cap = min(n_ctx, len(a_ids) + cfg.max_question + cfg.max_answer + 64)
+            if len(a_ids) + cfg.max_question + 1 > cap:
+                raise CartridgeError(f"a self-study prompt of {len(a_ids)} tokens does not fit the model's "
+                                     f"context of {n_ctx} (a smaller --chunk)")
+            cache = model.init_cache(cap)
+            hist: list[int] = []
+            lg, _ = prefill(model, cache, hist, a_ids)
+            caches.append(cache)
+            histories.append(hist)
+            logits.append(lg)
+        picks = [(lambda sm: (lambda lg, out: sm.next(lg, out)))(s[1]) for s in setups]
+        q_out = _lockstep(model, caches, logits, picks, self.stop, cfg.max_question)
+        # bot B: the same system message (its rows reused from bot A's cache), greedy
+        questions, b_prompts = [], []
+        for s, (setup, q_ids) in enumerate(zip(setups, q_out)):
+            question = self.tok.decode(q_ids, skip_special=True).strip() or "What does the document say?"
+            b_ids = self._prompt([setup[2], {"role": "user", "content": ANSWER.format(question=question)}])
+            histories[s].extend(q_ids[:max(0, caches[s].len - len(histories[s]))])
+            if len(b_ids) + cfg.max_answer + 1 > caches[s].capacity:
+                caches[s] = model.init_cache(min(n_ctx, len(b_ids) + cfg.max_answer + 1))
+                histories[s] = []
+                if len(b_ids) + 1 > caches[s].capacity:
+                    raise CartridgeError(f"bot B's prompt of {len(b_ids)} tokens does not fit the model's "
+                                         f"context of {n_ctx} (a smaller --chunk or --max-question)")
+            logits[s], _ = prefill(model, caches[s], histories[s], b_ids)
+            questions.append(question)
+            b_prompts.append(b_ids)
+        toks: list[list] = [[] for _ in setups]
+        lps: list[list] = [[] for _ in setups]
 
-        def record(logits):
-            t, lp = teacher_topk(logits, cfg.top_k, cfg.mass)
-            toks.append(t)
-            lps.append(lp)
-
-        answer = _decode(self.model, b_ids, cfg.max_answer, lambda lg, out: int(lg.argmax()), self.stop, record)
-        s_ids = self._prompt([{"role": "user", "content": question}])
-        rows = [len(s_ids) - 1 + j for j in range(len(toks))]
-        return Sample(s_ids + answer, rows, toks, lps, question=question,
-                      answer=self.tok.decode(answer, skip_special=True), kind=kind)
+        def recorder(s):
+            def record(lg):
+                t, lp = teacher_topk(lg, cfg.top_k, cfg.mass)
+                toks[s].append(t)
+                lps[s].append(lp)
+            return record
+        greedy = [(lambda lg, out: int(lg.argmax())) for _ in setups]
+        answers = _lockstep(model, caches, logits, greedy, self.stop, cfg.max_answer,
+                            [recorder(s) for s in range(len(setups))])
+        out = []
+        for s, (setup, question, answer) in enumerate(zip(setups, questions, answers)):
+            s_ids = self._prompt([{"role": "user", "content": question}])
+            rows = [len(s_ids) - 1 + j for j in range(len(toks[s]))]
+            out.append(Sample(s_ids + answer, rows, toks[s], lps[s], question=question,
+                              answer=self.tok.decode(answer, skip_special=True), kind=setup[0]))
+        return out
 
 
 def init_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig) -> Cartridge:
@@ -333,16 +421,22 @@ def _load_state(path: str, params: CartridgeParams, opt, cfg: SelfStudyConfig) -
 
 def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], cfg: SelfStudyConfig, *,
              opt=None, prog: Progress | None = None, state_path: str | None = None,
-             log: Callable[[str], None] = lambda s: None, on_step: Callable[[Progress], None] | None = None
-             ) -> Progress:
+             log: Callable[[str], None] = lambda s: None, on_step: Callable[[Progress], None] | None = None,
+             many: Callable[[list[int]], list[Sample]] | None = None, ahead: int = 1) -> Progress:
     """Adam steps over conversations prog.done.. cfg.conversations, `accum` per step
-    (the last step may take fewer); the state is written to `state_path` after each."""
+    (the last step may take fewer); the state is written to `state_path` after each.
+    `many(indices)`, when given, makes conversations `ahead` at a time (batched
+    generation; a conversation is the same whichever batch makes it)."""
     opt = opt or torch.optim.Adam(params.params(), lr=cfg.lr)
     prog = prog or Progress()
+    ready: dict[int, Sample] = {}
     while prog.done < cfg.conversations:
         t0 = time.perf_counter()
         group = list(range(prog.done, min(prog.done + cfg.accum, cfg.conversations)))
-        got = [samples(i) for i in group]
+        if many is not None and any(i not in ready for i in group):
+            todo = list(range(group[0], min(group[0] + max(ahead, len(group)), cfg.conversations)))
+            ready.update(zip(todo, many(todo)))
+        got = [ready.pop(i) if i in ready else samples(i) for i in group]
         t_gen = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -366,38 +460,68 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
     return prog
 
 
+class CartridgeRun:
+    """One cartridge's training: its rows, Adam and progress, written to OUT (the
+    cartridge) and OUT.ckpt (what a resume needs) after every step. `start`: begin from
+    these rows (a cartridge file reloaded) instead of initialising from the corpus.
+    `advance(n)` trains up to n conversations (the model must be wrapped in a Trainable)."""
+
+    def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
+                 resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None):
+        if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
+            raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
+        self.model, self.cfg, self.out, self.log = model, cfg, out, log
+        self.cart = start if start is not None else init_cartridge(model, tokenizer, corpus, cfg)
+        self.study = SelfStudy(model, tokenizer, corpus, cfg)
+        self.params = CartridgeParams(self.cart)
+        self.opt = torch.optim.Adam(self.params.params(), lr=cfg.lr)
+        self.state_path = out + ".ckpt" if out else None
+        self.prog = Progress()
+        if resume:
+            if not self.state_path or not os.path.exists(self.state_path):
+                raise CartridgeError(f"nothing to resume: {self.state_path} does not exist")
+            self.prog = _load_state(self.state_path, self.params, self.opt, cfg)
+
+    def nbytes(self) -> int:
+        """RAM the run holds: the rows, their gradients and Adam's two moments (f32)."""
+        train = sum(t.numel() for t in self.params.params())
+        frozen = sum(t.numel() for t in self.params.frozen_k + self.params.frozen_v if t is not None)
+        return 4 * (4 * train + frozen)
+
+    def result(self) -> Cartridge:
+        cfg, prog = self.cfg, self.prog
+        meta = dict(self.cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
+                    init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
+        return self.params.cartridge(meta=meta)
+
+    def advance(self, until: int) -> Progress:
+        from dataclasses import replace
+
+        until = min(until, self.cfg.conversations)
+        if self.prog.done < until:
+            # OUT after every step too: an interrupted run leaves a usable cartridge
+            self.prog = optimize(self.model, self.params, self.study.sample, replace(self.cfg, conversations=until),
+                                 opt=self.opt, prog=self.prog, state_path=self.state_path, log=self.log,
+                                 on_step=(lambda pr: self.result().save(self.out)) if self.out else None,
+                                 many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum))
+        return self.prog
+
+
 def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
                     resume: bool = False, log: Callable[[str], None] = lambda s: None) -> Cartridge:
     """Initialise, self-study, save (OUT, with OUT.ckpt holding what a resume needs)."""
-    if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
-        raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
-    cart = init_cartridge(model, tokenizer, corpus, cfg)
-    study = SelfStudy(model, tokenizer, corpus, cfg)
+    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log)
+    if resume:
+        log(f"resuming after {run.prog.done} conversations ({run.prog.steps} steps)")
     trainable = Trainable(model)
     try:
-        params = CartridgeParams(cart)
-        opt = torch.optim.Adam(params.params(), lr=cfg.lr)
-        state_path = out + ".ckpt" if out else None
-        prog = None
-        if resume:
-            if not state_path or not os.path.exists(state_path):
-                raise CartridgeError(f"nothing to resume: {state_path} does not exist")
-            prog = _load_state(state_path, params, opt, cfg)
-            log(f"resuming after {prog.done} conversations ({prog.steps} steps)")
-        log(f"cartridge: p {cfg.p} ({cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
-            f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(study.ids)} tokens")
-
-        def result(prog: Progress) -> Cartridge:
-            meta = dict(cart.meta, conversations=prog.done, steps=prog.steps, seed=cfg.seed, lr=cfg.lr,
-                        init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
-            return params.cartridge(meta=meta)
-
-        # OUT after every step too: an interrupted run leaves a usable cartridge
-        prog = optimize(model, params, study.sample, cfg, opt=opt, prog=prog, state_path=state_path, log=log,
-                        on_step=(lambda pr: result(pr).save(out)) if out else None)
+        log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
+            f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(run.study.ids)} tokens, generated "
+            f"{cfg.batch if run.study.batch_invariant() else 1} at a time")
+        run.advance(cfg.conversations)
     finally:
         trainable.close()
-    final = result(prog)
+    final = run.result()
     if out:
         final.save(out)
     return final
