@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
                    help="sft: gradients on the supervised tokens (default); es: evolution strategies "
                         "on a reward, forward passes only (see the ES options below)")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--valid", help="validation JSONL")
+    g.add_argument("--valid", help="validation JSONL (--method es: held-out examples for keep-best)")
     g.add_argument("--valid-split", type=float, default=None, metavar="F",
                    help="hold out this fraction of --data for validation")
     s.add_argument("--out", required=True, help="output directory (adapter.gguf, checkpoint.pt, "
