@@ -91,8 +91,8 @@ def cmd_finetune_es(args) -> int:
     eval_every = args.eval_every or ES_EVAL_EVERY
     if eval_every < 1:
         raise FucinaError(f"--eval-every must be at least 1, got {args.eval_every}")
-    for k in ("eval_reward", "keep"):
-        if getattr(args, k, None) is not None and not args.valid:
+    for k in ("eval_every", "eval_reward", "keep"):
+        if getattr(args, k, None) and not args.valid:
             raise FucinaError(f"--{k.replace('_', '-')} needs --valid (the held-out examples)")
     _threads(args.threads, opt["workers"])
     path = resolve_model(args.model)

@@ -749,7 +749,8 @@ class ESTrainer:
     def evaluate(self) -> float:
         """Score theta on the held-out examples; keep it (and write DIR/best/) when it beats the best."""
         r = self.ev.center(self.eval_examples, self.eval_reward)
-        check_rewards([r], 1)
+        if not math.isfinite(r):
+            raise ESError(f"the held-out reward at iteration {self.iteration} is {r}, not finite")
         if self.best is None or r > self.best["reward"]:
             self.best = dict(reward=r, iteration=self.iteration, theta=[t.clone() for t in self.theta])
             if self.out_dir:
