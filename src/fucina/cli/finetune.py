@@ -74,7 +74,9 @@ def add_parser(sub) -> None:
                                                           "micro-batch's examples into rows)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
-    s.add_argument("--eval-every", type=int, default=0, metavar="M", help="validation loss every M steps")
+    s.add_argument("--eval-every", type=int, default=0, metavar="M",
+                   help="validation loss every M steps (ES with --valid: held-out score every M iterations, "
+                        "default 10)")
     s.add_argument("--grad-checkpoint", choices=GRAD_CHECKPOINT, default=GRAD_CHECKPOINT_DEFAULT,
                    help="what the backward recomputes: full (every layer: least memory), "
                         "keep-matmul (all but the frozen quantized matmuls, whose outputs are kept), "
