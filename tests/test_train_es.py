@@ -535,3 +535,17 @@ def test_cli_es_ternary(tq2_path, tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["out"].endswith("model.gguf")
     m = load_model(str(out / "model.gguf"))
     assert m.layers and m.config.arch == "qwen3"
+
+
+def test_resume_a_checkpoint_from_before_the_schedule(model_path, tmp_path):
+    """A checkpoint written before the schedule and ternary fields existed resumes (it ran
+    with their defaults); one that differs in a field it has is still refused."""
+    _run(model_path, tmp_path, 2)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    for k in ("schedule", "horizon", "final_scale", "step_every", "step_gamma", "decay_sigma", "flip_rate",
+              "update_fraction"):
+        del state["config"][k]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    assert _run(model_path, tmp_path, 3, resume=str(tmp_path)).iteration == 3
+    with pytest.raises(CheckpointError, match="schedule"):
+        _run(model_path, tmp_path, 4, resume=str(tmp_path), schedule="step")

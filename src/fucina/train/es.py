@@ -57,7 +57,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -774,7 +774,9 @@ class ESTrainer:
         if s.get("method") != "es":
             raise ckpt.CheckpointError(f"{path}: not an ES checkpoint (a gradient run's? resume it without "
                                        "--method es)")
-        ckpt.check_compatible(s["config"], asdict(self.cfg), _RESUME_KEYS)
+        # a checkpoint from before a config field existed ran with that field's default
+        saved = {f.name: f.default for f in fields(ESConfig) if f.default is not MISSING} | s["config"]
+        ckpt.check_compatible(saved, asdict(self.cfg), _RESUME_KEYS)
         theta = s["theta"]
         if [t.shape for t in theta] != [t.shape for t in self.theta]:
             raise ckpt.CheckpointError(f"{path}: the checkpoint's parameters do not fit this model")
