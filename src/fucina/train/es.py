@@ -31,7 +31,9 @@ What is perturbed (`mode`):
   copies), so one model serves every member; the result is the adapter.gguf the gradient
   path writes;
 - "full": the target projections themselves, decoded once to F32 copies (small models:
-  4 bytes per weight, twice: theta and the live copy); written as a merged GGUF.
+  4 bytes per weight, twice: theta and the live copy); written as a merged GGUF;
+- "ternary": on a TQ2_0 model, the targets' packed bytes themselves, moved by trit flips and
+  a rank-weighted vote (`fucina.train.es_ternary`); written as the trained TQ2_0 GGUF.
 
 Rewards (`parse_reward`), scored per example and averaged over the iteration's batch:
 - "nll": minus the mean token negative log-likelihood of the dataset's reply, teacher-forced
