@@ -7,6 +7,10 @@ against population x tokens.
     python benchmarks/es_finetune.py data --out DIR
     python benchmarks/es_finetune.py eval --out DIR [--adapter DIR/run/adapter.gguf]
     python benchmarks/es_finetune.py train --out DIR [--reward nll] [--iterations 200] [more finetune flags]
+
+`data` also writes DIR/valid.jsonl: 20 examples drawn like the training ones (training names,
+cities and templates; none of the test's), the held-out set `train --valid` keeps the best
+theta by (keep-best selects on it, never on test.jsonl).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune import cmd_data  # noqa: E402  (the gradient path's task, same data)
+from finetune import TEMPLATES, cmd_data, invented_words, make_split  # noqa: E402  (the gradient path's task)
 
 MODEL = os.path.expanduser("~/.cache/fucina/SmolLM2-135M-Instruct.Q4_1.gguf")
 FORMAT = r'^\{"name": "[^"]+", "city": "[^"]+"\}$'
@@ -60,6 +64,9 @@ def main() -> None:
     a, extra = ap.parse_known_args()   # the rest: more `fucina finetune` flags
     if a.cmd == "data":
         cmd_data(a.out)
+        names, cities = invented_words(1, 300, 2), invented_words(2, 300, 3)
+        with open(os.path.join(a.out, "valid.jsonl"), "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in make_split(3, names[::2], cities[::2], TEMPLATES[:9], 20))
     elif a.cmd == "eval":
         print(json.dumps(cmd_eval(a.model, a.out, a.adapter, a.threads)))
     else:

@@ -18,7 +18,7 @@ from fucina.text.tokenizer import Tokenizer
 from fucina.train.checkpoint import CheckpointError
 from fucina.train.data import DataError
 from fucina.train.es import (ESConfig, ESError, ESTrainer, Strategy, centred_ranks, es_example,
-                             pair_noise, parse_reward, read_es_jsonl)
+                             pair_noise, parse_reward, read_es_jsonl, schedule_factor)
 from synth import write_model
 
 Q = gguf.GGMLQuantizationType
@@ -44,10 +44,13 @@ def _cfg(**kw):
     return ESConfig(**{**base, **kw})
 
 
-def _run(path, out, iterations, reward="nll", workers=1, resume=None, init=None, **kw):
+def _run(path, out, iterations, reward="nll", workers=1, resume=None, init=None, held=None, eval_every=0,
+         eval_reward=None, keep="best", **kw):
     m, tok, tpl, exs = _setup(path)
+    held_out = [es_example(r, tok, tpl) for r in held] if held else None
     t = ESTrainer(m, tok, tpl, _cfg(**kw), exs, reward, str(out), workers=workers, model_path=path,
-                  progress=False, init=init)
+                  progress=False, init=init, eval_examples=held_out, eval_every=eval_every,
+                  eval_reward=eval_reward, keep=keep)
     try:
         if resume:
             t.resume(resume)
@@ -102,9 +105,40 @@ def test_centred_ranks_and_anchor():
     assert torch.equal(l1.theta[0], theta[0])                          # soft-thresholded to zero
 
 
+def test_schedule_factor_formula():
+    cos = ESConfig(schedule="cosine", horizon=10, final_scale=0.2)
+    for t, want in ((0, 1.0), (5, 0.6), (10, 0.2), (25, 0.2)):
+        assert math.isclose(schedule_factor(cos, t), want, abs_tol=1e-12), (t, want)
+    assert math.isclose(schedule_factor(cos, 3), 0.2 + 0.8 * (1 + math.cos(math.pi * 0.3)) / 2)
+    step = ESConfig(schedule="step", step_every=4, step_gamma=0.5)
+    assert [schedule_factor(step, t) for t in (0, 3, 4, 7, 8, 13)] == [1, 1, 0.5, 0.5, 0.25, 0.125]
+    assert all(schedule_factor(ESConfig(), t) == 1.0 for t in (0, 7, 10**6))
+
+
+def test_scheduled_update_is_the_constant_one_at_lr_t():
+    """Iteration t with lr and the schedule moves theta as a constant-lr run at lr s(t) does;
+    decay_sigma scales the members' probe radius too."""
+    theta = [torch.randn(6, generator=torch.Generator().manual_seed(2))]
+    rewards = [0.4, -0.1, 0.9, 0.3]
+    sched = Strategy(theta, ESConfig(population=4, sigma=0.1, lr=0.2, schedule="step", step_every=1,
+                                     step_gamma=0.5, anchor="l2", anchor_lambda=0.5))
+    sched.update(rewards)
+    sched.update(rewards)                              # iteration 1: s = 0.5
+    ref = Strategy(theta, ESConfig(population=4, sigma=0.1, lr=0.2, anchor="l2", anchor_lambda=0.5))
+    ref.update(rewards)
+    ref.cfg = ESConfig(population=4, sigma=0.1, lr=0.1, anchor="l2", anchor_lambda=0.5)
+    ref.update(rewards)
+    assert torch.allclose(sched.theta[0], ref.theta[0], rtol=0, atol=1e-7)
+    dec = Strategy([torch.zeros(5)], ESConfig(population=2, sigma=0.4, schedule="cosine", horizon=2,
+                                              final_scale=0.25, decay_sigma=True))
+    dec.iteration = 2
+    assert torch.allclose(dec.member(0)[0], 0.1 * dec.noise(0)[0])
+
+
 def test_bad_config():
     for kw in (dict(population=3), dict(sigma=0.0), dict(lr=float("nan")), dict(mode="x"),
-               dict(norm="x"), dict(anchor="l3")):
+               dict(norm="x"), dict(anchor="l3"), dict(schedule="linear"), dict(schedule="cosine"),
+               dict(final_scale=1.5), dict(step_every=0), dict(step_gamma=0.0)):
         with pytest.raises(ESError):
             ESConfig(**kw)
     for spec in ("bleu", "regex:(", "regex:"):
@@ -155,6 +189,46 @@ def test_resume_equals_uninterrupted(model_path, tmp_path):
     assert [h["mean"] for h in straight.history] == [h["mean"] for h in resumed.history]
     with pytest.raises(CheckpointError):
         _run(model_path, tmp_path / "c", 4, resume=str(tmp_path / "b"), sigma=0.1)
+
+
+HELD = [{"prompt": f"h{i}:", "completion": "abab"} for i in range(3)]
+
+
+def test_keep_best(model_path, tmp_path):
+    """The held-out score is taken before the first iteration and every eval_every; the best
+    theta (ties: the earlier) is DIR/best/ and the final DIR/adapter.gguf, the last DIR/last/."""
+    scores = iter([0.1, 0.3, 0.9, 0.2, 0.9, 0.5])      # iterations 0, 2, 4, 6, 8, 10
+
+    def judge(reply, rec):                            # one held-out example: one call per score
+        return next(scores)
+    t = _run(model_path, tmp_path, 10, held=HELD[:1], eval_every=2, eval_reward=judge, max_tokens=2)
+    assert [h.get("eval") for h in t.history if "eval" in h] == [0.3, 0.9, 0.2, 0.9, 0.5]
+    assert t.best["iteration"] == 4 and t.best["reward"] == 0.9
+    assert t.summary()["best_iteration"] == 4
+    best = (tmp_path / "best" / "adapter.gguf").read_bytes()
+    assert (tmp_path / "adapter.gguf").read_bytes() == best
+    assert (tmp_path / "last" / "adapter.gguf").read_bytes() != best
+    from fucina.weights.lora import read_adapter
+    got = read_adapter(tmp_path / "adapter.gguf")
+    want = dict(zip(t.ev.target.names, zip(t.best["theta"][::2], t.best["theta"][1::2])))
+    assert all(torch.equal(got.pairs[n][0].float(), a) for n, (a, _) in want.items())
+    last = _run(model_path, tmp_path / "k", 4, held=HELD, eval_every=2, keep="last")
+    assert (tmp_path / "k" / "best" / "adapter.gguf").exists() and not (tmp_path / "k" / "last").exists()
+    with pytest.raises(ESError, match="held-out"):
+        _run(model_path, tmp_path / "x", 1, eval_every=2)
+
+
+def test_resume_with_schedule_and_keep_best(model_path, tmp_path):
+    kw = dict(held=HELD, eval_every=2, schedule="cosine", horizon=6, final_scale=0.1, lr=0.5)
+    straight = _run(model_path, tmp_path / "a", 6, **kw)
+    _run(model_path, tmp_path / "b", 3, **kw)
+    resumed = _run(model_path, tmp_path / "b", 6, resume=str(tmp_path / "b"), **kw)
+    for f in ("adapter.gguf", "best/adapter.gguf", "last/adapter.gguf"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert straight.best["iteration"] == resumed.best["iteration"]
+    assert [h["mean"] for h in straight.history] == [h["mean"] for h in resumed.history]
+    with pytest.raises(CheckpointError, match="horizon"):
+        _run(model_path, tmp_path / "b", 8, resume=str(tmp_path / "b"), **{**kw, "horizon": 8})
 
 
 @pytest.mark.parametrize("reward", ["acc", "regex:^a", "callable"])
@@ -285,3 +359,193 @@ def test_cli_es(model_path, tmp_path, capsys):
     assert main(["finetune", model_path, "--data", str(data), "--out", str(tmp_path / "x"),
                  "--reward", "nll"]) != 0    # an ES flag without --method es
     assert "only with --method es" in capsys.readouterr().err
+
+
+def test_cli_es_schedule_and_keep_best(model_path, tmp_path, capsys):
+    from fucina.cli.main import main
+    data, held = tmp_path / "d.jsonl", tmp_path / "h.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    held.write_text("".join(json.dumps(r) + "\n" for r in HELD))
+    out = tmp_path / "run"
+    argv = ["finetune", model_path, "--method", "es", "--reward", "nll", "--data", str(data), "--out", str(out),
+            "--iterations", "4", "--population", "4", "--sigma", "0.05", "--lr", "0.5", "--targets", "q,v",
+            "--rank", "2", "--threads", "1", "--schedule", "cosine", "--final-scale", "0.2",
+            "--valid", str(held), "--eval-every", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "es 0/4: held-out reward" in err and "(cosine)" in err and "kept the best held-out theta" in err
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [h["eval"] for h in summary["history"] if "eval" in h]
+    assert len(evals) == 2 and summary["best_eval"] >= max(evals)
+    assert (out / "adapter.gguf").read_bytes() == (out / "best" / "adapter.gguf").read_bytes()
+    assert main(argv[:-4] + ["--keep", "last"]) != 0
+    assert "needs --valid" in capsys.readouterr().err
+
+
+# -- ternary ES: trit flips on the TQ2_0 bytes the kernels read -------------------------------
+
+from fucina.gguf import GGMLType  # noqa: E402
+from fucina.quant import dequantize  # noqa: E402
+from fucina.train.es_ternary import TernaryStrategy, pack, read_codes, trits  # noqa: E402
+
+
+def _ternary_theta(shapes, seed=0, g=None):
+    g = g or torch.Generator().manual_seed(seed)
+    return [pack(torch.randint(-1, 2, s, generator=g), 1 / math.sqrt(s[1] * 2 / 3)) for s in shapes]
+
+
+def test_trit_codec_matches_dequantize():
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(-1, 2, (3, 512), generator=g)
+    raw = pack(t, 0.5)
+    assert torch.equal(dequantize(raw.reshape(-1), GGMLType.TQ2_0, t.numel()).reshape(3, 512), t.float() * 0.5)
+    assert torch.equal(trits(raw, (3, 512)), t.to(torch.int8))
+    idx = torch.tensor([0, 31, 32, 127, 128, 300, 1535])
+    assert torch.equal(read_codes(raw, (3, 512), idx), t.reshape(-1)[idx] + 1)
+
+
+def test_ternary_member_and_vote_update_against_direct_rule():
+    """A member moves exactly its drawn trits one bin (mirrored: the other way), clamped; the
+    update moves the K trits of largest |sum_j (C+ - C-) d_j| one bin toward the vote's sign."""
+    shapes = [(4, 256), (2, 256)]
+    cfg = ESConfig(population=6, seed=5, flip_rate=0.05, update_fraction=0.01)
+    es = TernaryStrategy(_ternary_theta(shapes), shapes, cfg)
+    base = [trits(t, s).long().reshape(-1) for t, s in zip(es.theta, shapes)]
+    for m in (2, 3):
+        got = [trits(t, s).long().reshape(-1) for t, s in zip(es.member(m), shapes)]
+        for k in range(2):
+            idx, d = es.flips(1, k)
+            want = base[k].clone()
+            want[idx] = (want[idx] + (1 if m == 2 else -1) * d).clamp(-1, 1)
+            assert torch.equal(got[k], want) and idx.numel() == len(set(idx.tolist()))
+    rewards = [0.5, 0.1, -0.3, 0.7, 0.2, 0.2]
+    r = np.array(rewards)
+    c = (np.array([(r < v).sum() + ((r == v).sum() - 1) / 2 for v in r])) / 5 - 0.5
+    want = []
+    for k, (n, kk) in enumerate(shapes):
+        vote = np.zeros(n * kk)
+        for j in range(3):
+            idx, d = es.flips(j, k)
+            vote[idx.numpy()] += (c[2 * j] - c[2 * j + 1]) * d.numpy()
+        K = round(0.01 * n * kk)
+        order = sorted(np.nonzero(vote)[0], key=lambda i: (-abs(vote[i]), i))[:K]
+        w = base[k].numpy().copy()
+        for i in order:
+            w[i] = min(1, max(-1, w[i] + np.sign(vote[i])))
+        want.append(w)
+    es.update(rewards)
+    for k, s in enumerate(shapes):
+        np.testing.assert_array_equal(trits(es.theta[k], s).long().reshape(-1).numpy(), want[k])
+    assert es.iteration == 1
+
+
+def _spiral_net(h1, theta):
+    import fucina.kernels as K
+    h = torch.tanh(K.matmul(theta[0], GGMLType.TQ2_0, 256, 256, h1))
+    return K.matmul(theta[1], GGMLType.TQ2_0, 2, 256, h) * 4
+
+
+@pytest.mark.skipif(not __import__("fucina.kernels", fromlist=["available"]).available(),
+                    reason="the native TQ2_0 kernels are not built")
+def test_ternary_two_spirals():
+    """Two spirals (1.5 turns) through a fixed tanh feature layer and two ternary layers
+    (256 -> 256 -> 2) trained from random trits by trit flips alone, every member scored by
+    the native TQ2_0 kernels on its mutated bytes: the centre must classify >= 95%. Members
+    split over two evaluators (as two workers would) give the same bytes."""
+    import fucina.kernels as K
+    threads = K.get_threads()
+    K.set_threads(1)
+    try:
+        x, y = _spirals(100, 1.5)
+        g = torch.Generator().manual_seed(0)
+        w1, b1 = torch.randn(256, 2, generator=g) * 2, (torch.rand(256, generator=g) * 2 - 1) * math.pi
+        h1 = torch.tanh(x @ w1.T + b1 * 0.5)
+        shapes = [(256, 256), (2, 256)]
+        cfg = ESConfig(population=32, flip_rate=0.002, update_fraction=0.004)
+        es = TernaryStrategy(_ternary_theta(shapes, g=g), shapes, cfg)
+        # two "workers": each scores its members on its own copy; both apply every reward
+        w0, w1_ = TernaryStrategy(es.theta, shapes, cfg), TernaryStrategy(es.theta, shapes, cfg)
+
+        def loss(th):
+            return -float(torch.nn.functional.cross_entropy(_spiral_net(h1, th), y))
+
+        def acc(th):
+            return float((_spiral_net(h1, th).argmax(1) == y).float().mean())
+        start = acc(es.theta)
+        a = start
+        for it in range(800):
+            r = [loss(es.member(m)) for m in range(32)]
+            es.update(r)
+            if it < 10:
+                split = {m: loss((w0 if m % 2 == 0 else w1_).member(m)) for m in range(32)}
+                w0.update([split[m] for m in range(32)])
+                w1_.update([split[m] for m in range(32)])
+                assert all(torch.equal(p, q) and torch.equal(p, s)
+                           for p, q, s in zip(w0.theta, w1_.theta, es.theta))
+            if it % 25 == 24:
+                a = acc(es.theta)
+                if a >= 0.95:
+                    break
+        assert start < 0.6 and a >= 0.95, (start, a, es.iteration)
+    finally:
+        K.set_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tq2_path(tmp_path_factory):
+    return str(write_model(tmp_path_factory.mktemp("tq2") / "t.gguf", "qwen3", qtype=Q.TQ2_0, hidden=256, heads=4,
+                           kv_heads=2, head_dim=64, ffn=512, layers=2, seed=3))
+
+
+def test_ternary_mode_on_a_tq2_model(tq2_path, model_path, tmp_path):
+    """mode ternary on a TQ2_0 GGUF: the nll reward rises, the trained file holds the trained
+    trits (and scores what the trainer's theta scored), the same bytes with 2 workers."""
+    from fucina.train.es import Reward, score_batch
+    kw = dict(mode="ternary", targets=["q", "v", "o", "up", "down"], flip_rate=0.002, update_fraction=0.002,
+              batch=0, population=8)
+    t = _run(tq2_path, tmp_path / "a", 6, **kw)
+    first, last = t.history[0]["mean"], t.ev.center()
+    assert last > first, (first, last)
+    m, tok, tpl, exs = _setup(str(tmp_path / "a" / "model.gguf"))
+    got = score_batch(m, tok, [], exs, Reward("nll", False), 8)
+    assert got == last
+    src = load_model(tq2_path)
+    from fucina.weights.lora import model_weights
+    before, after = model_weights(src), model_weights(m)
+    moved = [n for n in t.ev.target.names if not torch.equal(before[n].raw, after[n].raw)]
+    assert moved and all(torch.equal(after[n].raw, th) for n, th in zip(t.ev.target.names, t.theta))
+    assert all(torch.equal(before[n].raw, after[n].raw) for n in before if n not in t.ev.target.names)
+    _run(tq2_path, tmp_path / "b", 6, workers=2, **kw)
+    assert (tmp_path / "a" / "model.gguf").read_bytes() == (tmp_path / "b" / "model.gguf").read_bytes()
+    with pytest.raises(ESError, match="TQ2_0"):
+        _run(model_path, tmp_path / "c", 1, mode="ternary")
+
+
+def test_cli_es_ternary(tq2_path, tmp_path, capsys):
+    from fucina.cli.main import main
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path / "run"
+    argv = ["finetune", tq2_path, "--method", "es", "--mode", "ternary", "--reward", "nll", "--data", str(data),
+            "--out", str(out), "--iterations", "2", "--population", "4", "--flip-rate", "0.002",
+            "--update-fraction", "0.002", "--targets", "q,v", "--threads", "1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ES ternary on q,v" in err and "flip rate 0.002" in err and "es 2/2: reward mean" in err
+    assert json.loads((out / "summary.json").read_text())["out"].endswith("model.gguf")
+    m = load_model(str(out / "model.gguf"))
+    assert m.layers and m.config.arch == "qwen3"
+
+
+def test_resume_a_checkpoint_from_before_the_schedule(model_path, tmp_path):
+    """A checkpoint written before the schedule and ternary fields existed resumes (it ran
+    with their defaults); one that differs in a field it has is still refused."""
+    _run(model_path, tmp_path, 2)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    for k in ("schedule", "horizon", "final_scale", "step_every", "step_gamma", "decay_sigma", "flip_rate",
+              "update_fraction"):
+        del state["config"][k]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    assert _run(model_path, tmp_path, 3, resume=str(tmp_path)).iteration == 3
+    with pytest.raises(CheckpointError, match="schedule"):
+        _run(model_path, tmp_path, 4, resume=str(tmp_path), schedule="step")

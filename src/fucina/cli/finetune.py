@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
                    help="sft: gradients on the supervised tokens (default); es: evolution strategies "
                         "on a reward, forward passes only (see the ES options below)")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--valid", help="validation JSONL")
+    g.add_argument("--valid", help="validation JSONL (--method es: held-out examples for keep-best)")
     g.add_argument("--valid-split", type=float, default=None, metavar="F",
                    help="hold out this fraction of --data for validation")
     s.add_argument("--out", required=True, help="output directory (adapter.gguf, checkpoint.pt, "
@@ -74,7 +74,9 @@ def add_parser(sub) -> None:
                                                           "micro-batch's examples into rows)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
-    s.add_argument("--eval-every", type=int, default=0, metavar="M", help="validation loss every M steps")
+    s.add_argument("--eval-every", type=int, default=0, metavar="M",
+                   help="validation loss every M steps (ES with --valid: held-out score every M iterations, "
+                        "default 10)")
     s.add_argument("--grad-checkpoint", choices=GRAD_CHECKPOINT, default=GRAD_CHECKPOINT_DEFAULT,
                    help="what the backward recomputes: full (every layer: least memory), "
                         "keep-matmul (all but the frozen quantized matmuls, whose outputs are kept), "

@@ -5,9 +5,17 @@ One iteration (OpenAI-ES with mirrored sampling and centred-rank shaping):
     e_j  ~ N(0, I), j = 0 .. P/2 - 1         regenerated, never stored
     R_2j = reward(theta + sigma e_j),  R_2j+1 = reward(theta - sigma e_j)
     C_m  = rank(R_m) / (P - 1) - 1/2          (tied rewards share their mean rank)
-    theta += lr / (P sigma) * sum_j (C_2j - C_2j+1) e_j
+    theta += lr_t / (P sigma_t) * sum_j (C_2j - C_2j+1) e_j
     then, with anchored decay, theta is pulled toward its start theta_0:
-    l2: theta_0 + (theta - theta_0)(1 - lr lambda);  l1: soft-threshold at lr lambda
+    l2: theta_0 + (theta - theta_0)(1 - lr_t lambda);  l1: soft-threshold at lr_t lambda
+
+The schedule (`schedule_factor`) scales the step: lr_t = lr s(t), s constant, cosine (to
+`final_scale` at `horizon`) or step decay; sigma_t = sigma s(t) only with `decay_sigma`
+(sigma alone sets the probe radius; lr_t / sigma_t the size of the move). Centred ranks
+rescale every iteration to the same spread, so with a constant lr the step never shrinks:
+on SmolLM2 the held-out score peaked at iteration 80 and fell back to zero by 200
+(BENCHMARK.md). Hence also keep-best (`ESTrainer(eval_examples=, eval_every=)`): theta is
+scored on held-out examples every N iterations and the best is what the run writes.
 
 A member is a seed: e_j is `torch.randn` from a generator seeded by
 mix64(seed, iteration, j, tensor index), so any member's perturbation is a pure function of
@@ -23,7 +31,9 @@ What is perturbed (`mode`):
   copies), so one model serves every member; the result is the adapter.gguf the gradient
   path writes;
 - "full": the target projections themselves, decoded once to F32 copies (small models:
-  4 bytes per weight, twice: theta and the live copy); written as a merged GGUF.
+  4 bytes per weight, twice: theta and the live copy); written as a merged GGUF;
+- "ternary": on a TQ2_0 model, the targets' packed bytes themselves, moved by trit flips and
+  a rank-weighted vote (`fucina.train.es_ternary`); written as the trained TQ2_0 GGUF.
 
 Rewards (`parse_reward`), scored per example and averaged over the iteration's batch:
 - "nll": minus the mean token negative log-likelihood of the dataset's reply, teacher-forced
@@ -37,9 +47,9 @@ Member-parallel evaluation (`workers` > 1): each worker process loads the model 
 the same theta; member m goes to worker m % workers, only rewards travel, and every process
 applies the same update from all rewards (results keyed by member, summed in index order).
 
-Checkpoints (DIR/checkpoint.pt): theta, the iteration and the history; with the data batch
-and the noise both functions of (seed, iteration) that is the whole state, so a resumed run
-writes the same adapter bytes as an uninterrupted one.
+Checkpoints (DIR/checkpoint.pt): theta, the iteration, the history and the best held-out
+theta; with the data batch, the noise and the schedule all functions of (seed, iteration)
+that is the whole state, so a resumed run writes the same adapter bytes as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -49,7 +59,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -59,13 +69,15 @@ from fucina.train import checkpoint as ckpt
 from fucina.train.data import IGNORE, DataError, Loader, encode_record, records
 from fucina.train.lora import TARGETS, mix64, parse_targets
 
-MODES = ("lora", "full")
+MODES = ("lora", "full", "ternary")
 NORMS = ("rank", "zscore")
 ANCHORS = ("none", "l1", "l2")
+SCHEDULES = ("constant", "cosine", "step")
 _NOISE_DOMAIN = 0xE5
 # what must match between a checkpoint and the run resuming it
 _RESUME_KEYS = ("population", "sigma", "lr", "seed", "mode", "rank", "alpha", "targets", "batch",
-                "norm", "anchor", "anchor_lambda", "max_tokens")
+                "norm", "anchor", "anchor_lambda", "max_tokens", "schedule", "horizon", "final_scale",
+                "step_every", "step_gamma", "decay_sigma", "flip_rate", "update_fraction")
 
 
 class ESError(FucinaError):
@@ -87,6 +99,14 @@ class ESConfig:
     anchor: str = "none"
     anchor_lambda: float = 0.0
     max_tokens: int = 32         # reply length for the generating rewards
+    schedule: str = "constant"   # the step-size factor s(t) over iterations (`schedule_factor`)
+    horizon: int = 0             # cosine: the iteration where s reaches final_scale (then stays)
+    final_scale: float = 0.1     # cosine: s at the horizon
+    step_every: int = 50         # step: s = step_gamma ** (t // step_every)
+    step_gamma: float = 0.5
+    decay_sigma: bool = False    # sigma follows s(t) too (finer probes; lr_t / sigma_t is then constant)
+    flip_rate: float = 0.001     # ternary: share of a tensor's trits a member moves (decays with decay_sigma)
+    update_fraction: float = 0.005   # ternary: share of the trits the update moves, times s(t)
 
     def __post_init__(self):
         self.targets = parse_targets(self.targets)
@@ -108,9 +128,35 @@ class ESConfig:
             raise ESError(f"rank must be a positive integer, got {self.rank!r}")
         if self.batch < 0 or self.max_tokens < 1:
             raise ESError("batch must be >= 0 and max_tokens >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ESError(f"unknown step-size schedule {self.schedule!r} (choose from {', '.join(SCHEDULES)})")
+        if self.schedule == "cosine" and (not isinstance(self.horizon, int) or self.horizon < 1):
+            raise ESError(f"the cosine schedule needs a horizon of at least 1 iteration, got {self.horizon!r}")
+        if not (math.isfinite(self.final_scale) and 0 <= self.final_scale <= 1):
+            raise ESError(f"final scale must be in [0, 1], got {self.final_scale}")
+        for name in ("flip_rate", "update_fraction"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 < v <= 1):
+                raise ESError(f"{name} must be in (0, 1], got {v}")
+        if not isinstance(self.step_every, int) or self.step_every < 1:
+            raise ESError(f"step_every must be a positive integer, got {self.step_every!r}")
+        if not (math.isfinite(self.step_gamma) and 0 < self.step_gamma <= 1):
+            raise ESError(f"step gamma must be in (0, 1], got {self.step_gamma}")
 
 
 # -- the algorithm, on a list of f32 tensors ----------------------------------------------------
+
+def schedule_factor(cfg: ESConfig, t: int) -> float:
+    """s(t) for iteration t (0-based): lr_t = lr s(t), and sigma_t = sigma s(t) with decay_sigma.
+    constant: 1; cosine: f + (1 - f)(1 + cos(pi min(t, H) / H)) / 2 (f = final_scale, H =
+    horizon); step: gamma ** (t // step_every). A pure function of t: a resumed run steps alike."""
+    if cfg.schedule == "cosine":
+        f = cfg.final_scale
+        return f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * min(t, cfg.horizon) / cfg.horizon))
+    if cfg.schedule == "step":
+        return cfg.step_gamma ** (t // cfg.step_every)
+    return 1.0
+
 
 def pair_noise(seed: int, iteration: int, pair: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
     """e_pair of `iteration`: one standard-normal tensor per shape, each from its own counter seed."""
@@ -167,9 +213,16 @@ class Strategy:
         it = self.iteration if iteration is None else iteration
         return pair_noise(self.cfg.seed, it, pair, self.shapes)
 
+    def rates(self, iteration: int | None = None) -> tuple[float, float]:
+        """(lr_t, sigma_t) of `iteration` (default the current one) under the schedule."""
+        cfg = self.cfg
+        f = schedule_factor(cfg, self.iteration if iteration is None else iteration)
+        return cfg.lr * f, cfg.sigma * f if cfg.decay_sigma else cfg.sigma
+
     def member(self, m: int) -> list[torch.Tensor]:
-        """theta + sigma e (even m) or theta - sigma e (odd m) for member m of this iteration."""
-        s = self.cfg.sigma if m % 2 == 0 else -self.cfg.sigma
+        """theta + sigma_t e (even m) or theta - sigma_t e (odd m) for member m of this iteration."""
+        sigma = self.rates()[1]
+        s = sigma if m % 2 == 0 else -sigma
         return [t + s * e for t, e in zip(self.theta, self.noise(m // 2))]
 
     def coefficients(self, rewards: list[float]) -> list[float]:
@@ -180,7 +233,8 @@ class Strategy:
     def update(self, rewards: list[float]) -> None:
         cfg = self.cfg
         c = self.coefficients(rewards)
-        step = cfg.lr / (cfg.population * cfg.sigma)
+        lr, sigma = self.rates()
+        step = lr / (cfg.population * sigma)
         acc = [torch.zeros_like(t) for t in self.theta]
         for j in range(cfg.population // 2):
             w = c[2 * j] - c[2 * j + 1]
@@ -190,7 +244,7 @@ class Strategy:
         for t, a in zip(self.theta, acc):
             t.add_(a, alpha=step)
         if self.anchor is not None and cfg.anchor_lambda > 0:
-            k = cfg.lr * cfg.anchor_lambda
+            k = lr * cfg.anchor_lambda
             for t, t0 in zip(self.theta, self.anchor):
                 d = t - t0
                 d = d * (1.0 - k) if cfg.anchor == "l2" else torch.sign(d) * (d.abs() - k).clamp_min(0)
@@ -453,11 +507,15 @@ class FullTarget:
             for f, parts in self.fused:
                 f.raw.copy_(torch.cat([p.raw for p in parts], dim=0))
 
-    def write(self, out_dir: str, theta: list[torch.Tensor]) -> str:
-        from fucina.train.export import export_merged
+    def source(self, what: str) -> str:
         src = getattr(getattr(self.model, "gguf", None), "path", None)
         if src is None:
-            raise ESError("full mode writes a merged GGUF and needs the model's file")
+            raise ESError(f"{what} needs the model's file")
+        return src
+
+    def write(self, out_dir: str, theta: list[torch.Tensor]) -> str:
+        from fucina.train.export import export_merged
+        src = self.source("full mode writes a merged GGUF and")
         delta = _FullDelta(self.model.config.arch, {n: (t, w0) for n, t, w0 in zip(self.names, theta, self.init)})
         out = os.path.join(out_dir, "model.gguf")
         export_merged(src, self.model, [(delta, 1.0)], out)
@@ -469,7 +527,18 @@ def make_target(model, cfg: ESConfig, init: str | None = None):
         return LoRATarget(model, cfg, init)
     if init is not None:
         raise ESError("a starting adapter is for mode lora")
+    if cfg.mode == "ternary":
+        from fucina.train.es_ternary import TernaryTarget
+        return TernaryTarget(model, cfg)
     return FullTarget(model, cfg)
+
+
+def make_strategy(target, cfg: ESConfig):
+    """Gaussian ES over f32 theta (lora, full) or trit flips over TQ2_0 bytes (ternary)."""
+    if cfg.mode == "ternary":
+        from fucina.train.es_ternary import TernaryStrategy
+        return TernaryStrategy(target.init, target.shapes, cfg)
+    return Strategy(target.init, cfg)
 
 
 # -- one process's share of an iteration ------------------------------------------------------
@@ -485,7 +554,7 @@ class Evaluator:
         self.examples, self.reward = examples, reward
         self.stop_ids = _stop_ids(tokenizer, template)
         self.target = make_target(model, cfg, init)
-        self.es = Strategy(self.target.init, cfg)
+        self.es = make_strategy(self.target, cfg)
 
     def score(self, theta: list[torch.Tensor], iteration: int) -> float:
         self.target.install(theta)
@@ -498,11 +567,18 @@ class Evaluator:
     def members(self, ms: list[int]) -> dict[int, float]:
         return {m: self.score(self.es.member(m), self.es.iteration) for m in ms}
 
-    def center(self, examples: list[ESExample] | None = None) -> float:
-        """The reward of theta itself (on `examples`, default the whole dataset)."""
+    def center(self, examples: list[ESExample] | None = None, reward: Reward | None = None) -> float:
+        """The reward of theta itself (on `examples`, default the whole dataset; with `reward`,
+        default the training one)."""
         self.target.install(self.es.theta)
         exs = examples or self.examples
-        return score_batch(self.model, self.tokenizer, self.stop_ids, exs, self.reward, self.cfg.max_tokens)
+        return score_batch(self.model, self.tokenizer, self.stop_ids, exs, reward or self.reward,
+                           self.cfg.max_tokens)
+
+
+def _mkdir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 # -- member-parallel workers ------------------------------------------------------------------
@@ -596,17 +672,36 @@ class _Pool:
 
 # -- the run ----------------------------------------------------------------------------------
 
+KEEP = ("best", "last")
+
+
 class ESTrainer:
     """Evolution strategies over `model` with `reward` on `examples`. `workers` > 1 evaluates
     members in that many processes in all (this one included; they load `model_path`).
-    `init`: an adapter.gguf to start from (mode lora; same targets, rank and alpha)."""
+    `init`: an adapter.gguf to start from (mode lora; same targets, rank and alpha).
+
+    Keep-best: with `eval_examples` and `eval_every` N, theta itself is scored on the held-out
+    examples (with `eval_reward`, default the training reward) before the first iteration and
+    after every N-th; the best so far (ties keep the earlier) is written to DIR/best/ and, with
+    keep="best", is the run's final DIR/adapter.gguf (the last theta goes to DIR/last/)."""
 
     def __init__(self, model, tokenizer, template, cfg: ESConfig, examples: list[ESExample],
                  reward: str | Callable[[str, dict], float], out_dir: str | None = None, *,
                  workers: int = 1, model_path: str | None = None, threads: int | None = None,
-                 log=None, progress: bool = True, init: str | None = None):
+                 log=None, progress: bool = True, init: str | None = None,
+                 eval_examples: list[ESExample] | None = None, eval_every: int = 0,
+                 eval_reward: str | Callable[[str, dict], float] | None = None, keep: str = "best"):
         if workers < 1:
             raise ESError(f"workers must be at least 1, got {workers}")
+        if not isinstance(eval_every, int) or eval_every < 0:
+            raise ESError(f"eval_every must be a non-negative integer, got {eval_every!r}")
+        if eval_every and not eval_examples:
+            raise ESError("keep-best evaluates on held-out examples: give eval_examples (--eval-data)")
+        if keep not in KEEP:
+            raise ESError(f"keep must be one of {', '.join(KEEP)}, got {keep!r}")
+        self.eval_examples, self.eval_every, self.keep = eval_examples or [], eval_every, keep
+        self.eval_reward = parse_reward(eval_reward if eval_reward is not None else reward)
+        self.best: dict | None = None   # reward, iteration, theta of the best held-out score
         if workers > 1 and model_path is None:
             raise ESError("member-parallel workers load the model from its file: give model_path")
         self.cfg, self.out_dir, self.workers = cfg, out_dir, workers
@@ -653,9 +748,21 @@ class ESTrainer:
         return rec
 
     # -- checkpoints ----------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Score theta on the held-out examples; keep it (and write DIR/best/) when it beats the best."""
+        r = self.ev.center(self.eval_examples, self.eval_reward)
+        if not math.isfinite(r):
+            raise ESError(f"the held-out reward at iteration {self.iteration} is {r}, not finite")
+        if self.best is None or r > self.best["reward"]:
+            self.best = dict(reward=r, iteration=self.iteration, theta=[t.clone() for t in self.theta])
+            if self.out_dir:
+                self.ev.target.write(_mkdir(os.path.join(self.out_dir, "best")), self.best["theta"])
+        return r
+
     def state(self) -> dict:
         return dict(method="es", config=asdict(self.cfg), iteration=self.iteration,
-                    theta=[t.clone() for t in self.theta], history=self.history, elapsed=self.elapsed)
+                    theta=[t.clone() for t in self.theta], history=self.history, elapsed=self.elapsed,
+                    best=self.best)
 
     def save_checkpoint(self) -> str | None:
         if not self.out_dir:
@@ -669,7 +776,9 @@ class ESTrainer:
         if s.get("method") != "es":
             raise ckpt.CheckpointError(f"{path}: not an ES checkpoint (a gradient run's? resume it without "
                                        "--method es)")
-        ckpt.check_compatible(s["config"], asdict(self.cfg), _RESUME_KEYS)
+        # a checkpoint from before a config field existed ran with that field's default
+        saved = {f.name: f.default for f in fields(ESConfig) if f.default is not MISSING} | s["config"]
+        ckpt.check_compatible(saved, asdict(self.cfg), _RESUME_KEYS)
         theta = s["theta"]
         if [t.shape for t in theta] != [t.shape for t in self.theta]:
             raise ckpt.CheckpointError(f"{path}: the checkpoint's parameters do not fit this model")
@@ -677,24 +786,38 @@ class ESTrainer:
         es.theta, es.iteration = [t.clone() for t in theta], s["iteration"]
         self.ev.target.install(es.theta)
         self.history, self.elapsed = s["history"], s["elapsed"]
+        self.best = s.get("best")
         if self.pool is not None:
             self.pool.send_all(("theta", es.theta, es.iteration))
             self.pool.gather()
 
-    def write(self) -> str | None:
+    def write(self, final: bool = False) -> str | None:
+        """DIR/adapter.gguf (model.gguf in full mode): theta as it stands, or at the end of a
+        keep-best run the best held-out theta (then the last one goes to DIR/last/)."""
         if not self.out_dir:
             return None
-        os.makedirs(self.out_dir, exist_ok=True)
+        _mkdir(self.out_dir)
+        if final and self.keep == "best" and self.best is not None:
+            self.ev.target.write(_mkdir(os.path.join(self.out_dir, "last")), self.theta)
+            return self.ev.target.write(self.out_dir, self.best["theta"])
         return self.ev.target.write(self.out_dir, self.theta)
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self, iterations: int, checkpoint_every: int = 0, on_iteration=None) -> dict:
         try:
+            if self.eval_every and self.best is None:
+                r = self.evaluate()
+                if self.progress:
+                    print(f"es 0/{iterations}: held-out reward {r:.4f}", file=sys.stderr, flush=True)
             while self.iteration < iterations:
                 rec = self.step()
+                if self.eval_every and self.iteration % self.eval_every == 0:
+                    rec["eval"] = self.evaluate()
                 if self.progress:
+                    held = f"  held-out {rec['eval']:.4f} (best {self.best['reward']:.4f} at " \
+                           f"{self.best['iteration']})" if "eval" in rec else ""
                     print(f"es {rec['iteration']}/{iterations}: reward mean {rec['mean']:.4f} "
-                          f"best {rec['best']:.4f} worst {rec['worst']:.4f}  {rec['seconds']:.2f} s",
+                          f"best {rec['best']:.4f} worst {rec['worst']:.4f}  {rec['seconds']:.2f} s{held}",
                           file=sys.stderr, flush=True)
                 if on_iteration is not None:
                     on_iteration(rec)
@@ -707,14 +830,19 @@ class ESTrainer:
                          f"(continue with --resume {self.out_dir})")
             raise
         self.save_checkpoint()
+        self.write(final=True)
         return self.summary()
 
     def summary(self) -> dict:
         h = self.history
+        best = self.best or {}
         return dict(iterations=self.iteration, first_mean=h[0]["mean"] if h else None,
                     final_mean=h[-1]["mean"] if h else None, seconds=self.elapsed,
+                    best_iteration=best.get("iteration"), best_eval=best.get("reward"),
+                    kept="best" if self.keep == "best" and self.best is not None else "last",
                     s_per_iteration=self.elapsed / len(h) if h else None,
-                    parameters=sum(t.numel() for t in self.theta), workers=self.workers,
+                    parameters=sum(n * k for n, k in self.ev.es.shapes) if self.cfg.mode == "ternary"
+                    else sum(t.numel() for t in self.theta), workers=self.workers,
                     out=os.path.join(self.out_dir, "adapter.gguf" if self.cfg.mode == "lora" else "model.gguf")
                     if self.out_dir else None)
 

@@ -125,6 +125,39 @@ def export_merged(base_path: str | os.PathLike, model, adapters: list[tuple[Adap
     return stats
 
 
+def write_replaced(base_path: str | os.PathLike, replace: dict[str, torch.Tensor], out) -> None:
+    """Write `out`: the base file with the named tensors' bytes swapped for `replace`'s (same
+    type and size: e.g. trained TQ2_0 blocks), every other tensor and the metadata verbatim."""
+    import gguf
+
+    if os.path.abspath(out) == os.path.abspath(base_path):
+        raise ExportError("--out would overwrite the base model")
+    f = GGUFFile(base_path)
+    missing = sorted(set(replace) - set(f.tensors))
+    if missing:
+        f.close()
+        raise ExportError(f"{base_path}: no tensor {missing[0]} to replace")
+    tmp = str(out) + ".tmp"
+    w = gguf.GGUFWriter(tmp, f.architecture)
+    _copy_metadata(str(base_path), w, None)
+    for name, t in f.tensors.items():
+        rows = t.n_elements // t.ne[0]
+        data = t.data
+        if name in replace:
+            new = replace[name].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+            if new.size != data.size:
+                f.close()
+                raise ExportError(f"{name}: {new.size} bytes do not replace its {data.size}")
+            data = new
+        if t.ggml_type in (T.F32, T.F16):
+            w.add_tensor(name, data.view(np.float32 if t.ggml_type is T.F32 else np.float16).reshape(t.shape))
+        else:
+            w.add_tensor(name, data.reshape(rows, -1), raw_shape=(rows, data.size // rows),
+                         raw_dtype=gguf.GGMLQuantizationType(int(t.ggml_type)))
+    write_and_move(w, tmp, out)
+    f.close()
+
+
 def write_and_move(w, tmp: str, out) -> None:
     """Finish writer w (at tmp) and move the file to out in one step."""
     w.write_header_to_file()
