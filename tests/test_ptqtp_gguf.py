@@ -147,3 +147,13 @@ def test_cli_reports_the_decorated_share(src, tmp_path, capsys):
     assert "2 of" in text.err and "of the model's weights" in text.err and "kept in their format" in text.err
     assert cli.main(["quantize", src, out, "--ptqtp", "5"]) != 0
     assert "1, 2 or 3 planes" in capsys.readouterr().err
+
+
+def test_lora_on_decorated_weights_is_a_typed_error(decorated):
+    from fucina.train.lora import LoRAConfig, LoRAModel
+    from fucina.weights.lora import LoRAError
+    model = load_model(decorated[0])
+    with pytest.raises(LoRAError, match="PTQTP trit-planes"):
+        LoRAModel(model, LoRAConfig())
+    # refused before anything was swapped: the model still runs as loaded
+    assert torch.isfinite(_logits(model)).all()

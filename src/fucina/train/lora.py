@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fucina.weights import ExpertStack, LinearWeight
-from fucina.weights.lora import LoRAError, weight_owners
+from fucina.weights.lora import LoRAError, ptqtp_names, weight_owners
 
 #: short target name -> the GGUF tensor stem inside "blk.N.<stem>.weight"
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -375,6 +375,11 @@ class LoRAModel:
         if arch not in TRAINABLE:
             raise LoRAError(f"fine-tuning {arch!r} models is not supported yet "
                             f"(trainable architectures: {', '.join(TRAINABLE)})")
+        decorated = [n for L in model.layers for n in ptqtp_names(L)]
+        if decorated and not frozen_only:
+            raise LoRAError(f"{len(decorated)} projections of this model are PTQTP trit-planes ({decorated[0]}, ...): "
+                            "LoRA on them is not supported yet; fine-tune the file they were decorated from, "
+                            "then decorate the merged export (fucina quantize --ptqtp K)")
         self.model, self.config, self.seed, self.backward = model, config, seed, backward
         self.frozen_only = frozen_only
         self.state = DropoutState(seed=seed)

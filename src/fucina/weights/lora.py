@@ -33,6 +33,7 @@ from fucina.errors import FucinaError
 from fucina.gguf import GGMLType, GGUFFile
 from fucina.weights.experts import ExpertStack
 from fucina.weights.linear import LinearWeight
+from fucina.weights.ptqtp import PtqtpWeight
 
 
 class LoRAError(FucinaError):
@@ -47,9 +48,16 @@ def layer_weights(layer) -> dict[str, LinearWeight]:
 def weight_owners(layer) -> list[object]:
     """The layer and the objects one attribute down that hold its weights (deepseek2's MLA
     weights sit in `layer.attn`, a MoE layer's expert stacks in `layer.experts`). An expert
-    stack is a weight, not an owner: its `whole` is the same bytes as its experts."""
+    stack is a weight, not an owner: its `whole` is the same bytes as its experts; so is a
+    PTQTP weight (its `stacked` planes are one weight, not one to adapt)."""
     return [layer] + [v for v in vars(layer).values()
-                      if hasattr(v, "__dict__") and not isinstance(v, (LinearWeight, ExpertStack, torch.Tensor, type))]
+                      if hasattr(v, "__dict__")
+                      and not isinstance(v, (LinearWeight, ExpertStack, PtqtpWeight, torch.Tensor, type))]
+
+
+def ptqtp_names(layer) -> list[str]:
+    """The layer's PTQTP-decorated weights (fucina quantize --ptqtp), by name."""
+    return [v.name for o in weight_owners(layer) for v in vars(o).values() if isinstance(v, PtqtpWeight)]
 
 
 def weight_slots(layer) -> list[tuple[object, str, LinearWeight]]:
