@@ -133,6 +133,12 @@ class Rope:
 ROWWISE_MAX = 16
 
 
+def rowwise(m: int, cache, x: torch.Tensor) -> bool:
+    """Whether a step of m rows (inputs x) runs row by row: 2..ROWWISE_MAX rows at inference
+    (training's stand-in cache and autograd keep the m-row forms, which have a backward)."""
+    return 1 < m <= ROWWISE_MAX and not cache.training and not (x.requires_grad and torch.is_grad_enabled())
+
+
 def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: float,
               window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
     """Causal attention of q [m, heads, d] at positions pos0.. over cache rows [0, pos0+m).
@@ -147,8 +153,7 @@ def attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale: flo
     k, v = cache.span(layer, start, n)
     if m == 1 and not softcap:
         return _decode_attention(q, k, v, scale)
-    rowwise = m <= ROWWISE_MAX and not cache.training and not (q.requires_grad and torch.is_grad_enabled())
-    if rowwise and not softcap:
+    if rowwise(m, cache, q) and not softcap:
         return _rows_attention(q, k, v, scale, pos0 - start, window)
     k = k.float().transpose(0, 1)  # [kv_heads, n, d]
     v = v.float().transpose(0, 1)

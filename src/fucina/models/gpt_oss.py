@@ -20,7 +20,7 @@ import torch
 
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
-from fucina.models.base import (ROWWISE_MAX, Ragged, Rope, Tensors, attn_scale, causal_mask, layer_tensors,
+from fucina.models.base import (Ragged, Rope, Tensors, attn_scale, causal_mask, layer_tensors, rowwise,
                                 tensor_dims)
 from fucina.models.cache import KVCache
 from fucina.models.mla import yarn_rope, yarn_scales
@@ -42,7 +42,7 @@ def sink_attention(q: torch.Tensor, cache: KVCache, layer: int, pos0: int, scale
     """Causal attention of q [m, heads, d] at pos0.. over the cache, one extra logit per head
     (sinks [heads]) in every row's softmax: p_j = exp(s_j) / (sum_j exp(s_j) + exp(sink))."""
     m, n_head, d = q.shape
-    if 1 < m <= ROWWISE_MAX and not cache.training and not (q.requires_grad and torch.is_grad_enabled()):
+    if rowwise(m, cache, q):
         # row by row, each as its own decode step reads: batch invariance (base._rows_attention)
         return torch.cat([sink_attention(q[r:r + 1], cache, layer, pos0 + r, scale, window, sinks)
                           for r in range(m)])

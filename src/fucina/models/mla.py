@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from fucina.models.base import ROWWISE_MAX, Ragged, Rope, rms_norm
+from fucina.models.base import Ragged, Rope, rms_norm, rowwise
 from fucina.models.cache import KVCache
 # the geometry and YaRN parameters are plain data (torch-free: deepseek2's config holds them)
 from fucina.models.schema.mla import MLAGeometry, YarnParams  # noqa: F401
@@ -121,7 +121,7 @@ def mla_attention(w: MLAWeights, x: torch.Tensor, cache: KVCache | Ragged, layer
     latent = rms_norm(kv[:, :g.kv_lora], w.kv_a_norm, eps)[:, None, :]    # [m, 1, rank]
     q_pe, k_pe = rope(q_pe.contiguous(), pos0), rope(kv[:, None, g.kv_lora:].contiguous(), pos0)
     cache.append(layer, latent, k_pe)
-    if 1 < m <= ROWWISE_MAX and not cache.training and not torch.is_grad_enabled():
+    if rowwise(m, cache, q_nope):
         # inference: row by row past the projections, each row the ops of its own decode step
         # (an einsum over m rows picks its GEMM by m, so rows would differ by chunking)
         v = torch.cat([_absorbed(w, q_nope[r:r + 1], q_pe[r:r + 1], cache, layer, pos0 + r, scale)

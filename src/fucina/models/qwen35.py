@@ -36,7 +36,7 @@ from fucina import kernels
 from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import delta_net, llama
-from fucina.models.base import ROWWISE_MAX, Ragged, Rope, Tensors, attend, attn_scale, layer_tensors, rms_norm
+from fucina.models.base import Ragged, Rope, Tensors, attend, attn_scale, layer_tensors, rms_norm, rowwise
 from fucina.models.cache import KVCache, KVMemory, Q8Cache, RecurrentState
 # the config and tensor schemas (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.qwen35 import (ATTENTION, ATTENTION_MIXER, DELTA_MIXER, DELTA_NET, DENSE_FFN,  # noqa: F401
@@ -136,7 +136,7 @@ class Model(llama.Model):
                                    L.ssm_dt_bias, L.ssm_a, state, L.ssm_norm, c.n_k_heads, c.d_state, c.rms_eps)
             mem.write(pos0, window, state)
             return L.ssm_out(o.view(1, -1))
-        if m <= ROWWISE_MAX and not cache.training and not torch.is_grad_enabled() and kernels.delta_step_ok():
+        if rowwise(m, cache, qkv) and kernels.delta_step_ok():
             # inference: row by row through decode's native call, so a row's output does not
             # depend on the step it came in (the chunked scan's reduction order does: 1.6e-5)
             keep, outs, inner = min(m, mem.horizon), [], []

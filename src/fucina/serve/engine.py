@@ -259,7 +259,7 @@ class _Stream:
         if len(req.ids) > slot.cache.capacity:
             raise ContextFull(f"prompt of {len(req.ids)} tokens exceeds the context of {slot.cache.capacity}")
         p = 0
-        self.prefix = req.cartridge or engine.prefix
+        self.prefix = engine.prefix_of(req)
         if self.prefix is not None:        # a cartridge: seat it unless the slot keeps it
             self.prefix.ensure(slot.cache, slot.tokens, req.ids)
             p = self.prefix.p
@@ -420,6 +420,10 @@ class Engine:
             if not live:
                 self.metrics.idle()
 
+    def prefix_of(self, req: GenRequest):
+        """The cartridge a request starts behind: its own (a fleet's), else the server's."""
+        return req.cartridge or self.prefix
+
     def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]], prefix=None):
         """The slot's speculative state (its index mirrors the slot's tokens), armed
         with this request's references (predictions: aligned with the reply's start)."""
@@ -429,7 +433,6 @@ class Engine:
         slot.spec.index.clear_references()
         for ref in references:
             slot.spec.add_reference(ref, anchored=True)
-        prefix = prefix or self.prefix
         if prefix is not None and prefix.cart.corpus:
             slot.spec.add_reference(prefix.cart.corpus)   # the cartridge's document
         return slot.spec
@@ -451,7 +454,7 @@ class Engine:
             job.sink(Finished(None))
             return None
         slot = None
-        prefix = job.req.cartridge or self.prefix
+        prefix = self.prefix_of(job.req)
         if prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
             job.req.ids, job.req.prefix = prefix.add(job.req.ids), prefix.p
         try:

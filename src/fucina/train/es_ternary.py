@@ -31,6 +31,7 @@ import os
 import torch
 
 from fucina.gguf import TYPE_SIZES, GGMLType
+from fucina.quant.quantize import _cat, _f16_bytes, _pack
 from fucina.train.es import (ESError, FullTarget, _fused_slots, _target_names, centred_ranks, check_rewards,
                              schedule_factor, zscores)
 from fucina.train.lora import mix64
@@ -73,16 +74,14 @@ def trits(raw: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def pack(t: torch.Tensor, d: torch.Tensor | float) -> torch.Tensor:
-    """Trits t [n, k] in {-1, 0, 1} and block scales d ([n, k / 256] or one value) as TQ2_0 bytes."""
+    """Trits t [n, k] in {-1, 0, 1} and block scales d ([n, k / 256] or one value) as TQ2_0
+    bytes [n, row_bytes], through the quantizer's own packing (quant.quantize)."""
     n, k = t.shape
     if k % _BLOCK:
         raise ValueError(f"TQ2_0 rows are whole blocks of {_BLOCK}, got {k}")
-    raw = torch.zeros(n, k // _BLOCK * _BLOCK_BYTES, dtype=torch.uint8)
-    write_codes(raw, (n, k), torch.arange(n * k), (t.reshape(-1).long() + 1).clamp(0, 2))
-    d = torch.as_tensor(d, dtype=torch.float16).expand(n, k // _BLOCK).contiguous()
-    scales = raw.view(n, k // _BLOCK, _BLOCK_BYTES)[:, :, 64:]   # qs[64] | d
-    scales.copy_(d.view(torch.uint8).reshape(n, k // _BLOCK, 2))
-    return raw
+    q = (t.reshape(-1, _BLOCK).to(torch.int32) + 1).clamp(0, 2)
+    d = torch.as_tensor(d, dtype=torch.float32).expand(n, k // _BLOCK).reshape(-1, 1)
+    return _cat(_pack(q.view(-1, 2, 4, 32), 2), _f16_bytes(d)).reshape(n, -1)
 
 
 class TernaryStrategy:

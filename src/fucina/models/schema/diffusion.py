@@ -16,10 +16,15 @@ SHIFT_KEY = "diffusion.shift_logits"
 
 @dataclass
 class DiffusionFields:
-    """Mixed into a family's Config before its base: the canvas attends both ways."""
+    """Mixed into a family's Config before its base: the canvas attends both ways, and the
+    diffusion keys are read after the base's own."""
     mask_token_id: int = -1
     shift_logits: bool = True
     causal: bool = False
+
+    def finish(self, f: GGUFFile) -> None:
+        super().finish(f)
+        self.read_diffusion(f)
 
     def read_diffusion(self, f: GGUFFile) -> None:
         m = f.metadata

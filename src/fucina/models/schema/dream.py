@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fucina.gguf import GGUFFile
 from fucina.models.schema import qwen2
 from fucina.models.schema.diffusion import DiffusionFields
 
 
 @dataclass
 class Config(DiffusionFields, qwen2.Config):
-    def finish(self, f: GGUFFile) -> None:
-        super().finish(f)
-        self.read_diffusion(f)
+    pass
 
 
 TENSORS = qwen2.TENSORS

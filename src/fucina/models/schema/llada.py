@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fucina.gguf import GGUFFile
 from fucina.models.schema import llama
 from fucina.models.schema.diffusion import DiffusionFields
 
 
 @dataclass
 class Config(DiffusionFields, llama.Config):
-    def finish(self, f: GGUFFile) -> None:
-        super().finish(f)
-        self.read_diffusion(f)
+    pass
 
 
 TENSORS = llama.TENSORS
