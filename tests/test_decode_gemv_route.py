@@ -18,10 +18,9 @@ TQ = (T.TQ1_0, T.TQ2_0)
 # rows per format on each unit (formats left out: the panel route from one row)
 REACH = {
     "avx512": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8)},
-    # AVX2: the K-quants past 2 rows and IQ4_NL only with VNNI (without it their panel
-    # route measured as fast or faster)
+    # AVX2: IQ4_NL only with VNNI (without it its panel route measured as fast or faster)
     "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8)},
-    "avx2": {**dict.fromkeys(NIBBLE + TQ, 8), **dict.fromkeys(KQ, 2), T.Q8_0: 8},
+    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8},
     "scalar": {},
 }
 FORMATS = NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.F16)
