@@ -138,6 +138,12 @@ def test_builtin_template_follows_the_harmony_rules():
     assert "<|start|>assistant<|channel|>final<|message|>18 C.<|end|><|start|>user" in later
 
 
+def test_effort_levels():
+    assert [harmony.effort_level(t, e) for t, e in [(None, "high"), (True, "low"), (False, None), (None, "minimal"),
+                                                     (None, None), (True, None), (None, "xhigh")]] == \
+        ["high", "low", "low", "low", None, None, None]
+
+
 def test_history_maps_reasoning_to_thinking():
     call = {"type": "function", "function": {"name": "f", "arguments": {}}}
     h = harmony.history([{"role": "assistant", "content": "x", "reasoning_content": "r", "tool_calls": [call]},
@@ -314,9 +320,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def test_openai_chat_reasoning_tool_round_trip_and_stream(served):
     url, model = served
     c = _oai(url)
-    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], temperature=0)
+    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                  reasoning_effort="high")
     m = r.choices[0].message
     assert (m.content, m.model_extra["reasoning_content"], r.choices[0].finish_reason) == ("Hello!", "Say hi.", "stop")
+    assert any("Reasoning: high" in p for p in model.targets)       # the effort reached the template
     r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], temperature=0)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None
@@ -406,6 +414,10 @@ def test_responses_and_anthropic(served):
     msgs = ASK + [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m.content[1].id, "content": "18"}]}]
     m2 = a.messages.create(model="x", max_tokens=200, tools=[atool], messages=msgs, extra_body={"temperature": 0})
+    off = a.messages.create(model="x", max_tokens=200, messages=[{"role": "user", "content": "Hi, briefly"}],
+                            thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    assert off.content[-1].text == "Hello!"
+    assert any("Reasoning: low" in p and "Hi, briefly" in p for p in model.targets)   # no off switch: low
     assert m2.stop_reason == "end_turn" and m2.content[-1].text == "It is 18 degrees in Paris."
     # both dialects passed the call's reasoning back (Responses' reasoning item, Anthropic's thinking block)
     kept = [p for p in model.targets if "<|start|>functions.get_weather" in p]

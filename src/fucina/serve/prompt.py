@@ -90,26 +90,12 @@ def hermes_fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
     return out
 
 
-HARMONY_EFFORTS = ("low", "medium", "high")
-
-
-def harmony_effort(think: bool | None, effort: Any) -> str | None:
-    """gpt-oss's `Reasoning:` level from the request: a reasoning effort it knows as
-    given; thinking off (or effort none/minimal) as low, since its analysis channel
-    cannot be turned off; else the template's default (medium)."""
-    if isinstance(effort, str) and effort in HARMONY_EFFORTS:
-        return effort
-    if think is False or effort in ("none", "minimal"):
-        return "low"
-    return None
-
-
 def render_harmony(engine, msgs: list[dict[str, Any]], tools, tool_choice: Any, think: bool | None,
                    effort: Any, prime: bool) -> Prompt:
     """gpt-oss: the template renders tools and calls itself; an assistant's reasoning
     goes in as `thinking`; a forced call is primed with its commentary header."""
     extra = {}
-    level = harmony_effort(think, effort)
+    level = harmony.effort_level(think, effort)
     if level is not None:
         extra["reasoning_effort"] = level
     text = engine.template.render(harmony.history(msgs), add_generation_prompt=True,

@@ -145,8 +145,11 @@ class Conversation:
 
     # -- turns -------------------------------------------------------------------
     def _render(self, msgs: list[dict[str, Any]]) -> str:
+        extra = {}
+        if harmony.is_harmony(self.template) and harmony.effort_level(self.think) is not None:
+            extra["reasoning_effort"] = harmony.effort_level(self.think)   # gpt-oss: think=False is low
         return self.template.render(msgs, add_generation_prompt=True, tools=self.tools,
-                                    enable_thinking=self.think)
+                                    enable_thinking=self.think, **extra)
 
     def _ids_for(self, full: str) -> list[int]:
         done = self._committed_text

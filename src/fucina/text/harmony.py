@@ -42,6 +42,20 @@ _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
 _ROLE = re.compile(r"\s*([^\s<]*)")
 
 
+EFFORTS = ("low", "medium", "high")
+
+
+def effort_level(think: bool | None, effort: Any = None) -> str | None:
+    """gpt-oss's `Reasoning:` level (the template's `reasoning_effort`): an effort it
+    knows as given; thinking off (or effort none/minimal) as low, since its analysis
+    channel cannot be turned off; else None (the template's default, medium)."""
+    if isinstance(effort, str) and effort in EFFORTS:
+        return effort
+    if think is False or effort in ("none", "minimal"):
+        return "low"
+    return None
+
+
 def is_harmony(template) -> bool:
     """Whether a chat template (object or source text) speaks harmony."""
     src = template if isinstance(template, str) else (getattr(template, "source", "") or "")
@@ -139,7 +153,11 @@ class HarmonyStream:
             self.buf = lead
             return True
         if self.state == "body":
-            cut = [(self.buf.find(m), m) for m in _CLOSERS]
+            lt = self.buf.find("<")
+            if lt < 0:                         # the common case: no marker can be here
+                self.buf = self.buf[self._body_text(out, self.buf, final=False):]
+                return False
+            cut = [(self.buf.find(m, lt), m) for m in _CLOSERS]
             cut = [(i, m) for i, m in cut if i >= 0]
             if cut:
                 at, m = min(cut)
