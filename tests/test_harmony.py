@@ -152,6 +152,8 @@ def test_history_maps_reasoning_to_thinking():
     assert h[0] == {"role": "assistant", "thinking": "r", "tool_calls": [call]}
     assert h[1] == {"role": "assistant", "content": "y", "thinking": "s"}
     assert h[2] == {"role": "user", "content": "z"}
+    raw = harmony.history([{"role": "assistant", "content": ANSWER}])        # a raw reply sent back
+    assert raw == [{"role": "assistant", "content": "It is 18 degrees in Paris.", "thinking": "The tool said 18."}]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,10 @@ turns. A forced tool choice primes the reply with `<tool_call>` (and, when one
 function is named, its name and the opening `{"` of its arguments object when its
 schema has properties), so even a weak model answers with a call. This is priming,
 not constrained decoding: the arguments themselves are the model's.
+
+gpt-oss (a harmony template, fucina.text.harmony) renders through its own template with
+an assistant's reasoning as `thinking` and the request's reasoning effort; a forced call
+is primed with the `<|channel|>commentary to=functions.` header.
 """
 from __future__ import annotations
 

@@ -230,11 +230,17 @@ def history(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     `reasoning_content` as `thinking` (the template keeps it only before a tool call
     that no final answer follows, as harmony asks: analysis of finished turns is
     dropped); with both reasoning and calls the content goes (the template refuses
-    both), as llama.cpp does."""
+    both), as llama.cpp does. Assistant content that is a raw harmony reply (channel
+    markers and all) is split first: the official template refuses such content."""
     out = []
     for m in messages:
         m = dict(m)
         r = m.pop("reasoning_content", None)
+        c = m.get("content")
+        if m.get("role") == "assistant" and isinstance(c, str) and CHANNEL in c:
+            p = split(c)                   # a raw reply sent back: the template refuses markup
+            m["content"] = p.content
+            r = r or p.reasoning
         if m.get("role") == "assistant" and isinstance(r, str) and r:
             m["thinking"] = r
             if m.get("tool_calls"):
