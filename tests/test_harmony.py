@@ -72,6 +72,9 @@ def _joined(events) -> dict:
      '<|end|><|start|>assistant<|channel|>final<|message|>b', {"reasoning": "a", "content": "b", "calls": []}),
     # an empty call body is an empty object; a built-in tool keeps its whole name
     ('<|channel|>analysis to=browser.search<|message|>', {"reasoning": "", "content": "", "calls": [["browser.search", "{}"]]}),
+    # a stray commentary channel before the real one (llama.cpp's parser allows it too)
+    ('<|channel|>commentary to=assistant<|channel|>analysis<|message|>r<|end|><|start|>assistant'
+     '<|channel|>commentary<|channel|>final<|message|>f', {"reasoning": "r", "content": "f", "calls": []}),
     # cut off inside a header: nothing to show
     ('<|channel|>analysis<|message|>hm<|end|><|start|>assist', {"reasoning": "hm", "content": "", "calls": []}),
 ])
@@ -397,6 +400,12 @@ def test_responses_and_anthropic(served):
     r = c.responses.create(model="x", input=ASK[0]["content"], tools=[tool], temperature=0)
     assert [o.type for o in r.output] == ["reasoning", "function_call"]
     fc = r.output[1]
+    kinds, args = [], ""
+    for ev in c.responses.create(model="x", input=ASK[0]["content"], tools=[tool], temperature=0, stream=True):
+        kinds.append(ev.type)
+        args += ev.delta if ev.type == "response.function_call_arguments.delta" else ""
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.function_call_arguments.delta")
+    assert args == fc.arguments
     r2 = c.responses.create(model="x", tools=[tool], temperature=0, input=[
         ASK[0], r.output[0].model_dump(exclude_none=True),
         {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},

@@ -101,9 +101,9 @@ def parse_header(text: str) -> Header:
     role = "assistant"
     if h.startswith(START):
         role = _ROLE.match(h[len(START):]).group(1) or "assistant"
-    ch = _CHANNEL.search(h)
-    to = _RECIPIENT.search(h)
-    return Header(role, ch.group(1) if ch else None, to.group(1) if to else None)
+    ch = _CHANNEL.findall(h)            # the last: gpt-oss sometimes writes a stray
+    to = _RECIPIENT.search(h)           # `<|channel|>commentary` before the real channel
+    return Header(role, ch[-1] if ch else None, to.group(1) if to else None)
 
 
 class HarmonyStream:
