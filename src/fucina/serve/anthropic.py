@@ -1,9 +1,9 @@
 """The Anthropic Messages dialect: a translation layer onto the same engine.
 
 Content blocks map onto the canonical history (tool_use -> assistant tool_calls,
-tool_result -> tool messages, an assistant's thinking blocks as its reasoning, which
-only gpt-oss's template renders back: before a tool call); the reply's reasoning becomes a `thinking` block, tool calls `tool_use`
-blocks. Usage follows Anthropic's prompt-caching split: `input_tokens` are the
+tool_result -> tool messages, an assistant's thinking blocks -> its reasoning, which
+only gpt-oss's template renders back, before a tool call); the reply's reasoning
+becomes a `thinking` block, tool calls `tool_use` blocks. Usage follows Anthropic's prompt-caching split: `input_tokens` are the
 prompt tokens that were computed, `cache_read_input_tokens` those served from a KV
 slot.
 """
