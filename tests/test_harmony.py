@@ -199,6 +199,9 @@ def test_conversation_keeps_channels_apart(llm):
     assert "<|channel|>final<|message|>Hello!<|end|><|start|>user<|message|>Again" in text and "greet" not in text
     m = c._assistant(CALL)
     assert m["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    text = c._render([{"role": "user", "content": "Weather?"}, m, {"role": "tool", "content": "18"}])
+    assert text.endswith('{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant'
+                         '<|channel|>commentary<|message|>"18"<|end|><|start|>assistant')   # send_messages' history
     reply = c.send("Hi there")                     # a real (random-weight) turn: it renders and runs
     assert isinstance(reply, str) and c.messages[-1]["role"] == "assistant"
     assert "<|channel|>" not in c.messages[-1]["content"]
