@@ -146,6 +146,45 @@ def load_llm(model_arg, *, threads=None, n_ctx=None, cache_type="f16", lora=None
     return llm
 
 
+class HarmonyView:
+    """gpt-oss's reply as `fucina chat` shows it: the analysis channel as a think block
+    (the way a Qwen-style model's reasoning prints), then the answer; a tool call as
+    `[call NAME ARGS]`. The conversation keeps the raw reply."""
+
+    def __init__(self, emit):
+        from fucina.text.harmony import HarmonyStream
+
+        self.emit, self.stream, self.mode = emit, HarmonyStream(), "start"
+
+    def feed(self, piece: str) -> None:
+        self._show(self.stream.feed(piece))
+
+    def finish(self) -> None:
+        self._show(self.stream.finish())
+        if self.mode == "think":
+            self.emit("\n</think>\n")
+
+    def _show(self, events) -> None:
+        for kind, value in events:
+            if kind == "reasoning":
+                if self.mode != "think":
+                    self.emit("<think>\n")
+                self.mode = "think"
+                self.emit(value)
+                continue
+            if self.mode == "think":
+                self.emit("\n</think>\n\n")
+            self.mode = "answer"
+            if kind == "content":
+                self.emit(value)
+            elif kind == "call":
+                self.emit(f"[call {value} ")
+            elif kind == "args":
+                self.emit(value)
+            elif kind == "end_call":
+                self.emit("]")
+
+
 class ChatSession:
     """What one `fucina chat` talks to: a Conversation over the model's chat template,
     or, for a model without one, raw completions of each message."""
@@ -157,6 +196,8 @@ class ChatSession:
         self.llm, self.args = llm, args
         self.sampling = sampling_from_args(args, llm.sampling)
         self.raw = not llm.has_chat_template
+        from fucina.text.harmony import is_harmony
+        self.harmony = not self.raw and is_harmony(llm.template)
         self.ids: list[int] = []           # every reply's ids, for --ids-out
         self.conv = Conversation(llm.model, llm.tokenizer, llm.template, system=args.system,
                                  max_tokens=args.gen, think=not args.no_think, sampling=self.sampling,
@@ -184,7 +225,10 @@ class ChatSession:
                                              **grammar_options(self.args)):
                     emit(piece)
             else:
-                self.conv.send(text, on_piece=emit)
+                view = HarmonyView(emit) if self.harmony else None
+                self.conv.send(text, on_piece=view.feed if view else emit)
+                if view:
+                    view.finish()
         except KeyboardInterrupt:
             msgs = self.conv.messages
             if not self.raw and not (len(msgs) >= 2 and msgs[-2] == {"role": "user", "content": text}):

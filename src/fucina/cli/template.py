@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     s.add_argument("--messages", "-m", required=True, help="JSON file: [messages] or {messages, tools, ...}")
     s.add_argument("--no-generation-prompt", action="store_true", help="omit the assistant opener")
     s.add_argument("--no-think", action="store_true", help="set enable_thinking=false")
-    s.add_argument("--builtin", choices=("chatml", "llama3", "gemma", "gemma4"),
+    s.add_argument("--builtin", choices=("chatml", "llama3", "gemma", "gemma4", "harmony"),
                    help="use a built-in format instead of the file's template")
     s.set_defaults(func=cmd_template)
 

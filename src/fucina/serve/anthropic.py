@@ -1,9 +1,9 @@
 """The Anthropic Messages dialect: a translation layer onto the same engine.
 
 Content blocks map onto the canonical history (tool_use -> assistant tool_calls,
-tool_result -> tool messages, thinking blocks dropped: templates drop past
-reasoning); the reply's reasoning becomes a `thinking` block, tool calls `tool_use`
-blocks. Usage follows Anthropic's prompt-caching split: `input_tokens` are the
+tool_result -> tool messages, an assistant's thinking blocks -> its reasoning, which
+only gpt-oss's template renders back, before a tool call); the reply's reasoning
+becomes a `thinking` block, tool calls `tool_use` blocks. Usage follows Anthropic's prompt-caching split: `input_tokens` are the
 prompt tokens that were computed, `cache_read_input_tokens` those served from a KV
 slot.
 """
@@ -60,7 +60,7 @@ def messages(f: Fields) -> list[dict]:
         if not isinstance(content, list):
             raise bad(f"'messages[{i}].content' must be a string or an array of content blocks",
                       f"messages[{i}].content")
-        text, calls, results = [], [], 0
+        text, calls, results, thinking = [], [], 0, []
         for j, b in enumerate(content):
             path = f"messages[{i}].content[{j}]"
             bf = Fields(b, path + ".")
@@ -79,12 +79,16 @@ def messages(f: Fields) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": bf.str("tool_use_id", required=True),
                             "content": result})
                 results += 1
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(bf.str("thinking", ""))
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             else:
                 raise bad(f"'{path}.type' {kind!r} is not supported in a {role} message", path + ".type")
         if role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": join_parts(text)}
+            if "".join(thinking):
+                msg["reasoning_content"] = "".join(thinking)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

@@ -87,6 +87,14 @@ def _think(f: Fields) -> bool | None:
     return None
 
 
+def _effort(f: Fields):
+    """The request's reasoning effort (chat: `reasoning_effort`; Responses: `reasoning.effort`)."""
+    effort = f.get("reasoning_effort")
+    if effort is None and isinstance(f.get("reasoning"), dict):
+        effort = f.get("reasoning").get("effort")
+    return effort
+
+
 def _logprob_entry(tok_text, tok: int, lp: float) -> dict:
     piece = tok_text(tok)
     return {"token": piece.decode("utf-8", "replace"), "logprob": lp, "bytes": list(piece)}
@@ -141,7 +149,9 @@ def chat_messages(f: Fields) -> list[dict]:
                               "function": {"name": fn.str("name", required=True),
                                            "arguments": _arguments_obj(fn.str("arguments", "{}"))}})
             msg["tool_calls"] = calls
-        elif role == "user" and mf.get("content") is None:
+        if role == "assistant" and isinstance(mf.get("reasoning_content"), str):
+            msg["reasoning_content"] = mf.get("reasoning_content")
+        if role == "user" and mf.get("content") is None:
             raise bad(f"'{path}' is required", path)
         if role == "tool":
             msg["tool_call_id"] = mf.str("tool_call_id", "") or mf.str("name", "")
@@ -175,7 +185,7 @@ def parse_chat(server, body: dict) -> tuple[Turn, dict]:
     cfg = sampling(f, server.sampling)
     stops = f.stops("stop")
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f), prime=not forced))
+                                               think=_think(f), prime=not forced, effort=_effort(f)))
     def constraint():
         return structured.constraint(server, prompt, grammar, think=_think(f))
     req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, mt), cfg, stops,
@@ -346,6 +356,7 @@ def response_input(f: Fields) -> list[dict]:
         return msgs + [{"role": "user", "content": inp}]
     if not isinstance(inp, list):
         raise bad("'input' must be a string or an array of items", "input")
+    thought = ""                           # a reasoning item's text, for the assistant turn it precedes
     for i, item in enumerate(inp):
         it = Fields(item, f"input[{i}].")
         kind = it.str("type", "message")
@@ -356,7 +367,12 @@ def response_input(f: Fields) -> list[dict]:
                 raise bad(f"'input[{i}].role' {role!r} is not one of system, developer, user, assistant",
                           f"input[{i}].role")
             msgs.append({"role": role, "content": text_content(it.require("content"), f"input[{i}].content")})
+            if role == "assistant" and thought:
+                msgs[-1]["reasoning_content"], thought = thought, ""
         elif kind == "function_call":
+            if thought:
+                msgs.append({"role": "assistant", "content": "", "reasoning_content": thought})
+                thought = ""
             call = {"id": it.str("call_id", required=True), "type": "function",
                     "function": {"name": it.str("name", required=True),
                                  "arguments": _arguments_obj(it.str("arguments", "{}"))}}
@@ -368,8 +384,9 @@ def response_input(f: Fields) -> list[dict]:
             out = it.require("output")
             msgs.append({"role": "tool", "tool_call_id": it.str("call_id", required=True),
                          "content": out if isinstance(out, str) else text_content(out, f"input[{i}].output")})
-        elif kind == "reasoning":
-            continue
+        elif kind == "reasoning":          # rendered back only where the template wants it
+            thought += "".join(c.get("text", "") for c in it.list("content", [])
+                               if isinstance(c, dict) and isinstance(c.get("text"), str))
         else:
             raise bad(f"'input[{i}].type' {kind!r} is not supported", f"input[{i}].type")
     if not msgs:
@@ -405,7 +422,7 @@ def parse_response(server, body: dict) -> tuple[Turn, dict]:
     if forced:
         grammar = structured.tool_grammar(server, tools, choice, parallel)
     prompt = server.render(lambda: render_chat(server.engine, messages, tools=tools, tool_choice=choice,
-                                               think=_think(f), prime=not forced))
+                                               think=_think(f), prime=not forced, effort=_effort(f)))
     cfg = sampling(f, server.sampling)
     mt = f.int("max_output_tokens", None, 1)
     req = GenRequest(prompt.ids, max_tokens_for(server, prompt.ids, mt), cfg, [], server.engine.stop_ids,

@@ -355,3 +355,61 @@ def tool_arguments(text: str) -> dict:
     except ValueError:
         return {}
     return obj if isinstance(obj, dict) else {"value": obj}
+
+
+class HarmonyOutputParser:
+    """The OutputParser interface over a harmony reply (gpt-oss; fucina.text.harmony):
+    the analysis channel as `Reasoning`, final (and a recipient-less commentary
+    preamble) as `Text`, a `to=functions.NAME` message as one streamed tool call. A call
+    when no tools were declared (a built-in tool the client never offered) is dropped,
+    as llama.cpp drops it."""
+
+    def __init__(self, *, tools: bool = False, primed: str = "", id_prefix: str = "call_"):
+        from fucina.text.harmony import HarmonyStream
+
+        self.tools, self.id_prefix = tools, id_prefix
+        self.stream = HarmonyStream()
+        self.n_calls = 0
+        self.skip = False           # inside a dropped call
+        self.events: list[Event] = []
+        if primed:
+            self.feed(primed)
+
+    def feed(self, piece: str) -> list[Event]:
+        return self._map(self.stream.feed(piece))
+
+    def finish(self) -> list[Event]:
+        return self._map(self.stream.finish())
+
+    @property
+    def n_tool_calls(self) -> int:
+        return self.n_calls
+
+    def _map(self, raw: list[tuple]) -> list[Event]:
+        out: list[Event] = []
+        for kind, value in raw:
+            if kind == "reasoning":
+                out.append(Reasoning(value))
+            elif kind == "content":
+                out.append(Text(value))
+            elif kind == "call":
+                self.skip = not self.tools
+                if not self.skip:
+                    out.append(ToolStart(self.n_calls, new_call_id(self.id_prefix), value))
+            elif self.skip:
+                continue
+            elif kind == "args":
+                out.append(ToolArgs(self.n_calls, value))
+            elif kind == "end_call":
+                out.append(ToolEnd(self.n_calls, value))
+                self.n_calls += 1
+        self.events += out
+        return out
+
+
+def parser_for(prompt, id_prefix: str = "call_") -> OutputParser | HarmonyOutputParser:
+    """The reply parser a rendered prompt calls for."""
+    if getattr(prompt, "harmony", False):
+        return HarmonyOutputParser(tools=prompt.tools, primed=prompt.primed, id_prefix=id_prefix)
+    return OutputParser(tools=prompt.tools, reasoning=prompt.reasoning, primed=prompt.opening,
+                        id_prefix=id_prefix, tool_names=prompt.tool_names)

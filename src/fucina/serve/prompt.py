@@ -14,6 +14,10 @@ turns. A forced tool choice primes the reply with `<tool_call>` (and, when one
 function is named, its name and the opening `{"` of its arguments object when its
 schema has properties), so even a weak model answers with a call. This is priming,
 not constrained decoding: the arguments themselves are the model's.
+
+gpt-oss (a harmony template, fucina.text.harmony) renders through its own template with
+an assistant's reasoning as `thinking` and the request's reasoning effort; a forced call
+is primed with the `<|channel|>commentary to=functions.` header.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from fucina.text import harmony
 from fucina.text.chat_template import prompt_ids
 
 HERMES_SYSTEM = (
@@ -40,6 +45,7 @@ class Prompt:
     tools: bool = False    # parse tool calls from the reply
     reasoning: bool = False
     tool_names: tuple[str, ...] = ()   # declared tools (a bare-JSON reply may call them)
+    harmony: bool = False  # the reply is harmony channels (gpt-oss), parsed by fucina.text.harmony
 
     @property
     def opening(self) -> str:
@@ -88,20 +94,47 @@ def hermes_fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
     return out
 
 
+def render_harmony(engine, msgs: list[dict[str, Any]], tools, tool_choice: Any, think: bool | None,
+                   effort: Any, prime: bool) -> Prompt:
+    """gpt-oss: the template renders tools and calls itself; an assistant's reasoning
+    goes in as `thinking`; a forced call is primed with its commentary header."""
+    extra = {}
+    level = harmony.effort_level(think, effort)
+    if level is not None:
+        extra["reasoning_effort"] = level
+    text = engine.template.render(harmony.history(msgs), add_generation_prompt=True,
+                                  tools=list(tools) if tools else None, **extra)
+    primed = ""
+    if prime and tools and tool_choice not in ("auto", None):
+        primed = "<|channel|>commentary to=functions."
+        if isinstance(tool_choice, dict) and tool_choice.get("name"):
+            primed += tool_choice["name"] + " <|constrain|>json<|message|>"
+    full = text + primed
+    names = tuple(t.get("function", t).get("name") for t in tools or ())
+    return Prompt(full, prompt_ids(engine.tokenizer, full), primed, bool(tools), True, names, harmony=True)
+
+
 def render_chat(engine, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
-                think: bool | None = None, prime: bool = True) -> Prompt:
+                think: bool | None = None, prime: bool = True, effort: Any = None) -> Prompt:
     """Render a canonical history for the engine's model. tool_choice: "auto", "none",
     "required", or a function name (str wrapped as {"name": ...}). prime=False leaves a
-    forced call unprimed (a grammar writes the whole call)."""
+    forced call unprimed (a grammar writes the whole call). effort: the request's
+    reasoning effort (gpt-oss renders it; other templates read only `think`)."""
     template = engine.template
     if tool_choice == "none":
         tools = None
+    if harmony.is_harmony(template):
+        msgs = [dict(m) for m in messages]
+        for m in msgs:
+            m["content"] = m.get("content") or ""
+        return render_harmony(engine, msgs, tools, tool_choice, think, effort, prime)
     has_tool_msgs = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     native = template_knows_tools(template)
     msgs = [dict(m) for m in messages]
     for m in msgs:
         m["content"] = m.get("content") or ""
+        m.pop("reasoning_content", None)      # past reasoning: only harmony renders it back
     if (tools or has_tool_msgs) and not native:
         msgs, tools_arg = hermes_fallback(msgs, tools), None
     else:

@@ -15,7 +15,8 @@ under `"strict": true` (response_format's json_schema, text.format, a function's
 `strict`); otherwise the rest is enforced, the server logs a warning naming the
 keyword, and the finished reply is checked against the whole schema (a violation is
 logged). On a thinking template the think block stays free and the grammar governs
-what follows it.
+what follows it; on gpt-oss (harmony) the analysis messages stay free and the grammar
+governs the final message's body, and a forced call is written in harmony's own syntax.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from fucina.errors import GrammarError
 from fucina.serve.protocol import Fields, bad
 from fucina.text import grammar as grammars
 from fucina.text.constraint import Constraint, thinks
+from fucina.text.harmony import is_harmony
 
 
 def forced_tool(tools: list[dict] | None, choice: Any) -> bool:
@@ -82,6 +84,9 @@ def llamacpp_fields(f: Fields) -> str | None:
 
 def tool_grammar(server, tools: list[dict], choice: Any, parallel: bool) -> str:
     name = choice.get("name") if isinstance(choice, dict) else None
+    if is_harmony(server.engine.template):      # gpt-oss: one call a turn, in its own syntax
+        return _compile(lambda: grammars.harmony_call_grammar(tools, server.engine.tokenizer, name=name),
+                        "tools")
     return _compile(lambda: grammars.tool_call_grammar(tools, server.engine.tokenizer, name=name,
                                                        parallel=parallel and name is None),
                     "tools")
@@ -93,7 +98,10 @@ def constraint(server, prompt, grammar: str | None, *, think: bool | None = None
         return None
     eng = server.engine
     text = prompt.text.rstrip()
-    if think is not False and thinks(eng.template) and not text.endswith("</think>"):
+    if getattr(prompt, "harmony", False):
+        if not getattr(grammar, "whole_reply", False):
+            grammar = _compile(grammars.harmony_wrapped, "response_format", grammar, eng.tokenizer)
+    elif think is not False and thinks(eng.template) and not text.endswith("</think>"):
         grammar = grammars.think_wrapped(grammar, eng.tokenizer, primed=text.endswith("<think>"))
     try:
         return Constraint(eng.tokenizer, grammar, stop_ids=eng.stop_ids, n_vocab=eng.model.config.n_vocab)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fucina.serve.engine import Finished, GenRequest, Job, Piece, Started
-from fucina.serve.parsing import OutputParser, Reasoning, Text, ToolArgs, ToolEnd, ToolStart
+from fucina.serve.parsing import Reasoning, Text, ToolArgs, ToolEnd, ToolStart, parser_for
 from fucina.serve.prompt import Prompt
 
 
@@ -32,8 +32,7 @@ class Turn:
                  id_prefix: str = "call_"):
         self.server, self.prompt, self.req = server, prompt, req
         self.single_call = single_call
-        self.parser = OutputParser(tools=prompt.tools, reasoning=prompt.reasoning, primed=prompt.opening,
-                                   id_prefix=id_prefix, tool_names=prompt.tool_names)
+        self.parser = parser_for(prompt, id_prefix)
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[dict] = []          # {"id", "name", "arguments"}

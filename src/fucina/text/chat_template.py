@@ -116,8 +116,82 @@ BUILTIN: dict[str, str] = {
         "{% endif %}"),
 }
 
+# harmony (gpt-oss), for a gpt-oss file without its template: the system message, the
+# developer message (instructions, tools as a TypeScript namespace: scalars, enums, arrays
+# of scalars; anything deeper is `any`), calls written back as `to=functions.NAME` with the
+# reasoning before them kept only while no final answer follows, tool results as
+# `functions.NAME to=assistant` commentary; past analysis dropped (fucina.text.harmony).
+_HARMONY_TYPE = (    # one line of Jinja: every newline is an expression, so trim_blocks cannot eat one
+    "{% macro ts(p) %}"
+    "{% if p.enum %}{{ '\"' + p.enum | join('\" | \"') + '\"' }}"
+    "{% elif p.type == 'string' %}string"
+    "{% elif p.type in ('number', 'integer') %}number"
+    "{% elif p.type == 'boolean' %}boolean"
+    "{% elif p.type == 'array' %}"
+    "{{ {'string': 'string[]', 'number': 'number[]', 'integer': 'number[]', 'boolean': 'boolean[]'}"
+    ".get((p['items'] or {}).type, 'any[]') }}"
+    "{% elif p.type == 'object' %}object"
+    "{% else %}any{% endif %}"
+    "{% endmacro %}")
+BUILTIN["harmony"] = (
+    _HARMONY_TYPE +
+    "{% if not messages %}{{ raise_exception('no messages') }}{% endif %}"
+    "<|start|>system<|message|>{{ model_identity if model_identity is defined else "
+    "'You are ChatGPT, a large language model trained by OpenAI.' }}{{ '\\n' }}"
+    "Knowledge cutoff: 2024-06{{ '\\n' }}Current date: {{ strftime_now('%Y-%m-%d') }}{{ '\\n\\n' }}"
+    "Reasoning: {{ reasoning_effort if reasoning_effort is defined else 'medium' }}{{ '\\n\\n' }}"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{% if tools %}{{ '\\n' }}Calls to these tools must go to the commentary channel: 'functions'.{% endif %}"
+    "<|end|>"
+    "{% set ns = namespace(start=0, dev='', call=none) %}"
+    "{% if messages[0].role in ('system', 'developer') %}"
+    "{% set ns.dev = messages[0].content %}{% set ns.start = 1 %}{% endif %}"
+    "{% if ns.dev or tools %}<|start|>developer<|message|>"
+    "{% if ns.dev %}# Instructions{{ '\\n\\n' + ns.dev + '\\n\\n' }}{% endif %}"
+    "{% if tools %}# Tools{{ '\\n\\n' }}## functions{{ '\\n\\n' }}namespace functions {{ '{\\n\\n' }}"
+    "{% for t in tools %}{% set f = t.function or t %}"
+    "// {{ f.description }}{{ '\\n' }}type {{ f.name }} = "
+    "{% if f.parameters and f.parameters.properties %}(_: {{ '{\\n' }}"
+    "{% for k, p in f.parameters.properties.items() %}"
+    "{% if p.description %}// {{ p.description }}{{ '\\n' }}{% endif %}"
+    "{{ k }}{{ '' if k in (f.parameters.required or []) else '?' }}: {{ ts(p) }}"
+    "{% if p.default is defined %}, // default: "
+    "{{ p.default if p.enum else p.default | tojson }}{% endif %},{{ '\\n' }}"
+    "{% endfor %}}) => any;{{ '\\n\\n' }}"
+    "{% else %}() => any;{{ '\\n\\n' }}{% endif %}"
+    "{% endfor %}} // namespace functions{% endif %}<|end|>"
+    "{% endif %}"
+    "{% set msgs = messages[ns.start:] %}"
+    "{% for m in msgs %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% set later = namespace(final=false) %}"
+    "{% for n in msgs[loop.index:] %}{% if n.role == 'assistant' and not n.tool_calls %}"
+    "{% set later.final = true %}{% endif %}{% endfor %}"
+    "{% set c = m.tool_calls[0].function or m.tool_calls[0] %}"
+    "{% set thought = m.thinking or m.content %}"
+    "{% if thought and not later.final %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ thought }}<|end|>{% endif %}"
+    "<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>"
+    "{{ c.arguments | tojson }}<|call|>{% set ns.call = c.name %}"
+    "{% elif m.role == 'assistant' %}"
+    "{% if loop.last and not add_generation_prompt %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% set ns.call = none %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if ns.call is none %}{{ raise_exception('a tool message without an earlier tool call') }}{% endif %}"
+    "<|start|>functions.{{ ns.call }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>"
+    "{% elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
 STOP_MARKERS = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>",
-                "gemma4": "<turn|>"}
+                "gemma4": "<turn|>", "harmony": "<|return|>"}
+# more texts that end an assistant turn (harmony: a tool call ends it too)
+EXTRA_STOPS = {"harmony": ("<|call|>",)}
 
 # reasoning block delimiters per format, for splitting a reply
 REASONING = {"chatml": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>")}
@@ -128,7 +202,7 @@ def detect_format(source: str | None) -> str | None:
     if not source:
         return None
     for marker, name in (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
-                         ("<|turn>", "gemma4"), ("<start_of_turn>", "gemma")):
+                         ("<|turn>", "gemma4"), ("<start_of_turn>", "gemma"), ("<|channel|>", "harmony")):
         if marker in source:
             return name
     return None
@@ -188,7 +262,7 @@ class ChatTemplate:
         fmt = fallback
         if fmt is None:
             known = set(vocab)
-            for marker in ("<|im_start|>", "<|start_header_id|>", "<|turn>", "<start_of_turn>"):
+            for marker in ("<|im_start|>", "<|start_header_id|>", "<|turn>", "<start_of_turn>", "<|channel|>"):
                 if marker in known or (tokenizer is not None and tokenizer.token_id(marker) is not None):
                     fmt = detect_format(marker)
                     break
@@ -237,7 +311,7 @@ class ChatTemplate:
         eos = getattr(tokenizer, "eos_id", None)
         if eos is not None and eos >= 0:
             ids.add(eos)
-        for text in (self.stop_marker, self.eos_token):
+        for text in (self.stop_marker, self.eos_token, *EXTRA_STOPS.get(self.format, ())):
             if text:
                 i = tokenizer.token_id(text)
                 if i is not None:

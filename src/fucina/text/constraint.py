@@ -34,6 +34,7 @@ import torch
 
 from fucina.errors import GrammarError
 from fucina.text import grammar as grammars
+from fucina.text.harmony import is_harmony
 from fucina.text.logit_processor import LogitProcessor
 from fucina.text.tokenizer.special import special_ids
 
@@ -168,7 +169,7 @@ class Constraint(LogitProcessor):
         """The reply ended: check it against the whole schema (the keywords the grammar
         could not enforce); a violation is logged and kept in `violation`."""
         text = self.tokenizer.decode(self.reply_ids)
-        body = text.rsplit("</think>", 1)[-1].strip()
+        body = text.rsplit("</think>", 1)[-1].rsplit("<|message|>", 1)[-1].strip()  # past a harmony header
         self.violation = grammars.reply_problem(self.schema, body)
         if self.violation is not None:
             log.warning("the reply breaks its JSON schema where the grammar could not enforce it: %s",
@@ -277,6 +278,8 @@ def for_reply(tokenizer, grammar: str | None, *, stop_ids: Iterable[int], n_voca
     the model writes its think block freely and `grammar` governs what follows."""
     if grammar is None:
         return None
-    if template is not None and think is not False and thinks(template):
+    if template is not None and is_harmony(template):
+        grammar = grammars.harmony_wrapped(grammar, tokenizer)
+    elif template is not None and think is not False and thinks(template):
         grammar = grammars.think_wrapped(grammar, tokenizer, primed=primed_think(template))
     return Constraint(tokenizer, grammar, stop_ids=stop_ids, n_vocab=n_vocab)

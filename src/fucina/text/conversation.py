@@ -6,6 +6,8 @@ tokenized and prefilled; otherwise (a template that rewrites history, e.g. dropp
 past reasoning, or a reply cut at a stop string) the cache is rewound to the longest
 common token prefix with a fresh tokenization and the rest is prefilled. Either way the
 cache ends up holding what a stateless prefill of the rendered history would hold.
+A gpt-oss (harmony) reply goes into the history split by channel (`_assistant`), so
+the next turn renders it the way harmony asks (the analysis of a finished turn dropped).
 
 `send_messages`/`send_tokens` are the stateless-server seam: a full history (or its ids)
 reconciled against whatever this conversation's cache holds, reusing the longest common
@@ -21,6 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from fucina.errors import FucinaError
 from fucina.models.cache_q8 import make_cache
 from fucina.models.kv_persist import KVPersist
+from fucina.text import harmony
 from fucina.text.chat_template import ChatTemplate, prompt_ids
 from fucina.text.generate import Reply, ReplyDecoder, drive, pieces_text, prefill, run
 from fucina.text.logit_processor import LogitProcessor
@@ -142,8 +145,11 @@ class Conversation:
 
     # -- turns -------------------------------------------------------------------
     def _render(self, msgs: list[dict[str, Any]]) -> str:
+        extra = {}
+        if harmony.is_harmony(self.template) and harmony.effort_level(self.think) is not None:
+            extra["reasoning_effort"] = harmony.effort_level(self.think)   # gpt-oss: think=False is low
         return self.template.render(msgs, add_generation_prompt=True, tools=self.tools,
-                                    enable_thinking=self.think)
+                                    enable_thinking=self.think, **extra)
 
     def _ids_for(self, full: str) -> list[int]:
         done = self._committed_text
@@ -194,10 +200,26 @@ class Conversation:
         reply = rd.close()
         self.last = reply
         if msgs is not None:
-            self.messages = msgs + [{"role": "assistant", "content": reply.text}]
+            self.messages = msgs + [self._assistant(reply.text)]
             if len(self.tokens) == len(ids) + len(reply.tokens):
                 self._committed_text = prompt_text + pieces_text(self.tokenizer, reply.tokens)
         self._sync()
+
+    def _assistant(self, text: str) -> dict[str, Any]:
+        """The reply as a history message. A harmony reply (gpt-oss) is split into its
+        channels: the final answer as content, the analysis as `thinking` (which the
+        template drops from finished turns), a call as `tool_calls`; raw channel
+        markup in content would be refused by the template."""
+        if not harmony.is_harmony(self.template):
+            return {"role": "assistant", "content": text}
+        p = harmony.split(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": p.content}
+        if p.reasoning:
+            msg["thinking"] = p.reasoning
+        if p.calls:
+            msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": _args(a)}}
+                                 for n, a in p.calls]
+        return msg
 
     # -- persistence ---------------------------------------------------------------
     def _meta_path(self) -> Path:
@@ -225,6 +247,13 @@ class Conversation:
         tmp.write_text(json.dumps({"n_tokens": len(self.tokens), "messages": self.messages,
                                    "committed_text": self._committed_text}, ensure_ascii=False))
         os.replace(tmp, self._meta_path())
+
+
+def _args(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def send_batch(convos: Sequence[Conversation], users: Sequence[str], *,

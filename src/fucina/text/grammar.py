@@ -63,6 +63,7 @@ class Grammar(str):
     (the engine's notes naming the keywords it left out)."""
     schema: dict | None = None
     unenforced: tuple[str, ...] = ()
+    whole_reply: bool = False      # already spells the model's whole reply (a harmony call)
 
 
 def json_schema(schema: Any, strict: bool = False) -> str:
@@ -213,6 +214,51 @@ def think_wrapped(grammar: str, tokenizer, *, primed: bool) -> str:
         think = f"think[stop={close}]: /(?s:.*)/\n"
     start = "start: think /\\n{0,2}/ @body\n" if primed else f"start: ({open_} think /\\n{{0,2}}/)? @body\n"
     return _carry(grammar, json.dumps({"grammars": [{"lark_grammar": start + think}] + _named(grammar, "body")}))
+
+
+def _harmony_analysis(tokenizer) -> tuple[str, dict[str, str]]:
+    """Lark for gpt-oss's optional analysis messages before the one the grammar governs
+    (the reply starts after `<|start|>assistant`); the harmony markers by token id."""
+    t = {k: token_ref(tokenizer, v) for k, v in (("ch", "<|channel|>"), ("msg", "<|message|>"),
+                                                  ("end", "<|end|>"), ("start", "<|start|>"),
+                                                  ("con", "<|constrain|>"))}
+    free = "THOUGHT: /(?s:.*)/\n" if t["end"].startswith("<[") else f'THOUGHT[stop={t["end"]}]: /(?s:.*)/\n'
+    close = t["end"] if t["end"].startswith("<[") else ""
+    rule = f'analysis: {t["ch"]} "analysis" {t["msg"]} THOUGHT {close} {t["start"]} "assistant"\n' + free
+    return rule, t
+
+
+def harmony_wrapped(grammar: str, tokenizer) -> str:
+    """gpt-oss (harmony): free analysis messages, then the final message, whose body is
+    `grammar` (the whole reply is `<|channel|>final<|message|>BODY`, as the parser reads it)."""
+    rule, t = _harmony_analysis(tokenizer)
+    start = f'start: analysis* {t["ch"]} "final" {t["msg"]} @body\n'
+    return _carry(grammar, json.dumps({"grammars": [{"lark_grammar": start + rule}] + _named(grammar, "body")}))
+
+
+def harmony_call_grammar(tools: Sequence[Mapping[str, Any]], tokenizer, *, name: str | None = None) -> str:
+    """A forced gpt-oss tool call: optional analysis, then one `<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>ARGS` message (harmony calls one tool a
+    turn; `<|call|>` ends it), ARGS valid under the tool's parameters schema. The
+    result is the whole reply's grammar (`whole_reply`): it is not wrapped again."""
+    fns = [_function(t) for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f.get("name") == name]
+    if not fns:
+        raise GrammarError(f"no declared tool named {name!r}" if name else "no tools to call")
+    rule, t = _harmony_analysis(tokenizer)
+    alts, rules = [], []
+    for i, fn in enumerate(fns):
+        params = schema_dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        params = {**params, "x-guidance": {**JSON_OPTIONS, "lenient": not fn.get("strict", False)}}
+        alts.append(f"fn{i}")
+        rules.append(f'fn{i}: {json.dumps(fn.get("name"))} " " {t["con"]} "json" {t["msg"]} args{i}\n'
+                     f"args{i}: %json {json.dumps(params)}\n")
+    text = (f'start: analysis? {t["ch"]} "commentary to=functions." call\n'
+            f"call: {' | '.join(alts)}\n" + "".join(rules) + rule)
+    out = Grammar(check(lark(text), "tool"))
+    out.whole_reply = True
+    return out
 
 
 def _carry(inner: str, outer: str) -> str:
