@@ -3,7 +3,7 @@
     python benchmarks/engram.py ppl MODEL --train TEXT --held TEXT [--steps 60] [--layers 24,27]
         [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
     python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
-        [--arms bare,cut,torch,native] [--clock wall|cpu]
+        [--arms bare,cut,torch,split,native] [--clock wall|cpu]
     python benchmarks/engram.py layer MODEL [--layers 24] [--calls 400] [--reps 5] [--threads 1]
 
 `ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
@@ -14,8 +14,9 @@ its parameters match the graft's), each scored as `fucina perplexity` scores (ch
 `speed`: greedy single-token decode steps with and without a graft attached, alternated
 per repetition in one process (the box's load moves every arm alike); the ratios of
 medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
-change nothing: the cut's own cost); torch (the graft's torch layer); native (the graft's
-one-call native forward, what inference runs).
+change nothing: the cut's own cost); torch (the graft's torch layer); split (the step cut
+at the memory layers, each one native call between the pieces); native (the memory
+layers inside the one native step, what inference runs).
 `layer`: one memory layer's decode call alone (process CPU time): the torch layer, the
 native hook, the kernel.
 """
@@ -132,7 +133,8 @@ def _identity_hook(layer, x, ids, pos0, cache):
 def cmd_speed(args) -> None:
     """Arms, alternated per repetition: bare (one native step a token); cut (the step cut at
     the memory layers by hooks that return the residual unchanged: what cutting costs);
-    torch (the graft's torch layer); native (the graft's one-call native forward)."""
+    torch (the graft's torch layer); split (the step cut, a native call a memory layer);
+    native (the memory layers inside the one native step)."""
     model, tok = _setup(args)
     ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it keeps running")
     layers = [int(x) for x in args.layers.split(",")]
@@ -145,8 +147,8 @@ def cmd_speed(args) -> None:
         if name == "cut":
             for lid in layers:
                 model.add_residual_hook(lid, _identity_hook)
-        elif name in ("torch", "native"):
-            eng.native = name == "native"
+        elif name in ("torch", "split", "native"):
+            eng.native, eng.in_step = name != "torch", name == "native"
             eng.attach(model)
         try:
             return _decode(model, ids, args.gen, args.clock)
@@ -239,7 +241,7 @@ def main() -> None:
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
-    s.add_argument("--arms", default="bare,cut,torch,native")
+    s.add_argument("--arms", default="bare,cut,torch,split,native")
     s.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     s.set_defaults(func=cmd_speed)
     s = sub.add_parser("layer")
