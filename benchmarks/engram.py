@@ -13,7 +13,8 @@ its parameters match the graft's), each scored as `fucina perplexity` scores (ch
 --eval-ctx, second halves) on the training text and on held-out text.
 `speed`: greedy single-token decode steps with and without a graft attached, alternated
 per repetition in one process (the box's load moves every arm alike); the ratios of
-medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
+medians to bare, and the median of each repetition's ratio to its own bare run (on a
+loaded box, use many short repetitions and read the paired ratio). Arms: bare; cut (the native step cut at the memory layers by hooks that
 change nothing: the cut's own cost); torch (the graft's torch layer); split (the step cut
 at the memory layers, each one native call between the pieces); native (the memory
 layers inside the one native step, what inference runs).
@@ -169,6 +170,10 @@ def cmd_speed(args) -> None:
                tok_s={a: round(v, 1) for a, v in med.items()})
     if b:
         out["ratio"] = {a: round(v / b, 3) for a, v in med.items()}
+        # each repetition's arm against the bare run next to it in time, then the median: a
+        # load that moves between repetitions moves both sides of a pair alike
+        out["paired_ratio"] = {a: round(statistics.median(x / y for x, y in zip(v, times["bare"])), 3)
+                               for a, v in times.items()}
         out["added_ms_per_token"] = {a: round(1e3 / v - 1e3 / b, 3) for a, v in med.items()}
     out["runs"] = {a: [round(x, 1) for x in v] for a, v in times.items()}
     print(json.dumps(out))

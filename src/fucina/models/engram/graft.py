@@ -63,6 +63,7 @@ class _Stream:
         self.ids_ptr = self.ids.ctypes.data
         self.conv_ptr = {lid: t.data_ptr() for lid, t in self.conv.items()}
         self.conv_ptrs = np.array([self.conv_ptr[lid] for lid in layer_ids], dtype=np.int64)   # plan order
+        self.conv_ptrs_ptr = self.conv_ptrs.ctypes.data
 
 
 class Engram(torch.nn.Module):
@@ -239,7 +240,7 @@ class Engram(torch.nn.Module):
         m = ids.numel()
         try:
             self.rows_prefetched += native_engram.graft_bind(self._graft, ids.data_ptr(), m, s.ids_ptr, pos0,
-                                                             s.ids.shape[0], s.conv_ptrs.ctypes.data)
+                                                             s.ids.shape[0], s.conv_ptrs_ptr)
         except (IndexError, ValueError) as e:
             raise EngramError(str(e)) from None
         s.known = pos0 + m
