@@ -48,7 +48,8 @@ engram = Extension(
     depends=["csrc/generic/engram_impl.inc", "csrc/isa/avx2_engram.inc", "csrc/isa/avx512_engram.inc"],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],
-    extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-Wall"],
+    extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall"],
+    extra_link_args=["-fopenmp"],   # the projections inside the decoder step: the step's pool
     language="c++",
 )
 

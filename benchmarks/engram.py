@@ -3,7 +3,7 @@
     python benchmarks/engram.py ppl MODEL --train TEXT --held TEXT [--steps 60] [--layers 24,27]
         [--ctx 128] [--lr 1e-2] [--arms bare,cap1,full,lora] [--threads 2]
     python benchmarks/engram.py speed MODEL [--layers 24,27] [--gen 64] [--reps 5] [--threads 2]
-        [--arms bare,cut,torch,native] [--clock wall|cpu]
+        [--arms bare,cut,torch,split,native] [--clock wall|cpu]
     python benchmarks/engram.py layer MODEL [--layers 24] [--calls 400] [--reps 5] [--threads 1]
 
 `ppl`: four arms on the same training windows and steps: bare (no training), cap1 (the
@@ -13,9 +13,11 @@ its parameters match the graft's), each scored as `fucina perplexity` scores (ch
 --eval-ctx, second halves) on the training text and on held-out text.
 `speed`: greedy single-token decode steps with and without a graft attached, alternated
 per repetition in one process (the box's load moves every arm alike); the ratios of
-medians to bare. Arms: bare; cut (the native step cut at the memory layers by hooks that
-change nothing: the cut's own cost); torch (the graft's torch layer); native (the graft's
-one-call native forward, what inference runs).
+medians to bare, and the median of each repetition's ratio to its own bare run (on a
+loaded box, use many short repetitions and read the paired ratio). Arms: bare; cut (the native step cut at the memory layers by hooks that
+change nothing: the cut's own cost); torch (the graft's torch layer); split (the step cut
+at the memory layers, each one native call between the pieces); native (the memory
+layers inside the one native step, what inference runs).
 `layer`: one memory layer's decode call alone (process CPU time): the torch layer, the
 native hook, the kernel.
 """
@@ -132,7 +134,8 @@ def _identity_hook(layer, x, ids, pos0, cache):
 def cmd_speed(args) -> None:
     """Arms, alternated per repetition: bare (one native step a token); cut (the step cut at
     the memory layers by hooks that return the residual unchanged: what cutting costs);
-    torch (the graft's torch layer); native (the graft's one-call native forward)."""
+    torch (the graft's torch layer); split (the step cut, a native call a memory layer);
+    native (the memory layers inside the one native step)."""
     model, tok = _setup(args)
     ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it keeps running")
     layers = [int(x) for x in args.layers.split(",")]
@@ -145,8 +148,8 @@ def cmd_speed(args) -> None:
         if name == "cut":
             for lid in layers:
                 model.add_residual_hook(lid, _identity_hook)
-        elif name in ("torch", "native"):
-            eng.native = name == "native"
+        elif name in ("torch", "split", "native"):
+            eng.native, eng.in_step = name != "torch", name == "native"
             eng.attach(model)
         try:
             return _decode(model, ids, args.gen, args.clock)
@@ -167,6 +170,10 @@ def cmd_speed(args) -> None:
                tok_s={a: round(v, 1) for a, v in med.items()})
     if b:
         out["ratio"] = {a: round(v / b, 3) for a, v in med.items()}
+        # each repetition's arm against the bare run next to it in time, then the median: a
+        # load that moves between repetitions moves both sides of a pair alike
+        out["paired_ratio"] = {a: round(statistics.median(x / y for x, y in zip(v, times["bare"])), 3)
+                               for a, v in times.items()}
         out["added_ms_per_token"] = {a: round(1e3 / v - 1e3 / b, 3) for a, v in med.items()}
     out["runs"] = {a: [round(x, 1) for x in v] for a, v in times.items()}
     print(json.dumps(out))
@@ -239,7 +246,7 @@ def main() -> None:
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
-    s.add_argument("--arms", default="bare,cut,torch,native")
+    s.add_argument("--arms", default="bare,cut,torch,split,native")
     s.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     s.set_defaults(func=cmd_speed)
     s = sub.add_parser("layer")

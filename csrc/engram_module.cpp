@@ -7,7 +7,16 @@
  * One unit, three sections (scalar, AVX2 + FMA, AVX-512), each compiling
  * generic/engram_impl.inc over its own eg_dot2; the caller picks the section by number
  * (fucina.kernels.engram follows the ISA fucina.kernels runs), refused when the CPU lacks it.
- * Every pointer and size is checked here before anything is read or written. */
+ * Every pointer and size is checked here before anything is read or written.
+ *
+ * Inside the decoder step: a graft context (graft_new / graft_layer) holds each memory
+ * layer's fixed arguments; its layers are residual hooks of the step's plan (fk_res_hook in
+ * fk_plan.h: hook_address() and the layer's context address in the plan's res_hook fields).
+ * Before each step, graft_bind checks and compresses the step's ids into the history, reads
+ * mapped tables' rows ahead and arms every layer once; the step then calls each layer's hook
+ * at its layer with the residual rows, and the hook runs the same forward as `forward`,
+ * its projections over the step's threads. So a token is one native call for the whole
+ * model, memory layers included. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
@@ -36,6 +45,7 @@ typedef struct {
     int kernel, dilation;
     float *conv;               /* normed value rows by position [capacity, d] */
     void *scratch;             /* rows [heads] (int64) | e [E] | key [d] | value [d] (f32) */
+    int nthreads;              /* the projections' threads (OpenMP, the pool torch loaded) */
 } eg_layer_args;
 
 /* the heads' table rows of position pos (the reference's hash, plan.py): order n mixes
@@ -153,6 +163,51 @@ static int eg_check_plan(int64_t max_ngram, int64_t n_head, const int64_t *mult,
     return 1;
 }
 
+/* a layer's fixed arguments, v[0..18] = (max_ngram, n_head, pad, mult, mods, offs, table,
+ * table_rows, head_dim, key_w, key_b, key_norm, query_norm, value_w, value_b, conv_norm, conv_w,
+ * kernel, dilation), into a; checked (width d) */
+static int eg_fixed(const long long *v, int64_t d, eg_layer_args *a) {
+    a->d = d;
+    a->max_ngram = (int)v[0];
+    a->n_head = (int)v[1];
+    a->pad = v[2];
+    a->mult = (const int64_t *)EG_PTR(3);
+    a->mods = (const int64_t *)EG_PTR(4);
+    a->offs = (const int64_t *)EG_PTR(5);
+    a->table = (const float *)EG_PTR(6);
+    a->table_rows = v[7];
+    a->head_dim = v[8];
+    a->key_w = (const float *)EG_PTR(9);
+    a->key_b = (const float *)EG_PTR(10);
+    a->key_norm = (const float *)EG_PTR(11);
+    a->query_norm = (const float *)EG_PTR(12);
+    a->value_w = (const float *)EG_PTR(13);
+    a->value_b = (const float *)EG_PTR(14);
+    a->conv_norm = (const float *)EG_PTR(15);
+    a->conv_w = (const float *)EG_PTR(16);
+    a->kernel = (int)v[17];
+    a->dilation = (int)v[18];
+    a->nthreads = 1;
+    if (!a->table || !a->key_w || !a->key_b || !a->key_norm || !a->query_norm || !a->value_w || !a->value_b ||
+        !a->conv_norm || !a->conv_w) {
+        PyErr_SetString(PyExc_ValueError, "engram: null pointer");
+        return 0;
+    }
+    if (d < 1 || d > (1 << 20) || a->table_rows < 1 || a->head_dim < 1 || a->head_dim > 65536 || v[17] < 1 ||
+        v[17] > 64 || v[18] < 1 || v[18] > 4096) {
+        PyErr_SetString(PyExc_ValueError, "engram: inconsistent sizes (rows, width, positions past the capacity, "
+                                          "table, head width, conv kernel or dilation)");
+        return 0;
+    }
+    return eg_check_plan(v[0], v[1], a->mult, a->mods, a->offs, a->table_rows);
+}
+
+/* a layer's scratch (eg_layer_args.scratch) */
+static void *eg_scratch(const eg_layer_args *a) {
+    const int64_t nh = (int64_t)(a->max_ngram - 1) * a->n_head;
+    return malloc((size_t)nh * 8 + (size_t)(nh * a->head_dim + 2 * a->d) * 4);
+}
+
 /* forward(level, x, m, d, ids, n_vocab, lookup, sids, pos0, capacity, max_ngram, n_head, pad,
  *         mult, mods, offs, table, table_rows, head_dim, key_w, key_b, key_norm, query_norm,
  *         value_w, value_b, conv_norm, conv_w, kernel, dilation, conv)
@@ -169,47 +224,24 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     eg_layer_args a;
+    if (!eg_fixed(v + 10, v[3], &a)) return NULL;
     a.x = (float *)EG_PTR(1);
     a.m = v[2];
-    a.d = v[3];
     const int64_t *ids = (const int64_t *)EG_PTR(4), *lookup = (const int64_t *)EG_PTR(6);
     const int64_t n_vocab = v[5], cap = v[9];
     int64_t *sids = (int64_t *)EG_PTR(7);
     a.sids = sids;
     a.pos0 = v[8];
-    a.max_ngram = (int)v[10];
-    a.n_head = (int)v[11];
-    a.pad = v[12];
-    a.mult = (const int64_t *)EG_PTR(13);
-    a.mods = (const int64_t *)EG_PTR(14);
-    a.offs = (const int64_t *)EG_PTR(15);
-    a.table = (const float *)EG_PTR(16);
-    a.table_rows = v[17];
-    a.head_dim = v[18];
-    a.key_w = (const float *)EG_PTR(19);
-    a.key_b = (const float *)EG_PTR(20);
-    a.key_norm = (const float *)EG_PTR(21);
-    a.query_norm = (const float *)EG_PTR(22);
-    a.value_w = (const float *)EG_PTR(23);
-    a.value_b = (const float *)EG_PTR(24);
-    a.conv_norm = (const float *)EG_PTR(25);
-    a.conv_w = (const float *)EG_PTR(26);
-    a.kernel = (int)v[27];
-    a.dilation = (int)v[28];
     a.conv = (float *)EG_PTR(29);
-    if (!a.x || !ids || !sids || !a.table || !a.key_w || !a.key_b || !a.key_norm || !a.query_norm || !a.value_w ||
-        !a.value_b || !a.conv_norm || !a.conv_w || !a.conv) {
+    if (!a.x || !ids || !sids || !a.conv) {
         PyErr_SetString(PyExc_ValueError, "engram: null pointer");
         return NULL;
     }
-    if (a.m < 1 || a.d < 1 || a.d > (1 << 20) || n_vocab < 1 || a.pos0 < 0 || cap < 1 || a.pos0 > cap - a.m ||
-        a.table_rows < 1 || a.head_dim < 1 || a.head_dim > 65536 || v[27] < 1 || v[27] > 64 || v[28] < 1 ||
-        v[28] > 4096) {
+    if (a.m < 1 || n_vocab < 1 || a.pos0 < 0 || cap < 1 || a.pos0 > cap - a.m) {
         PyErr_SetString(PyExc_ValueError, "engram: inconsistent sizes (rows, width, positions past the capacity, "
                                           "table, head width, conv kernel or dilation)");
         return NULL;
     }
-    if (!eg_check_plan(v[10], v[11], a.mult, a.mods, a.offs, a.table_rows)) return NULL;
     for (int64_t t = 0; t < a.m; t++)
         if (ids[t] < 0 || ids[t] >= n_vocab) {
             PyErr_Format(PyExc_IndexError, "engram: token id %lld out of range [0, %lld)", (long long)ids[t],
@@ -218,7 +250,7 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
     for (int64_t t = 0; t < a.m; t++) sids[a.pos0 + t] = lookup ? lookup[ids[t]] : ids[t];
     const int64_t nh = (int64_t)(a.max_ngram - 1) * a.n_head;
-    a.scratch = malloc((size_t)nh * 8 + (size_t)(nh * a.head_dim + 2 * a.d) * 4);
+    a.scratch = eg_scratch(&a);
     if (!a.scratch) return PyErr_NoMemory();
     if (a.m * a.d * nh * a.head_dim > (1 << 22)) {
         Py_BEGIN_ALLOW_THREADS fn(&a);
@@ -281,6 +313,203 @@ static PyObject *py_willneed(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(advised);
 }
 
+/* ---- the graft context: the memory layers as residual hooks of the decoder step ---------- */
+static const char *kGraftCapsule = "fucina.kernels.engram.graft";
+
+typedef struct eg_graft eg_graft;
+typedef struct {
+    eg_graft *g;
+    int index;                 /* the layer's place in the graft (its history's slot) */
+    int set, armed;            /* fixed arguments given; bound to the next step, not yet run */
+    int64_t mapped_row_bytes;  /* a table mapped from its file: its rows are read ahead (0: in RAM) */
+    eg_layer_args a;           /* the fixed arguments and the scratch */
+} eg_hook;
+
+struct eg_graft {
+    int n_layers;
+    int64_t d, n_vocab;
+    const int64_t *lookup;     /* int64 [n_vocab] compression or NULL */
+    /* the binding (graft_bind): the step's rows, the stream's history */
+    eg_fn fn;
+    int64_t m, pos0;
+    int64_t *sids;
+    float **conv;              /* [n_layers] each layer's normed value history */
+    eg_hook *layers;           /* [n_layers] */
+};
+
+/* fk_res_hook (fk_plan.h): the layer's forward over the step's rows, once per binding */
+static int eg_step_hook(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_t pos0, int nthreads) {
+    eg_hook *h = (eg_hook *)(uintptr_t)ctx;
+    eg_graft *g = h->g;
+    if (!h->armed || !x || m != g->m || pos0 != g->pos0 || ldx != g->d) return 1;
+    h->armed = 0;
+    eg_layer_args a = h->a;
+    a.x = x;
+    a.m = m;
+    a.sids = g->sids;
+    a.pos0 = pos0;
+    a.conv = g->conv[h->index];
+    a.nthreads = nthreads > 1 ? nthreads : 1;
+    g->fn(&a);
+    return 0;
+}
+
+static void graft_free(PyObject *cap) {
+    eg_graft *g = (eg_graft *)PyCapsule_GetPointer(cap, kGraftCapsule);
+    if (!g) return;
+    for (int j = 0; j < g->n_layers; j++) free(g->layers[j].a.scratch);
+    free(g->layers);
+    free(g->conv);
+    free(g);
+}
+
+static eg_graft *graft_of(PyObject *cap) { return (eg_graft *)PyCapsule_GetPointer(cap, kGraftCapsule); }
+
+/* graft_new(n_layers, d, n_vocab, lookup) -> capsule; lookup: int64 [n_vocab] or 0 (the
+ * caller keeps the array alive as long as the capsule) */
+static PyObject *py_graft_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[4];
+    if (!eg_ints("graft_new", args, nargs, 4, v)) return NULL;
+    if (v[0] < 1 || v[0] > 4096 || v[1] < 1 || v[1] > (1 << 20) || v[2] < 1) {
+        PyErr_SetString(PyExc_ValueError, "engram graft_new: layers in 1..4096, a width and a vocabulary");
+        return NULL;
+    }
+    eg_graft *g = (eg_graft *)calloc(1, sizeof(eg_graft));
+    if (g) {
+        g->layers = (eg_hook *)calloc((size_t)v[0], sizeof(eg_hook));
+        g->conv = (float **)calloc((size_t)v[0], sizeof(float *));
+    }
+    if (!g || !g->layers || !g->conv) {
+        if (g) {
+            free(g->layers);
+            free(g->conv);
+        }
+        free(g);
+        return PyErr_NoMemory();
+    }
+    g->n_layers = (int)v[0];
+    g->d = v[1];
+    g->n_vocab = v[2];
+    g->lookup = (const int64_t *)EG_PTR(3);
+    for (int j = 0; j < g->n_layers; j++) {
+        g->layers[j].g = g;
+        g->layers[j].index = j;
+    }
+    PyObject *cap = PyCapsule_New(g, kGraftCapsule, graft_free);
+    if (!cap) {
+        free(g->layers);
+        free(g->conv);
+        free(g);
+    }
+    return cap;
+}
+
+/* graft_layer(graft, j, max_ngram, ..., dilation (forward's 19 fixed arguments), mapped_row_bytes)
+ * -> the layer's hook context (an address for the plan's res_hook_ctx); the caller keeps every
+ * array alive; a layer given again replaces its arguments (a parameter that moved) */
+static PyObject *py_graft_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 22) {
+        PyErr_SetString(PyExc_TypeError, "graft_layer takes 22 arguments");
+        return NULL;
+    }
+    eg_graft *g = graft_of(args[0]);
+    if (!g) return NULL;
+    long long v[21];
+    if (!eg_ints("graft_layer", args + 1, nargs - 1, 21, v)) return NULL;
+    if (v[0] < 0 || v[0] >= g->n_layers || v[20] < 0) {
+        PyErr_SetString(PyExc_ValueError, "engram graft_layer: layer index out of range or negative row bytes");
+        return NULL;
+    }
+    eg_layer_args a;
+    if (!eg_fixed(v + 1, g->d, &a)) return NULL;
+    a.scratch = eg_scratch(&a);
+    if (!a.scratch) return PyErr_NoMemory();
+    eg_hook *h = g->layers + v[0];
+    free(h->a.scratch);
+    h->a = a;
+    h->mapped_row_bytes = v[20];
+    h->set = 1;
+    h->armed = 0;
+    return PyLong_FromVoidPtr(h);
+}
+
+/* graft_bind(graft, level, ids, m, sids, pos0, capacity, conv) -> rows read ahead: the next
+ * step's m rows at pos0..: ids int64 [m] checked against the vocabulary and compressed into
+ * the history sids int64 [capacity]; conv int64 [n_layers] the layers' normed value
+ * histories (f32 [capacity, d] each); mapped tables' rows advised (MADV_WILLNEED); every
+ * layer armed for one call */
+static PyObject *py_graft_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "graft_bind takes 8 arguments");
+        return NULL;
+    }
+    eg_graft *g = graft_of(args[0]);
+    if (!g) return NULL;
+    long long v[7];
+    if (!eg_ints("graft_bind", args + 1, nargs - 1, 7, v)) return NULL;
+    const eg_fn fn = eg_pick((long)v[0]);
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "engram: ISA level %lld is unknown or not supported by this CPU", v[0]);
+        return NULL;
+    }
+    const int64_t *ids = (const int64_t *)EG_PTR(1), m = v[2], pos0 = v[4], cap = v[5];
+    int64_t *sids = (int64_t *)EG_PTR(3);
+    const int64_t *conv = (const int64_t *)EG_PTR(6);
+    if (!ids || !sids || !conv) {
+        PyErr_SetString(PyExc_ValueError, "engram: null pointer");
+        return NULL;
+    }
+    if (m < 1 || pos0 < 0 || cap < 1 || pos0 > cap - m) {
+        PyErr_SetString(PyExc_ValueError, "engram: inconsistent sizes (rows, positions past the capacity)");
+        return NULL;
+    }
+    for (int j = 0; j < g->n_layers; j++)
+        if (!g->layers[j].set || !conv[j]) {
+            PyErr_Format(PyExc_ValueError, "engram: memory layer %d has no arguments or no history", j);
+            return NULL;
+        }
+    for (int64_t t = 0; t < m; t++)
+        if (ids[t] < 0 || ids[t] >= g->n_vocab) {
+            PyErr_Format(PyExc_IndexError, "engram: token id %lld out of range [0, %lld)", (long long)ids[t],
+                         (long long)g->n_vocab);
+            return NULL;
+        }
+    for (int64_t t = 0; t < m; t++) sids[pos0 + t] = g->lookup ? g->lookup[ids[t]] : ids[t];
+    long advised = 0;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (int j = 0; j < g->n_layers; j++) {
+        eg_hook *h = g->layers + j;
+        g->conv[j] = (float *)(uintptr_t)conv[j];
+        h->armed = 1;
+        if (!h->mapped_row_bytes) continue;
+        const eg_layer_args *a = &h->a;
+        const int64_t nh = (int64_t)(a->max_ngram - 1) * a->n_head;
+        int64_t *rows = (int64_t *)a->scratch;
+        for (int64_t t = 0; t < m; t++) {
+            eg_rows(sids, pos0 + t, a->max_ngram, a->n_head, a->pad, a->mult, a->mods, a->offs, rows);
+            for (int64_t i = 0; i < nh; i++) {
+                const uintptr_t b = (uintptr_t)a->table + (uintptr_t)rows[i] * (uintptr_t)h->mapped_row_bytes;
+                const uintptr_t lo = b & ~(page - 1);
+                if (madvise((void *)lo, b + (uintptr_t)h->mapped_row_bytes - lo, MADV_WILLNEED) == 0) advised++;
+            }
+        }
+    }
+    g->fn = fn;
+    g->m = m;
+    g->pos0 = pos0;
+    g->sids = sids;
+    return PyLong_FromLong(advised);
+}
+
+static PyObject *py_hook_address(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromVoidPtr((void *)&eg_step_hook);
+}
+
 static PyObject *py_supported(PyObject *self, PyObject *arg) {
     (void)self;
     const long level = PyLong_AsLong(arg);
@@ -298,6 +527,13 @@ static PyMethodDef methods[] = {
     {"willneed", (PyCFunction)(void (*)(void))py_willneed, METH_FASTCALL,
      "willneed(table, row_bytes, table_rows, rows, n): read these rows' pages of a mapped table ahead"},
     {"supported", py_supported, METH_O, "supported(level): 0 scalar, 1 AVX2 + FMA, 2 AVX-512"},
+    {"graft_new", (PyCFunction)(void (*)(void))py_graft_new, METH_FASTCALL,
+     "graft_new(n_layers, d, n_vocab, lookup): a graft context, its layers run inside the decoder step"},
+    {"graft_layer", (PyCFunction)(void (*)(void))py_graft_layer, METH_FASTCALL,
+     "graft_layer(graft, j, max_ngram, ..., dilation, mapped_row_bytes): layer j's arguments; its hook context"},
+    {"graft_bind", (PyCFunction)(void (*)(void))py_graft_bind, METH_FASTCALL,
+     "graft_bind(graft, level, ids, m, sids, pos0, capacity, conv): bind the next step's rows; rows read ahead"},
+    {"hook_address", py_hook_address, METH_NOARGS, "hook_address(): the step's residual hook (fk_res_hook)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,7 +41,8 @@ typedef struct {
     X(I, bidir)                                                                                   \
     FK_MOE_FIELDS(X)                                                                              \
     FK_DELTA_FIELDS(X)                                                                            \
-    FK_GEMMA4_FIELDS(X)
+    FK_GEMMA4_FIELDS(X)                                                                           \
+    X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
 
@@ -74,6 +75,12 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
 #define FK_GEMMA4_FIELDS(X) \
     X(I, kv_from) X(I, layer_ff) X(W, ple_gate) X(W, ple_proj) X(V, ple_norm)
+
+/* res_hook (0: none): an fk_res_hook the step calls with res_hook_ctx on the residual rows
+ * entering the layer, before its norm (a residual hook run inside the step: Engram's memory
+ * layer, fucina.kernels._engram). pos0 is -1 in batch mode; nonzero refuses the call and
+ * the step stops (status -2). */
+typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_t pos0, int nthreads);
 
 enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
@@ -119,7 +126,7 @@ typedef struct {
      * row_pos[i] of the cache whose table is row_kv + i * n_layer * FK_KV_ENTRY */
     const int64_t *row_pos;
     const int64_t *row_kv;
-    int status;  /* out: 0 ok, -1 out of memory */
+    int status;  /* out: 0 ok, -1 out of memory, -2 a residual hook refused */
 } fk_step_args;
 
 #endif

@@ -402,7 +402,8 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !(1 FK_LAYER_FIELDS(FK_LORA_OK))) {
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+            (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);
             PyErr_Format(PyExc_ValueError, "plan: layer %lld has inconsistent weights or settings", i);
@@ -501,7 +502,12 @@ static PyObject *step_entry(const char *fn, const char *what, int (*rows)(fk_ste
         PyErr_Format(PyExc_ValueError, "%s: inconsistent positions, %s or RoPE table", fn, what);
         return NULL;
     }
-    if (run_step(&a)) return PyErr_NoMemory();
+    const int status = run_step(&a);
+    if (status == -2) {
+        PyErr_Format(PyExc_ValueError, "%s: a residual hook refused the call (not bound to these rows)", fn);
+        return NULL;
+    }
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

@@ -428,17 +428,21 @@ def test_mapped_table_gives_the_in_ram_logits_and_reads_ahead(tiny, tmp_path):
     _stream_graft(tiny).save(path)
     logits = {}
     for mmap in (False, True):
-        eng = Engram.load(path, mmap=mmap)
-        assert eng.mapped_layers == ([1] if mmap else [])
-        assert isinstance(eng._mapped.get(1), np.memmap) == mmap
-        eng.attach(tiny)
-        try:
-            logits[mmap] = _logits(tiny, True, (9, 1, 1, 12))
-        finally:
-            eng.detach()
-        # every step after the first reads its rows ahead, each head of each position
-        assert eng.rows_prefetched == (eng.plan.n_heads_total * (len(IDS) - 9) if mmap else 0)
-    assert torch.equal(logits[True], logits[False])
+        for in_step in (True, False):
+            eng = Engram.load(path, mmap=mmap)
+            assert eng.mapped_layers == ([1] if mmap else [])
+            assert isinstance(eng._mapped.get(1), np.memmap) == mmap
+            eng.in_step = in_step
+            eng.attach(tiny)
+            try:
+                logits[mmap, in_step] = _logits(tiny, True, (9, 1, 1, 12))
+            finally:
+                eng.detach()
+            # each head of each position read ahead: inside the step every step's rows (the
+            # binding makes the history), cut every step's after the first
+            ahead = len(IDS) if in_step else len(IDS) - 9
+            assert eng.rows_prefetched == (eng.plan.n_heads_total * ahead if mmap else 0)
+    assert all(torch.equal(v, logits[False, True]) for v in logits.values())
     from fucina.cli.main import main
     from fucina.models.engram import graft
     try:
@@ -446,3 +450,66 @@ def test_mapped_table_gives_the_in_ram_logits_and_reads_ahead(tiny, tmp_path):
         assert graft.MMAP_DEFAULT is True
     finally:
         graft.MMAP_DEFAULT = None
+
+
+# -- the memory layers inside the native step (DecoderPlan.with_hooks) ---------------------------
+
+def test_in_step_graft_is_bitwise_the_cut_step(tiny, isa, monkeypatch):
+    """One native call a token with the memory layers inside == the step cut at them with a
+    native call each, bitwise, at every ISA level and thread count (the projections' outputs
+    split over the step's threads), prefill and decode; at the first and the last layer."""
+    _native_or_skip()
+    import fucina.kernels as K
+    eng = _trained(Engram.for_model(tiny, [0, 2], capacity=31, n_head=2, head_dim=8,
+                                    lookup=np.arange(tiny.config.n_vocab) // 3)).attach(tiny)
+    threads = K.get_threads()
+    try:
+        for n in (1, 2):
+            K.set_threads(n)
+            for chunks in ((len(IDS),), (9, 1, 1, 12)):
+                eng.in_step = False
+                cut = _logits(tiny, True, chunks)
+                eng.in_step = True
+                with monkeypatch.context() as mp:     # nothing runs the memory layers outside the step
+                    mp.setattr(Engram, "_native_forward", lambda *a: pytest.fail("cut step taken"))
+                    inside = _logits(tiny, True, chunks)
+                assert tiny._hook_step and torch.equal(inside, cut)
+    finally:
+        K.set_threads(threads)
+        eng.detach()
+    assert not tiny.residual_hooks and tiny._hook_step is None
+
+
+def test_in_step_bad_input(tiny):
+    native_engram = _native_or_skip()
+    from fucina.kernels import KernelError
+    eng = _stream_graft(tiny).attach(tiny)
+    try:
+        with torch.inference_mode():
+            _in_step_bad_input(tiny, eng, native_engram, KernelError)
+        assert not eng.bind(torch.tensor([1]), 0, tiny.init_cache(8))    # a gradient: the cut step's torch layer
+    finally:
+        eng.detach()
+
+
+def _in_step_bad_input(tiny, eng, native_engram, KernelError):
+    cache = tiny.init_cache(8)
+    with pytest.raises(EngramError, match="out of range"):
+        eng.bind(torch.tensor([1, tiny.config.n_vocab]), 0, cache)
+    with pytest.raises(EngramError, match="not computed with the graft"):
+        eng.bind(torch.tensor([1]), 3, cache)
+    plan, _ = tiny._in_step_plan()
+    x = torch.zeros(1, tiny.config.n_embd)
+    ptrs = tiny._native_cache(cache)
+    tables = [t.table(8) for t in tiny.rope_tables(8)]
+    with pytest.raises(KernelError, match="hook refused"):     # a step no binding armed
+        plan.run(x, ptrs, 0, tables)
+    assert eng.bind(torch.tensor([1, 2]), 0, cache)
+    with pytest.raises(KernelError, match="hook refused"):     # bound to other rows
+        plan.run(x, ptrs, 0, tables)
+    with pytest.raises(ValueError, match="out of range"):
+        native_engram.graft_layer(eng._graft, 5, eng._native_args(1, eng.layers["1"]), 0)
+    bad = list(eng._native_args(1, eng.layers["1"]))
+    bad[7] = 5                                                 # a table too short for the heads' rows
+    with pytest.raises(ValueError, match="outside the table"):
+        native_engram.graft_layer(eng._graft, 0, tuple(bad), 0)

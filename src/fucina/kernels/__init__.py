@@ -534,6 +534,18 @@ class DecoderPlan:
             return None
         return DecoderPlan.build(**dict(spec, layers=spec["layers"][lo:hi]))
 
+    def with_hooks(self, hooks: dict[int, tuple[int, int]]) -> "DecoderPlan | None":
+        """This plan with native residual hooks: {layer: (fk_res_hook address, its context)},
+        each called by the step on the residual rows entering its layer (csrc/fk_plan.h
+        res_hook). The caller keeps what the addresses point at alive as long as the plan.
+        None when the rows carry per-layer inputs (the hooks' rows are n_embd wide)."""
+        spec = self._spec
+        if spec["n_ple"] or any(not 0 <= i < self.n_layer for i in hooks):
+            return None
+        layers = [dict(L, res_hook=hooks[i][0], res_hook_ctx=hooks[i][1]) if i in hooks else L
+                  for i, L in enumerate(spec["layers"])]
+        return DecoderPlan.build(**dict(spec, layers=layers))
+
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]

@@ -405,7 +405,10 @@ class DecoderBase:
     # is looked up and the native step runs every layer in one call, as without the seam.
     # With hooks the native step runs the layer ranges between hooked layers (one plan each,
     # `DecoderPlan.layer_range`) and the hooks run in torch between them; the torch blocks
-    # (and the training forward) call them before the hooked block.
+    # (and the training forward) call them before the hooked block. A hook that also runs
+    # natively (`native_hook(layer)` -> (fk_res_hook address, context) | None, and
+    # `bind(ids, pos0, cache)` -> bool before each step) runs inside the one native step
+    # instead (`DecoderPlan.with_hooks`): one call a token, the same bits as the cut step.
     residual_hooks: dict[int, tuple] = {}
 
     def add_residual_hook(self, layer: int, hook) -> None:
@@ -413,13 +416,14 @@ class DecoderBase:
             raise FucinaError(f"residual hook: layer {layer} out of range [0, {self.config.n_layer})")
         hooks = dict(self.residual_hooks)
         hooks[layer] = hooks.get(layer, ()) + (hook,)
-        self.residual_hooks, self._hook_plans = hooks, None
+        self.residual_hooks, self._hook_plans, self._hook_step = hooks, None, None
 
     def remove_residual_hooks(self, hook=None) -> None:
         """Remove `hook` from every layer (None: every hook)."""
         hooks = {i: tuple(h for h in hs if hook is not None and h is not hook)
                  for i, hs in self.residual_hooks.items()}
         self.residual_hooks, self._hook_plans = {i: hs for i, hs in hooks.items() if hs}, None
+        self._hook_step = None
 
     def run_hooks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
         for hook in self.residual_hooks.get(layer, ()):
@@ -435,6 +439,23 @@ class DecoderBase:
             plans = self._hook_plans = plans if all(p is not None for _, _, p in plans) else []
         return plans or None
 
+    def _in_step_plan(self) -> "tuple[kernels.DecoderPlan, tuple] | None":
+        """(one plan over every layer with the hooks inside it, the hooks to bind before each
+        step); None when some hooked layer has a hook that does not run natively (now: asked
+        again next step, a hook may turn native) or the plan cannot take hooks (kept)."""
+        got = getattr(self, "_hook_step", None)
+        if got is None:
+            native = {}
+            for i, hs in self.residual_hooks.items():
+                nh = getattr(hs[0], "native_hook", None) if len(hs) == 1 else None   # one hook slot a layer
+                native[i] = nh(i) if nh is not None else None
+                if native[i] is None:
+                    return None
+            plan = self.native_plan.with_hooks(native)
+            hooks = tuple(dict.fromkeys(h for hs in self.residual_hooks.values() for h in hs))
+            got = self._hook_step = (plan, hooks) if plan is not None else ()
+        return got or None
+
     def prefetch_hooks(self, ids: torch.Tensor, pos0: int, cache) -> None:
         """Hand a step's ids, before layer 0 runs, to the hooks that read ahead (an Engram
         table in a mapped file starts reading the step's rows)."""
@@ -443,6 +464,10 @@ class DecoderBase:
                 hook.prefetch(ids, pos0, cache)
 
     def _hooked_rows(self, h, ids, cache, pos0, ptrs, tables) -> torch.Tensor:
+        inner = self._in_step_plan() if ptrs is not None else None
+        if inner is not None and all(hook.bind(ids, pos0, cache) for hook in inner[1]):
+            inner[0].run(h, ptrs, pos0, tables)     # in place, the hooks inside
+            return h
         self.prefetch_hooks(ids, pos0, cache)
         ranges = self._hook_ranges() if ptrs is not None else None
         if ranges is None:

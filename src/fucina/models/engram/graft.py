@@ -3,7 +3,10 @@ safetensors, and the residual hooks that graft it onto a decoder.
 
 Attached (`attach(model)`), each memory layer's output is added to the residual stream
 entering its decoder layer (`DecoderBase.add_residual_hook`), on the torch blocks, the
-native step (cut at the hooked layers) and the training forward alike. A sequence's
+native step and the training forward alike. On the native step the memory layers run
+inside it (`native_hook`, `bind`: one native call a token for the whole model); with
+`in_step` off, or where the step cannot take them, the step is cut at the hooked layers
+and each memory layer is its own native call between the pieces. A sequence's
 state, the compressed ids and each layer's normed value rows by position (what the hash
 and the ShortConv read before a step's first position), is kept per cache, so rewinds
 and prefix reuse read what the positions they keep wrote.
@@ -59,11 +62,16 @@ class _Stream:
         self.known = 0
         self.ids_ptr = self.ids.ctypes.data
         self.conv_ptr = {lid: t.data_ptr() for lid, t in self.conv.items()}
+        self.conv_ptrs = np.array([self.conv_ptr[lid] for lid in layer_ids], dtype=np.int64)   # plan order
+        self.conv_ptrs_ptr = self.conv_ptrs.ctypes.data
 
 
 class Engram(torch.nn.Module):
     # False: every step runs the torch layer (the reference the native forward is tested against)
     native = True
+    # False: the native step is cut at the memory layers, each one native call between the
+    # pieces (the reference the in-step path is tested against, bitwise)
+    in_step = True
 
     def __init__(self, plan: HashPlan, n_embd: int, head_dim: int, *, kernel: int = 4, model_id: dict | None = None,
                  graft: bool = True, seed: int = 0):
@@ -80,6 +88,7 @@ class Engram(torch.nn.Module):
         self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._attached, self._packs = None, {}
         self._mapped, self.rows_prefetched = {}, 0    # {layer: its table mapped from the file}
+        self._graft, self._graft_set = None, {}        # the in-step context, {layer: (fixed, hook context)}
 
     @classmethod
     def for_model(cls, model, layer_ids, *, capacity: int = 20011, n_head: int = 4, head_dim: int = 32,
@@ -186,6 +195,57 @@ class Engram(torch.nn.Module):
             self.rows_prefetched += native_engram.willneed(table.ctypes.data, table.shape[1] * 4, table.shape[0],
                                                            rows.ctypes.data, rows.size)
 
+    # -- inside the native step (DecoderBase's native residual hooks) ----------------------
+    def native_hook(self, layer: int) -> tuple[int, int] | None:
+        """(the step's hook, this layer's context) for a plan that runs the memory layer
+        inside the decoder step (`DecoderPlan.with_hooks`); None: not on the native path."""
+        if not (self.native and self.in_step and native_engram.available()):
+            return None
+        ctx = self._graft_layer(layer)
+        return None if ctx is None else (native_engram.hook_address(), ctx)
+
+    def _graft_layer(self, layer: int) -> int | None:
+        """The layer's hook context, its arguments given again when a parameter moved (the
+        context's address stays, so a plan built on it stays valid)."""
+        fixed = self._native_args(layer, self.layers[str(layer)])
+        if fixed is None:
+            return None
+        if self._graft is None:
+            lookup = self.plan.lookup
+            self._graft = native_engram.graft_new(len(self.plan.layer_ids), self.n_embd, self.plan.n_vocab,
+                                                  0 if lookup is None else lookup.ctypes.data)
+        got = self._graft_set.get(layer)
+        if got is None or got[0] is not fixed:
+            mapped = self._mapped.get(layer)
+            ctx = native_engram.graft_layer(self._graft, self.plan.index(layer), fixed,
+                                            0 if mapped is None else mapped.shape[1] * 4)
+            got = self._graft_set[layer] = (fixed, ctx)
+        return got[1]
+
+    def bind(self, ids: torch.Tensor, pos0: int, cache) -> bool:
+        """Before a native step that runs the memory layers inside it: hand the step's ids
+        and this cache's history to the layers (ids checked and compressed, mapped tables'
+        rows read ahead). False: this step cannot run them inside (the caller cuts the step)."""
+        if not (self.native and self.in_step) or torch.is_grad_enabled() or getattr(cache, "training", False) \
+                or not native_engram.available():
+            return False
+        if any(self._graft_layer(lid) is None for lid in self.plan.layer_ids):
+            return False
+        s = self._stream(cache)
+        if pos0 > s.known:
+            raise EngramError(f"engram: this cache's positions before {pos0} were not computed with the graft "
+                              f"attached (it knows {s.known}); reset the cache")
+        if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.long and ids.dim() == 1 and ids.is_contiguous()):
+            ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).contiguous()
+        m = ids.numel()
+        try:
+            self.rows_prefetched += native_engram.graft_bind(self._graft, ids.data_ptr(), m, s.ids_ptr, pos0,
+                                                             s.ids.shape[0], s.conv_ptrs_ptr)
+        except (IndexError, ValueError) as e:
+            raise EngramError(str(e)) from None
+        s.known = pos0 + m
+        return True
+
     @property
     def mapped_layers(self) -> list[int]:
         """The memory layers whose table is read from the mapped file."""
@@ -274,6 +334,7 @@ class Engram(torch.nn.Module):
         eng.plan, eng.n_embd, eng.head_dim, eng.kernel, eng.model_id = plan, n_embd, head_dim, kernel, model_id
         eng._streams, eng._attached, eng._packs = weakref.WeakKeyDictionary(), None, {}
         eng._mapped, eng.rows_prefetched = {}, 0
+        eng._graft, eng._graft_set = None, {}
         e, layers = head_dim * plan.n_heads_total, {}
         shapes = dict(table=None, key_w=(n_embd, e), key_b=(n_embd,), key_norm=(n_embd,), query_norm=(n_embd,),
                       value_w=(n_embd, e), value_b=(n_embd,), conv_norm=(n_embd,), conv_w=(n_embd, kernel))
