@@ -3,16 +3,17 @@
     python benchmarks/ternary.py kernels [--isa avx512 --isa avx2]   # per-call time, TQ2_0 / TQ1_0 / Q4_K
     python benchmarks/ternary.py kl MODEL.gguf [--tokens 64]          # mean KL to the exact model, ours and llama.cpp's
     python benchmarks/ternary.py ptqtp SRC.gguf --planes 1 2 3 [--against Q.gguf ...]   # decorate, KL, decode speed
-    python benchmarks/ternary.py speedfile SRC.gguf OUT.gguf --planes 2   # PTQTP layout, residual planes (speed only)
+    python benchmarks/ternary.py speedfile SRC.gguf OUT.gguf --planes 2 [--tie]   # PTQTP layout (speed only)
     python benchmarks/ternary.py decode A.gguf B.gguf ...              # paired greedy decode tok/s, ratios to A
 
 `kernels`: the Qwen3-0.6B ffn shape (3072 x 1024) at m = 1 (decode), 4 (a verify pass) and
 128 (prefill), one thread, the three formats and PTQTP K = 1, 2, 3 (K stacked TQ2_0 planes, one
-fused call) alternated A B C A B C in one process, process CPU time per call, median of
---rounds. `ptqtp`: `fucina quantize --ptqtp K` of SRC for each K (wall time, the share
-decorated), then for SRC, each decorated file and each --against file: mean KL to SRC over
---tokens teacher-forced ids, and greedy decode tokens/s (one token a step, the models
-alternated per round, median of --rounds), with the decode ratio to the first --against.
+fused call) and PTQTP2-tied (the scale-tied pair folded: one pass) alternated A B C A B C in one
+process, process CPU time per call, median of --rounds. `ptqtp`: `fucina quantize --ptqtp K`
+of SRC for each K (wall time, the share decorated), then for SRC, each decorated file and
+each --against file: mean KL to SRC over --tokens teacher-forced ids, and greedy decode
+tokens/s (one token a step, the models alternated per round, median of --rounds), with the
+decode ratio to the first --against.
 `kl`: teacher-forced logits over --tokens ids of a fixed text from fucina (native kernels),
 from llama.cpp (llama-logits, $FUCINA_LLAMA_CPP) and from the exact model (the same file on
 fucina's reference path: every weight widened to f32, f32 arithmetic); mean over positions
@@ -52,6 +53,8 @@ def _ptqtp_weights(n: int, k: int, rng) -> dict:
     for planes in (1, 2, 3):
         f = fit(W, planes)
         out[f"PTQTP{planes}"] = PtqtpWeight([np.tile(plane_bytes(f, p), (n // 256, 1)) for p in range(planes)], n, k)
+    f = fit(W, 2, tie=True)   # scale-tied K=2: one folded plane, one dot pass
+    out["PTQTP2-tied"] = PtqtpWeight([np.tile(plane_bytes(f, p), (n // 256, 1)) for p in range(2)], n, k, tied=True)
     return out
 
 
@@ -185,14 +188,35 @@ def decode(args) -> None:
 def speedfile(args) -> None:
     """A PTQTP-layout file for speed runs only: each eligible projection as K planes from
     ggml's TQ2_0 encoder on the running residual (seconds, where the solver takes hours on a
-    0.6B model); the kernels' time does not depend on the values, its closeness is not PTQTP's."""
+    0.6B model); the kernels' time does not depend on the values, its closeness is not PTQTP's.
+    --tie: the scale-tied layout (2 planes, served folded), from one uniform 9-level code a
+    weight at s = max |w| / 4 a group (tie-rounded) in place of the tied solver."""
     import gguf
 
     from fucina.cli.quantize import _rel_err, _rewrite, ptqtp_eligible
     from fucina.gguf.ptqtp import PLANES_KEY, VERSION, VERSION_KEY, plane_name
+    from fucina.gguf.ptqtp import TIE_KEY
     from fucina.quant import dequantize, quantize
+    from fucina.quant.ptqtp import GROUP, Fit, plane_bytes, tie_round
+
+    if args.tie and args.planes != 2:
+        raise SystemExit("--tie takes --planes 2")
+
+    def encode_tied(w, name, t, rows):
+        g = rows.reshape(-1, GROUP)
+        s = tie_round(g.abs().amax(-1) / 4).clamp_min(2 ** -14)
+        c = torch.clamp(torch.round(g / s.unsqueeze(-1)), -4, 4)
+        t0 = torch.div(c + 4, 3, rounding_mode="floor") - 1
+        trits = torch.stack([t0, c - 3 * t0]).to(torch.int8).reshape(2, *rows.shape)
+        f = Fit(trits, torch.stack([3 * s, s]).reshape(2, rows.shape[0], -1), 0, 0, True)
+        for p in range(2):
+            q = plane_bytes(f, p)
+            w.add_tensor(plane_name(name, p), q, raw_shape=tuple(q.shape), raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+        return dict(dst="PTQTP2-tied", rel_err=_rel_err(f.weight(), rows))
 
     def encode(w, name, t, rows):
+        if args.tie:
+            return encode_tied(w, name, t, rows)
         res = rows.clone()
         for p in range(args.planes):
             q = quantize(res, int(T.TQ2_0))
@@ -204,9 +228,12 @@ def speedfile(args) -> None:
     def keys(w):
         w.add_uint32(VERSION_KEY, VERSION)
         w.add_uint32(PLANES_KEY, args.planes)
+        if args.tie:
+            w.add_uint32(TIE_KEY, 1)
 
     report = _rewrite(args.src, args.out, None, lambda t, asked: ptqtp_eligible(t), encode, "", keys)
-    print(f"{sum(r['kept'] is None for r in report)} tensors as {args.planes} residual TQ2_0 planes -> {args.out}")
+    print(f"{sum(r['kept'] is None for r in report)} tensors as {args.planes} "
+          f"{'scale-tied' if args.tie else 'residual TQ2_0'} planes -> {args.out}")
 
 
 def main() -> None:
@@ -237,6 +264,7 @@ def main() -> None:
     s.add_argument("src")
     s.add_argument("out")
     s.add_argument("--planes", type=int, default=2)
+    s.add_argument("--tie", action="store_true", help="the scale-tied layout (--planes 2), served folded")
     a = ap.parse_args()
     {"kernels": kernels, "kl": kl, "ptqtp": ptqtp, "decode": decode, "speedfile": speedfile}[a.cmd](a)
 

@@ -34,6 +34,9 @@ enum {
 /* PTQTP (generic/ptqtp_impl.inc): FK_PTQTP_BASE + K (K = 1..3) names K stacked TQ2_0
  * trit-planes of one matrix; not a GGML type, never read from a file's type field */
 enum { FK_PTQTP_BASE = 1000 };
+/* a scale-tied K=2 PTQTP matrix (plane scales 3s and s) folded to one plane of 9-level codes
+ * c = 3 t0 + t1 (generic/ternary_impl.inc): its own format, not a GGML type */
+enum { FK_PTQTP_FOLD = FK_PTQTP_BASE + 16 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
 typedef struct {

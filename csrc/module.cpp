@@ -84,6 +84,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_MXFP4: *bs = 32; *ts = 17; return 1;
     case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
         *bs = 256; *ts = 66; return 1;
+    case FK_PTQTP_FOLD: *bs = 256; *ts = 130; return 1;
     }
     return 0;
 }

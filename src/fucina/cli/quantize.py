@@ -14,6 +14,8 @@ and FFN matrices of the blocks whose in-dim is a multiple of 256) with K PTQTP
 trit-planes (fucina.quant.ptqtp), written as `<name>.ptqtp0..K-1` TQ2_0 tensors in place
 of `<name>` (the layout: fucina/gguf/ptqtp.py); every other tensor keeps its bytes, and
 the report says which were kept and what share of the model's weights they hold.
+`--tie` (with `--ptqtp 2`) fits the two planes with their scales tied at 3 to 1, which
+fucina serves folded, one dot pass a matrix (about K=1's decode time, K=2's bytes).
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def add_parser(sub) -> None:
     target.add_argument("--ptqtp", type=int, metavar="K",
                         help="decorate every eligible projection (in-dim a multiple of 256) with K = 1, 2 or 3 "
                              "PTQTP trit-planes (multiplication-free TQ2_0 planes, <name>.ptqtpN tensors)")
+    s.add_argument("--tie", action="store_true",
+                   help="with --ptqtp 2: tie each group's two plane scales at 3 to 1 (a 9-level code a weight), "
+                        "served folded in one dot pass")
     s.add_argument("--all", action="store_true", help="re-encode the embeddings and output head too (--type only)")
     s.add_argument("--tensors", help="comma-separated tensor names: re-encode (or decorate) only these")
     s.set_defaults(func=cmd_quantize)
@@ -176,36 +181,42 @@ def ptqtp_eligible(t) -> str | None:
     return None
 
 
-def decorate(src: str, dst: str, planes: int, *, only: list[str] | None = None, progress=None) -> list[dict]:
+def decorate(src: str, dst: str, planes: int, *, only: list[str] | None = None, progress=None,
+             tie: bool = False) -> list[dict]:
     """Write dst: src with each eligible projection as `planes` PTQTP trit-planes
     (`<name>.ptqtpN` TQ2_0 tensors), everything else byte-verbatim, plus the keys
-    fucina.ptqtp.version and fucina.ptqtp.planes. One report row a tensor: name, from, to,
-    relative error of the plane sum (None: kept), why kept, elements. `progress(g)`: 256-groups
-    solved."""
+    fucina.ptqtp.version and fucina.ptqtp.planes (and fucina.ptqtp.tie_scales with `tie`:
+    the scale-tied fit, planes = 2). One report row a tensor: name, from, to, relative error
+    of the plane sum (None: kept), why kept, elements. `progress(g)`: 256-groups solved."""
     import gguf
 
     from fucina.gguf import GGUFFile
-    from fucina.gguf.ptqtp import PLANES_KEY, VERSION, VERSION_KEY, is_decorated, plane_name
+    from fucina.gguf.ptqtp import PLANES_KEY, TIE_KEY, VERSION, VERSION_KEY, is_decorated, plane_name
     from fucina.quant.ptqtp import fit, plane_bytes
 
     if planes not in (1, 2, 3):
         raise QuantError(f"--ptqtp takes 1, 2 or 3 planes, not {planes}")
+    if tie and planes != 2:
+        raise QuantError(f"--tie takes --ptqtp 2 (the scale-tied fit folds two planes), not {planes}")
     with GGUFFile(src) as f:
         if is_decorated(f):
             raise QuantError(f"{src} is already PTQTP-decorated: decorate the original model")
 
     def encode(w, name, t, rows):
-        fitted = fit(rows, planes, progress=progress)
+        fitted = fit(rows, planes, progress=progress, tie=tie)
         for p in range(planes):
             raw = plane_bytes(fitted, p)
             w.add_tensor(plane_name(name, p), raw.reshape(tuple(t.shape[:-1]) + (-1,)),
                          raw_shape=tuple(t.shape[:-1]) + (raw.shape[-1],),
                          raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
-        return dict(dst=f"PTQTP{planes}", rel_err=_rel_err(fitted.weight(), rows), unconverged=fitted.unconverged)
+        return dict(dst=f"PTQTP{planes}{'-tied' if tie else ''}", rel_err=_rel_err(fitted.weight(), rows),
+                    unconverged=fitted.unconverged)
 
     def keys(w):
         w.add_uint32(VERSION_KEY, VERSION)
         w.add_uint32(PLANES_KEY, planes)
+        if tie:
+            w.add_uint32(TIE_KEY, 1)
 
     return _rewrite(src, dst, only, lambda t, asked: ptqtp_eligible(t), encode, "decorated with PTQTP planes", keys)
 
@@ -244,7 +255,7 @@ def cmd_ptqtp(args, only: list[str] | None) -> int:
     from fucina.cli.progress import bar
 
     with bar(_groups(args.input, only), f"ptqtp K={args.ptqtp}", unit="group") as b:
-        report = decorate(args.input, args.output, args.ptqtp, only=only, progress=b.update)
+        report = decorate(args.input, args.output, args.ptqtp, only=only, progress=b.update, tie=args.tie)
     done = _print_rows(report)
     sh = shares(report)
     kept = ", ".join(f"{why} {share:.1%}" for why, share in sh.items() if why != "decorated")
@@ -266,6 +277,8 @@ def cmd_quantize(args) -> int:
         if args.all:
             raise QuantError("--all is for --type: PTQTP decorates block projections only")
         return cmd_ptqtp(args, only)
+    if args.tie:
+        raise QuantError("--tie is for --ptqtp 2")
     with GGUFFile(args.input) as f:
         total = len(f.tensors)
     with bar(total, "quantize", unit="tensor") as b:

@@ -8,6 +8,10 @@ plane's magnitude for that row and 256-column group, >= 0; a negative fitted sca
 folded into the trits). The matrix is the sum of the K dequantized planes in plane
 order. Every other tensor and key is copied byte for byte; the writer adds the keys
 `fucina.ptqtp.version` (the layout above: 1) and `fucina.ptqtp.planes` (the K it wrote).
+A scale-tied fit (fucina.quant.ptqtp, `--ptqtp 2 --tie`) keeps this layout, its plane 0's d
+exactly 3 times plane 1's in every group, and adds `fucina.ptqtp.tie_scales` = 1: fucina
+then serves each matrix folded (one dot pass, its own canonical result); a reader that
+ignores the key reads the same weights as two planes.
 
 Detection (`planes_of`) is gated on `fucina.ptqtp.version`: a file without it never
 has its `.ptqtpN` tensors read as planes. Torch-free (the schema check uses it).
@@ -21,7 +25,7 @@ from fucina.errors import GGUFError
 from fucina.gguf.reader import GGUFFile, TensorInfo
 from fucina.gguf.types import GGMLType
 
-VERSION_KEY, PLANES_KEY = "fucina.ptqtp.version", "fucina.ptqtp.planes"
+VERSION_KEY, PLANES_KEY, TIE_KEY = "fucina.ptqtp.version", "fucina.ptqtp.planes", "fucina.ptqtp.tie_scales"
 VERSION = 1
 SUFFIX = ".ptqtp"
 MAX_PLANES = 3
@@ -33,6 +37,7 @@ class PtqtpInfo(TensorInfo):
     """A decorated matrix as the schema sees it: `<name>`'s shape, its planes' tensors."""
 
     planes: tuple[TensorInfo, ...] = ()
+    tied: bool = False
 
 
 def plane_name(name: str, p: int) -> str:
@@ -77,6 +82,10 @@ def planes_of(f: GGUFFile, name: str) -> PtqtpInfo | None:
                         f"(the file's {PLANES_KEY} is {want}); the file is incomplete: write it again")
     if name in f.tensors:
         raise GGUFError(f"{f.path}: {name} is stored both whole and as PTQTP planes")
+    tied = bool(f.metadata.get(TIE_KEY))
+    if tied and k != 2:
+        raise GGUFError(f"{f.path}: {name} has {k} PTQTP planes but the file's {TIE_KEY} says scale-tied "
+                        "(2 planes): the file is inconsistent: write it again")
     planes = tuple(found[p] for p in range(k))
     first = planes[0]
     for t in planes:
@@ -84,7 +93,8 @@ def planes_of(f: GGUFFile, name: str) -> PtqtpInfo | None:
             raise GGUFError(f"{f.path}: PTQTP plane {t.name} must be a TQ2_0 matrix of {name}'s shape "
                             f"(got {t.ggml_type.name} {list(t.ne)})")
     return PtqtpInfo(name=name, ggml_type=GGMLType.TQ2_0, ne=first.ne, offset=first.offset,
-                     nbytes=sum(t.nbytes for t in planes), part=first.part, data=first.data, planes=planes)
+                     nbytes=sum(t.nbytes for t in planes), part=first.part, data=first.data, planes=planes,
+                     tied=tied)
 
 
 def decorated_names(f: GGUFFile) -> list[str]:

@@ -397,14 +397,26 @@ def attach(weight) -> None:
 
 #: the kernels' pseudo type of K stacked TQ2_0 PTQTP planes is PTQTP_BASE + K (csrc/fk_common.h)
 PTQTP_BASE = 1000
+#: and of a scale-tied K=2 pair folded to one plane of 9-level codes (130 bytes a 256-group)
+PTQTP_FOLD = PTQTP_BASE + 16
 
 
 def attach_ptqtp(weight) -> None:
     """Give a PtqtpWeight (K planes stacked in `weight.stacked`, a TQ2_0 LinearWeight
     [K n, k]) the fused native kernel: one call, x quantized once, the K plane outputs
     summed in plane order in C (csrc/generic/ptqtp_impl.inc); the layer step takes it like
-    any weight. Without native kernels the weight keeps its reference path."""
+    any weight. A tied weight's folded plane gets the one-pass kernel (PTQTP_FOLD). Without
+    native kernels the weight keeps its reference path."""
     weight.kernel = None
+    if weight.tied:
+        raw, n, kk = weight.folded, weight.out_features, weight.in_features
+        if not available() or kk % 256 or not raw.is_contiguous() or tuple(raw.shape) != (n, kk // 256 * 130):
+            return
+        k = QuantKernel.__new__(QuantKernel)
+        k.weight, k.raw, k.qtype, k.n, k.k = weight, raw, PTQTP_FOLD, n, kk
+        k.rb, k.ptr = kk // 256 * 130, raw.data_ptr()
+        weight.kernel = k
+        return
     stacked = weight.stacked
     if not available() or stacked.kernel is None:
         return

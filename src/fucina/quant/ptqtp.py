@@ -15,6 +15,17 @@ more against the rounded scales, so the stored trits are optimal for exactly the
 inference multiplies by. Each plane is then a standalone TQ2_0 tensor (d = the group's
 f16 scale, q = t + 1): K plain ternary matmuls whose outputs summed in plane order are
 the fitted weight. Deterministic: no randomness, groups independent, chunked in order.
+
+The scale-tied fit (`tie=True`, K = 2 only) locks the two scales at ratio 3, a_0 = 3 s and
+a_1 = s, so each group is s c with c = 3 t_0 + t_1 a uniform 9-level code in -4..4 (balanced
+ternary: every c has exactly one trit pair). The same alternation with one scale,
+s = c.w / (c.c + LAMBDA0), and the same pinned 9-way topology search, from both planes at
+sign(w); then s is rounded to the f16 nearest it whose triple is an f16 too (at most 9
+significant bits), so the stored planes' scales are exactly 3 s and s, and the topology is
+fitted once more against it. Its planes are two ordinary TQ2_0 planes that the per-plane sum
+reads as they are; fucina serves them folded (`fold_bytes`, the kernels' FK_PTQTP_FOLD): one
+4-bit code u = c + 4 a value with the group's s, ONE integer dot a block, whose canonical
+result is s (sum c q) per block (`PtqtpWeight.fold_reference`), not the two planes' outputs summed.
 """
 from __future__ import annotations
 
@@ -49,6 +60,7 @@ class Fit:
     scales: torch.Tensor
     iterations: int
     unconverged: int
+    tied: bool = False
 
     def weight(self) -> torch.Tensor:
         """The fitted matrix, planes summed in order (f32)."""
@@ -110,11 +122,57 @@ def _solve_groups(w: torch.Tensor, K: int, cand: torch.Tensor) -> tuple[torch.Te
     return S.to(torch.int8), mag, it, unconverged
 
 
-def fit(weight, planes: int, progress=None) -> Fit:
+def tie_round(s: torch.Tensor) -> torch.Tensor:
+    """Each s >= 0 to the f16 nearest it (its f16 rounding, else the closest of the next
+    f16s either side) whose triple is an f16 too, as f32."""
+    bits = s.half().view(torch.int16).int()
+    out = torch.full_like(s, float("nan"))
+    for delta in (0, -1, 1, -2, 2, -3, 3):
+        b = (bits + delta).clamp(0, 0x7BFF).short().view(torch.float16).float()
+        ok = torch.isnan(out) & ((3 * b).half().float() == 3 * b)
+        out = torch.where(ok, b, out)
+    if bool(torch.isnan(out).any()):
+        raise QuantError("PTQTP scale-tied fit: a group's scale has no f16 value whose triple is an f16 too "
+                         "(weights above ~20000 in magnitude)")
+    return out
+
+
+def _solve_tied(w: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The scale-tied K=2 fit of groups w [G, 256] -> trits [G, 256, 2] int8, scales [G, 2]
+    (3 s, s: f16 values, s tie-rounded)."""
+    finite = torch.isfinite(w)
+    w = torch.where(finite, w, torch.zeros_like(w))
+    tie = torch.tensor([3.0, 1.0])
+    S = torch.sign(w).unsqueeze(-1).expand(-1, -1, 2).contiguous()
+    s = torch.zeros(w.shape[0])
+    active = torch.ones(w.shape[0], dtype=torch.bool)
+    it = 0
+    for it in range(1, MAX_ITERATIONS + 1):
+        idx = active.nonzero().squeeze(-1)
+        c = S[idx].double() @ tie.double()          # [g, 256] codes in -4..4
+        s_new = ((c * w[idx].double()).sum(-1) / ((c * c).sum(-1) + LAMBDA0)).float()
+        moved = (s_new - s[idx]).abs()
+        s[idx] = s_new
+        S[idx] = _topology(w[idx], s_new.unsqueeze(-1) * tie, cand)
+        active[idx] = moved >= EPSILON
+        if not bool(active.any()):
+            break
+    unconverged = int(active.sum())
+    sign = torch.where(s < 0, -1.0, 1.0)
+    mag = tie_round(s.abs())
+    S = _topology(w, (mag * sign).unsqueeze(-1) * tie, cand) * sign.view(-1, 1, 1)
+    S = torch.where(finite.unsqueeze(-1), S, torch.zeros_like(S))
+    return S.to(torch.int8), mag.unsqueeze(-1) * tie, it, unconverged
+
+
+def fit(weight, planes: int, progress=None, tie: bool = False) -> Fit:
     """Fit `planes` trit-planes to a matrix [n, k] (k a multiple of 256); `progress(g)` is
-    called with the number of 256-groups done after each chunk of them."""
+    called with the number of 256-groups done after each chunk of them. `tie`: the
+    scale-tied fit (planes = 2 only; module docstring)."""
     if planes not in (1, 2, 3):
         raise QuantError(f"PTQTP takes 1, 2 or 3 planes, not {planes}")
+    if tie and planes != 2:
+        raise QuantError(f"the scale-tied PTQTP fit takes 2 planes, not {planes}")
     W = torch.as_tensor(np.asarray(weight, dtype=np.float32) if not isinstance(weight, torch.Tensor) else weight)
     W = W.detach().float()
     if W.dim() != 2 or W.shape[1] % GROUP:
@@ -124,7 +182,8 @@ def fit(weight, planes: int, progress=None) -> Fit:
     cand = candidates(planes)
     trits, scales, its, unconv = [], [], 0, 0
     for g0 in range(0, groups.shape[0], _CHUNK):
-        t, s, i, u = _solve_groups(groups[g0:g0 + _CHUNK], planes, cand)
+        chunk = groups[g0:g0 + _CHUNK]
+        t, s, i, u = _solve_tied(chunk, cand) if tie else _solve_groups(chunk, planes, cand)
         trits.append(t)
         scales.append(s)
         its, unconv = max(its, i), unconv + u
@@ -132,7 +191,7 @@ def fit(weight, planes: int, progress=None) -> Fit:
             progress(t.shape[0])
     T = torch.cat(trits).view(n, k, planes).permute(2, 0, 1).contiguous()
     A = torch.cat(scales).view(n, k // GROUP, planes).permute(2, 0, 1).contiguous()
-    return Fit(T, A, its, unconv)
+    return Fit(T, A, its, unconv, tie)
 
 
 def plane_bytes(f: Fit, p: int) -> np.ndarray:
@@ -141,3 +200,63 @@ def plane_bytes(f: Fit, p: int) -> np.ndarray:
 
     q = (f.trits[p].to(torch.int32) + 1).reshape(-1, 2, 4, 32)     # one 256-group a row
     return _cat(_pack(q, 2), _f16_bytes(f.scales[p].reshape(-1))).reshape(f.trits.shape[1], -1).numpy()
+
+
+#: bytes of one 256-group of a folded scale-tied pair (csrc/generic/ternary_impl.inc)
+FOLD_BYTES = 130
+
+
+def _plane_fields(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A TQ2_0 plane's bytes [n, groups * 66] -> codes q (0..3) [n * groups, 256], d f32 [n * groups]."""
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 66)
+    qs = b[:, :64].reshape(-1, 2, 1, 32)
+    q = (qs >> (2 * np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1))) & 3      # [G, j, l, m]: 128 j + 32 l + m
+    return q.reshape(b.shape[0], 256), b[:, 64:66].copy().view(np.float16).astype(np.float32).reshape(-1)
+
+
+def fold_bytes(plane0, plane1, n: int, name: str = "") -> np.ndarray:
+    """Two scale-tied TQ2_0 planes (bytes [n, groups * 66], plane 0's d = 3 plane 1's in
+    every group) as one folded plane [n, groups * 130]: u = 3 t0 + t1 + 4 in nibbles, d = the
+    fine scale. Raises QuantError where a group's scales are not tied (d0 != 3 d1) or a code
+    is 3 (the TQ2_0 value 2 d that no trit gives)."""
+    q0, d0 = _plane_fields(plane0, n)
+    q1, d1 = _plane_fields(plane1, n)
+    if q0.shape != q1.shape:
+        raise QuantError(f"{name}: the two planes differ in shape")
+    bad = np.flatnonzero(d0 != 3 * d1)
+    if bad.size:
+        g = int(bad[0])
+        raise QuantError(f"{name}: group {g} (row {g // max(1, q0.shape[0] // n)}) has plane scales {d0[g]} and "
+                         f"{d1[g]}, not tied at 3 to 1: not a scale-tied PTQTP pair")
+    if (q0 == 3).any() or (q1 == 3).any():
+        raise QuantError(f"{name}: a scale-tied plane holds the code 3 (not a trit)")
+    u = (3 * (q0.astype(np.int16) - 1) + (q1.astype(np.int16) - 1) + 4).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([qs, d1.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+    return out.reshape(n, -1)
+
+
+def fold_dequantize(raw, n: int, k: int) -> torch.Tensor:
+    """A folded plane's matrix [n, k] f32: d (u - 4), every nibble read as is."""
+    b = np.ascontiguousarray(np.asarray(raw), dtype=np.uint8).reshape(-1, FOLD_BYTES)
+    qs = b[:, :128].reshape(-1, 4, 1, 32)
+    u = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15       # element 64 j + 32 h + m
+    d = b[:, 128:130].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(((u.reshape(-1, 256).astype(np.float32) - 4) * d).reshape(n, k))
+
+
+def unfold_planes(folded, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A folded plane [n, groups * 130] back to its two TQ2_0 planes (d0 = 3 d, d1 = d):
+    the balanced-ternary digits of each code c = u - 4 (u in 0..8)."""
+    b = np.ascontiguousarray(np.asarray(folded), dtype=np.uint8).reshape(-1, FOLD_BYTES)
+    qs = b[:, :128].reshape(-1, 4, 1, 32)
+    c = (((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).astype(np.int16) - 4).reshape(-1, 256)
+    t0 = (c + 4) // 3 - 1
+    d = b[:, 128:130].copy().view(np.float16).astype(np.float32)
+    out = []
+    for t, scale in ((t0, 3 * d), (c - 3 * t0, d)):
+        q = (t + 1).astype(np.uint8).reshape(-1, 2, 4, 32)                        # 128 j + 32 l + m
+        packed = (q << (2 * np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1))).sum(axis=2, dtype=np.uint8)
+        out.append(np.concatenate([packed.reshape(-1, 64), scale.astype(np.float16).view(np.uint8).reshape(-1, 2)],
+                                  axis=1).reshape(n, -1))
+    return out[0], out[1]
