@@ -230,7 +230,7 @@ def _rows_cartridge(model, p=6):
 @pytest.mark.parametrize("scaled", [True, False])
 def test_adam_moves_each_channel_by_its_own_size(tiny, scaled):
     """Adam's first step moves every element by about lr: in units of its channel's size
-    (scaled, the default) a channel 1000x larger moves 1024x more; raw, both by lr."""
+    (scaled) a channel 1000x larger moves 1024x more; raw (the default), both by lr."""
     model, _ = tiny
     cart = _rows_cartridge(model)
     params = CartridgeParams(cart, scaled)
@@ -302,3 +302,19 @@ def test_chunks_cover_the_ends_of_the_corpus():
     middle = hits[955 // 2]
     assert min(hits) >= 0.4 * middle and max(hits) <= 1.1 * middle
     assert chunk_span(rng, 50, 384) == (0, 50)
+
+
+def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_path):
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2)
+    out = str(tmp_path / "a.st")
+    train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=out)
+    state = torch.load(out + ".ckpt", weights_only=False)
+    for k in ("epochs", "scaled"):
+        del state["config"][k]
+    del state["scales"]
+    torch.save(state, out + ".ckpt")
+    again = train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=4, **kw), out=out, resume=True)
+    assert again.meta["steps"] == 2
+    with pytest.raises(CartridgeError, match="scaled"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, scaled=True, **kw), out=out, resume=True)

@@ -86,7 +86,7 @@ class SelfStudyConfig:
     checkpoint: str = "auto"      # gradient checkpointing (train.forward.CHECKPOINT_MODES)
     batch: int = 8                # conversations generated together (the result does not depend on it)
     epochs: int = 1               # passes over the conversations (each made once, kept for the later passes)
-    scaled: bool = True           # Adam in units of each (head, channel)'s size (CartridgeParams)
+    scaled: bool = False          # Adam in units of each (head, channel)'s size (CartridgeParams)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
@@ -137,7 +137,7 @@ class CartridgeParams:
     """A cartridge's rows as training sees them: per layer with rows, the frozen leading
     rows as constants and the rest as leaf tensors (`params()`).
 
-    `scaled` (the default) trains each row in units of its channel's size: the leaf is
+    `scaled` trains each row in units of its channel's size: the leaf is
     rows / s, s the root-mean-square over the trainable rows of each (head, channel) at
     the start (rounded to a power of two), so Adam's steps (about lr per element whatever the gradient's scale) move
     every channel by about lr of its own size. Raw rows would take the same absolute step
@@ -145,7 +145,7 @@ class CartridgeParams:
     keys, with their biases, average 13-35 per element against values of 0.03-0.35):
     the keys would never move and the small value channels would be thrown about."""
 
-    def __init__(self, cart: Cartridge, scaled: bool = True):
+    def __init__(self, cart: Cartridge, scaled: bool = False):
         self.cart = cart
         f = cart.frozen
         self.frozen_k = [None if k is None else k[:f].detach().float() for k in cart.k]
@@ -458,7 +458,9 @@ def _load_state(path: str, params: CartridgeParams, opt, cfg: SelfStudyConfig) -
         rows, saved = s["rows"], s["config"]
     except Exception as e:   # torch raises many types for a damaged file
         raise CartridgeError(f"cannot resume from {path}: {e}") from None
-    diff = [f"{k} {saved.get(k)!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
+    base = SelfStudyConfig()   # a key an older checkpoint lacks had its default
+    diff = [f"{k} {saved.get(k, getattr(base, k))!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS
+            if saved.get(k, getattr(base, k)) != getattr(cfg, k)]
     if cfg.epochs > 1 and saved.get("conversations") != cfg.conversations:
         # later passes permute the conversations: a run of several passes cannot grow
         diff.append(f"conversations {saved.get('conversations')!r} vs {cfg.conversations!r} over {cfg.epochs} passes")
