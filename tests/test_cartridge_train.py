@@ -215,3 +215,106 @@ def test_train_does_not_depend_on_the_generation_batch(tiny, tmp_path):
     one = train_cartridge(model, tok, DOC, SelfStudyConfig(batch=1, **kw), out=str(tmp_path / "a.st"))
     four = train_cartridge(model, tok, DOC, SelfStudyConfig(batch=4, **kw), out=str(tmp_path / "b.st"))
     assert all(torch.equal(x, y) for x, y in zip(one.k + one.v, four.k + four.v) if x is not None)
+
+
+def _rows_cartridge(model, p=6):
+    """A capture whose key channel 0 is 1000x channel 1 in every layer and head."""
+    cart = Cartridge.capture(model, list(range(20, 20 + p)))
+    for k in cart.k:
+        if k is not None:
+            k[..., 0] = 100.0 * torch.sign(k[..., 0] + 1e-3)
+            k[..., 1] = 0.1 * torch.sign(k[..., 1] + 1e-3)
+    return cart
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_adam_moves_each_channel_by_its_own_size(tiny, scaled):
+    """Adam's first step moves every element by about lr: in units of its channel's size
+    (scaled) a channel 1000x larger moves 1024x more; raw (the default), both by lr."""
+    model, _ = tiny
+    cart = _rows_cartridge(model)
+    params = CartridgeParams(cart, scaled)
+    ks, _ = params.full()
+    assert all(torch.equal(a, b.float()) for a, b in zip(ks, cart.k) if a is not None)   # exact round trip
+    opt = torch.optim.Adam(params.params(), lr=1e-2)
+    ks, vs = params.full()
+    g = torch.Generator().manual_seed(0)
+    loss = sum((k * torch.randn(k.shape, generator=g)).sum() + (v * torch.randn(v.shape, generator=g)).sum()
+               for k, v in zip(ks, vs) if k is not None)
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after, _ = params.full()
+    d = (after[0] - ks[0].detach())[1:].abs()
+    big, small = float(d[..., 0].mean()), float(d[..., 1].mean())
+    if scaled:
+        assert big == pytest.approx(128 * 1e-2, rel=1e-3) and small == pytest.approx(0.125 * 1e-2, rel=1e-3)
+    else:
+        assert big == pytest.approx(1e-2, rel=1e-3) and small == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_passes_reuse_each_conversation_and_resume_bit_for_bit(tiny, tmp_path, monkeypatch):
+    """--epochs 2: every conversation is made once and trained on twice (the second pass
+    in another order); a run stopped inside the second pass resumes bit for bit."""
+    model, tok = tiny
+    made: list[int] = []
+    real = SelfStudy._generate
+
+    def counting(self, indices):
+        made.extend(indices)
+        return real(self, indices)
+    monkeypatch.setattr(SelfStudy, "_generate", counting)
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=4, epochs=2, batch=4)
+    whole = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "a.st"))
+    assert sorted(made) == [0, 1, 2, 3] and whole.meta["steps"] == 4 and whole.meta["conversations"] == 8
+    from fucina.train.cartridge import visit
+    second = [visit(SelfStudyConfig(**kw), v) for v in range(4, 8)]
+    assert sorted(second) == [0, 1, 2, 3] and second != [0, 1, 2, 3]
+    # stopped after 3 steps (inside pass 2), resumed: the same rows; a longer run is refused
+    from fucina.train.cartridge import CartridgeRun
+    run = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"))
+    t = Trainable(model)
+    try:
+        run.advance(6)
+    finally:
+        t.close()
+    resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"), resume=True)
+    for x, y in zip(whole.k + whole.v, resumed.k + resumed.v):
+        assert x is None or torch.equal(x, y)
+    with pytest.raises(CartridgeError, match="over 2 passes"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(**dict(kw, conversations=6)), out=str(tmp_path / "b.st"),
+                        resume=True)
+
+
+def test_chunks_cover_the_ends_of_the_corpus():
+    """Every token is in at least about half as many chunks as the middle's (a window
+    kept inside the corpus shows its first and last tokens in 1 chunk of 572 here)."""
+    import random
+
+    from fucina.train.cartridge import chunk_span
+    rng = random.Random(0)
+    hits = [0] * 955
+    for _ in range(4000):
+        a, b = chunk_span(rng, 955, 384)
+        assert 0 <= a < b <= 955 and b - a >= 192
+        for t in range(a, b):
+            hits[t] += 1
+    middle = hits[955 // 2]
+    assert min(hits) >= 0.4 * middle and max(hits) <= 1.1 * middle
+    assert chunk_span(rng, 50, 384) == (0, 50)
+
+
+def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_path):
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2)
+    out = str(tmp_path / "a.st")
+    train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=out)
+    state = torch.load(out + ".ckpt", weights_only=False)
+    for k in ("epochs", "scaled"):
+        del state["config"][k]
+    del state["scales"]
+    torch.save(state, out + ".ckpt")
+    again = train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=4, **kw), out=out, resume=True)
+    assert again.meta["steps"] == 2
+    with pytest.raises(CartridgeError, match="scaled"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, scaled=True, **kw), out=out, resume=True)

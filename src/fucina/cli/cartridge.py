@@ -67,7 +67,12 @@ def _training_args(s) -> None:
     s.add_argument("--batch", type=positive, default=8,
                    help="self-study conversations generated together in lockstep (default 8; "
                         "the result does not depend on it)")
+    s.add_argument("--epochs", type=positive, default=1,
+                   help="passes over the conversations (each made once; default 1)")
     s.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    s.add_argument("--channel-lr", action="store_true",
+                   help="Adam in units of each (head, channel)'s size: --lr is then the step as a fraction "
+                        "of a channel's size (default: one absolute step for every channel)")
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
@@ -79,7 +84,8 @@ def _config(args, **kw):
 
     return SelfStudyConfig(conversations=args.conversations, seed=getattr(args, "seed", 0), lr=args.lr,
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
-                           max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, **kw)
+                           max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
+                           scaled=args.channel_lr, **kw)
 
 
 def cmd_fleet_add(args) -> int:

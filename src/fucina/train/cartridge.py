@@ -3,9 +3,10 @@
 The model stays frozen (its quantized weights, through the trainer's frozen matmuls);
 the cartridge's rows past its frozen sink are the only parameters. One self-study
 conversation:
-1. a random span of the corpus (the chunk) and a seed prompt, which gives the FORM of a
-   message (a question, a summary request, ...), never its content: the chunk is what
-   the message is about, so the teacher can always answer from what it sees;
+1. a random span of the corpus (the chunk; `chunk_span` shows every token in about as
+   many) and a seed prompt, which gives the FORM of a message (a question, a summary
+   request, ...), never its content: the chunk is what the message is about, so the
+   teacher can always answer from what it sees;
 2. bot A, the model with the chunk in its system message, writes that message
    (temperature 0.6);
 3. bot B, the model with the same system message (so its prompt reuses bot A's cache
@@ -84,11 +85,13 @@ class SelfStudyConfig:
     embed_corpus: bool = True     # store the corpus ids in the file (speculation reference)
     checkpoint: str = "auto"      # gradient checkpointing (train.forward.CHECKPOINT_MODES)
     batch: int = 8                # conversations generated together (the result does not depend on it)
+    epochs: int = 1               # passes over the conversations (each made once, kept for the later passes)
+    scaled: bool = False          # Adam in units of each (head, channel)'s size (CartridgeParams)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
-                "mass", "temperature", "init", "frozen")
+                "mass", "temperature", "init", "frozen", "epochs", "scaled")
 
 
 @dataclass
@@ -132,31 +135,66 @@ def distill_loss(logprobs: torch.Tensor, tokens: Sequence[torch.Tensor], targets
 
 class CartridgeParams:
     """A cartridge's rows as training sees them: per layer with rows, the frozen leading
-    rows as constants and the rest as leaf tensors (`params()`)."""
+    rows as constants and the rest as leaf tensors (`params()`).
 
-    def __init__(self, cart: Cartridge):
+    `scaled` trains each row in units of its channel's size: the leaf is
+    rows / s, s the root-mean-square over the trainable rows of each (head, channel) at
+    the start (rounded to a power of two), so Adam's steps (about lr per element whatever the gradient's scale) move
+    every channel by about lr of its own size. Raw rows would take the same absolute step
+    everywhere, and a cache's channels differ in size by orders of magnitude (Qwen2.5's
+    keys, with their biases, average 13-35 per element against values of 0.03-0.35):
+    the keys would never move and the small value channels would be thrown about."""
+
+    def __init__(self, cart: Cartridge, scaled: bool = False):
         self.cart = cart
         f = cart.frozen
         self.frozen_k = [None if k is None else k[:f].detach().float() for k in cart.k]
         self.frozen_v = [None if v is None else v[:f].detach().float() for v in cart.v]
-        self.k = [None if k is None else k[f:].detach().float().clone().requires_grad_() for k in cart.k]
-        self.v = [None if v is None else v[f:].detach().float().clone().requires_grad_() for v in cart.v]
+        rows_k = [None if k is None else k[f:].detach().float() for k in cart.k]
+        rows_v = [None if v is None else v[f:].detach().float() for v in cart.v]
+        self.scale_k = [_channel_scale(r, scaled) for r in rows_k]
+        self.scale_v = [_channel_scale(r, scaled) for r in rows_v]
+        self.k = [None if r is None else (r / s).requires_grad_() for r, s in zip(rows_k, self.scale_k)]
+        self.v = [None if r is None else (r / s).requires_grad_() for r, s in zip(rows_v, self.scale_v)]
 
     def params(self) -> list[torch.Tensor]:
         return [t for pair in zip(self.k, self.v) for t in pair if t is not None]
 
+    def scales(self) -> list[torch.Tensor]:
+        """The scales of `params()`, in its order."""
+        return [s for k, pair in zip(self.k, zip(self.scale_k, self.scale_v)) if k is not None for s in pair]
+
+    def set_scales(self, scales: Sequence[torch.Tensor]) -> None:
+        it = iter(scales)
+        for i, k in enumerate(self.k):
+            if k is not None:
+                self.scale_k[i], self.scale_v[i] = next(it), next(it)
+
     def full(self) -> tuple[list, list]:
-        ks = [None if k is None else torch.cat([fk, k]) for fk, k in zip(self.frozen_k, self.k)]
-        vs = [None if v is None else torch.cat([fv, v]) for fv, v in zip(self.frozen_v, self.v)]
+        ks = [None if k is None else torch.cat([fk, k * s]) for fk, k, s in zip(self.frozen_k, self.k, self.scale_k)]
+        vs = [None if v is None else torch.cat([fv, v * s]) for fv, v, s in zip(self.frozen_v, self.v, self.scale_v)]
         return ks, vs
 
     def cartridge(self, **kw) -> Cartridge:
-        ks, vs = self.full()
+        with torch.no_grad():
+            ks, vs = self.full()
         c = self.cart
         return Cartridge([None if k is None else k.detach().clone() for k in ks],
                          [None if v is None else v.detach().clone() for v in vs],
                          c.geometry, c.identity, frozen=c.frozen, corpus=kw.get("corpus", c.corpus),
                          meta=kw.get("meta", dict(c.meta)))
+
+
+def _channel_scale(rows: torch.Tensor | None, scaled: bool) -> torch.Tensor | None:
+    """Per (head, channel) of rows [n, kv_head, d] -> [1, kv_head, d]: the power of two
+    nearest the root-mean-square over the rows (a power of two, so rows / s * s gives the
+    rows back bit for bit); ones when not scaled or where a channel is zero."""
+    if rows is None:
+        return None
+    if not scaled or rows.shape[0] == 0:
+        return torch.ones((1,) + tuple(rows.shape[1:]))
+    rms = rows.pow(2).mean(0, keepdim=True).sqrt()
+    return torch.where(rms > 0, torch.exp2(torch.round(torch.log2(rms.clamp_min(1e-30)))), torch.ones_like(rms))
 
 
 class PrefixTrainCache(TrainCache):
@@ -248,6 +286,20 @@ def _lockstep(model, caches: list, logits: list, picks: list[Callable], stop: se
     return outs
 
 
+def chunk_span(rng: random.Random, n_ids: int, n: int) -> tuple[int, int]:
+    """A chunk of up to n of the corpus's n_ids tokens, [start, end). A window of n placed
+    uniformly inside the corpus would show its first and last tokens in 1 chunk of
+    n_ids - n + 1 against n for the middle (a 955-token document in 384-token chunks: its
+    closing facts in 1% of the conversations); the window may instead hang up to half
+    its length past either end (cut there), which gives every token at least half the
+    middle's share."""
+    if n >= n_ids:
+        return 0, n_ids
+    h = n // 2
+    start = rng.randrange(-h, n_ids - n + h + 1)
+    return max(0, start), min(n_ids, start + n)
+
+
 class SelfStudy:
     """Makes the conversations of a run: conversation i depends only on (seed, i) and the
     model; `samples(indices)` generates several together (bitwise the same where the
@@ -271,9 +323,8 @@ class SelfStudy:
         return prompt_ids(self.tok, text)
 
     def chunk(self, rng: random.Random) -> str:
-        n = min(self.cfg.chunk_tokens, len(self.ids))
-        start = rng.randrange(0, len(self.ids) - n + 1)
-        return self.tok.decode(self.ids[start:start + n])
+        start, end = chunk_span(rng, len(self.ids), self.cfg.chunk_tokens)
+        return self.tok.decode(self.ids[start:end])
 
     def batch_invariant(self) -> bool:
         """Whether a batched step gives every row the bits of a single step here."""
@@ -395,7 +446,8 @@ class Progress:
 
 def _save_state(path: str, params: CartridgeParams, opt, prog: Progress, cfg: SelfStudyConfig) -> None:
     tmp = path + ".tmp"
-    torch.save({"rows": [t.detach().clone() for t in params.params()], "optimizer": opt.state_dict(),
+    torch.save({"rows": [t.detach().clone() for t in params.params()], "scales": params.scales(),
+                "optimizer": opt.state_dict(),
                 "progress": asdict(prog), "config": asdict(cfg)}, tmp)
     os.replace(tmp, path)
 
@@ -406,65 +458,105 @@ def _load_state(path: str, params: CartridgeParams, opt, cfg: SelfStudyConfig) -
         rows, saved = s["rows"], s["config"]
     except Exception as e:   # torch raises many types for a damaged file
         raise CartridgeError(f"cannot resume from {path}: {e}") from None
-    diff = [f"{k} {saved.get(k)!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
+    base = SelfStudyConfig()   # a key an older checkpoint lacks had its default
+    diff = [f"{k} {saved.get(k, getattr(base, k))!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS
+            if saved.get(k, getattr(base, k)) != getattr(cfg, k)]
+    if cfg.epochs > 1 and saved.get("conversations") != cfg.conversations:
+        # later passes permute the conversations: a run of several passes cannot grow
+        diff.append(f"conversations {saved.get('conversations')!r} vs {cfg.conversations!r} over {cfg.epochs} passes")
     if diff:
         raise CartridgeError(f"cannot resume from {path}: the setup differs ({'; '.join(diff)})")
     mine = params.params()
     if len(rows) != len(mine) or any(a.shape != b.shape for a, b in zip(rows, mine)):
         raise CartridgeError(f"cannot resume from {path}: its rows do not fit this model")
+    scales = s.get("scales")
+    if scales is not None and [t.shape for t in scales] != [t.shape for t in params.scales()]:
+        raise CartridgeError(f"cannot resume from {path}: its scales do not fit this model")
     with torch.no_grad():
         for a, b in zip(mine, rows):
             a.copy_(b)
+    if scales is not None:
+        params.set_scales(scales)
     opt.load_state_dict(s["optimizer"])
     return Progress(**s["progress"])
+
+
+def visit(cfg: SelfStudyConfig, v: int) -> int:
+    """The conversation that visit v of a run trains on: pass 0 in order, every later pass
+    a permutation of the conversations fixed by (seed, pass)."""
+    n = cfg.conversations
+    e, j = divmod(v, n)
+    if e == 0:
+        return j
+    order = list(range(n))
+    random.Random(mix64(cfg.seed, 0xE90C, e)).shuffle(order)
+    return order[j]
 
 
 def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], cfg: SelfStudyConfig, *,
              opt=None, prog: Progress | None = None, state_path: str | None = None,
              log: Callable[[str], None] = lambda s: None, on_step: Callable[[Progress], None] | None = None,
-             many: Callable[[list[int]], list[Sample]] | None = None, ahead: int = 1) -> Progress:
-    """Adam steps over conversations prog.done.. cfg.conversations, `accum` per step
-    (the last step may take fewer); the state is written to `state_path` after each.
+             many: Callable[[list[int]], list[Sample]] | None = None, ahead: int = 1,
+             until: int | None = None, pool: dict[int, Sample] | None = None) -> Progress:
+    """Adam steps over visits prog.done.. `until` (default all: cfg.conversations x
+    cfg.epochs; visit v trains on conversation `visit(cfg, v)`), `accum` per step (the
+    last step may take fewer); the state is written to `state_path` after each.
     `many(indices)`, when given, makes conversations `ahead` at a time (batched
-    generation; a conversation is the same whichever batch makes it)."""
-    opt = opt or torch.optim.Adam(params.params(), lr=cfg.lr)
+    generation; a conversation is the same whichever batch makes it). `pool` keeps the
+    conversations made for later passes (a conversation is made once per run)."""
+    opt = opt or _adam(params, cfg)
     prog = prog or Progress()
-    ready: dict[int, Sample] = {}
-    while prog.done < cfg.conversations:
+    total = cfg.conversations * max(1, cfg.epochs)
+    until = total if until is None else min(until, total)
+    pool = {} if pool is None else pool
+    last = (max(1, cfg.epochs) - 1) * cfg.conversations   # visits from here on are each conversation's last
+    while prog.done < until:
         t0 = time.perf_counter()
-        group = list(range(prog.done, min(prog.done + cfg.accum, cfg.conversations)))
-        if many is not None and any(i not in ready for i in group):
-            todo = list(range(group[0], min(group[0] + max(ahead, len(group)), cfg.conversations)))
-            ready.update(zip(todo, many(todo)))
-        got = [ready.pop(i) if i in ready else samples(i) for i in group]
+        visits = range(prog.done, min(prog.done + cfg.accum, until))
+        group = [visit(cfg, v) for v in visits]
+        if any(i not in pool for i in group):
+            if many is not None:
+                todo = [visit(cfg, v) for v in range(visits[0], min(visits[0] + max(ahead, len(group)), until))]
+                todo = sorted({i for i in todo if i not in pool})
+                pool.update(zip(todo, many(todo)))
+            for i in group:
+                if i not in pool:
+                    pool[i] = samples(i)
+        got = [pool.pop(i) if v >= last else pool[i] for v, i in zip(visits, group)]
         t_gen = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total_loss = 0.0
         for s in got:
             loss = sample_loss(model, params, s, cfg.checkpoint)
             (loss / len(got)).backward()
-            total += float(loss.detach())
+            total_loss += float(loss.detach())
         opt.step()
         prog.done += len(got)
         prog.steps += 1
-        prog.losses.append(total / len(got))
+        prog.losses.append(total_loss / len(got))
         dt = time.perf_counter() - t0
         prog.seconds += dt
         if state_path:
             _save_state(state_path, params, opt, prog, cfg)
         if on_step is not None:
             on_step(prog)
-        log(f"step {prog.steps}: conversations {prog.done}/{cfg.conversations}, loss {prog.losses[-1]:.4f}, "
+        log(f"step {prog.steps}: {prog.done}/{total} conversations (pass {(prog.done - 1) // cfg.conversations + 1}"
+            f"/{max(1, cfg.epochs)}), loss {prog.losses[-1]:.4f}, "
             f"{dt:.1f} s ({t_gen:.1f} s self-study), total {prog.seconds / 60:.1f} min; "
             f"[{got[0].kind}] {got[0].question[:70]!r} -> {got[0].answer[:70]!r}")
     return prog
+
+
+def _adam(params: CartridgeParams, cfg: SelfStudyConfig):
+    return torch.optim.Adam(params.params(), lr=cfg.lr)
 
 
 class CartridgeRun:
     """One cartridge's training: its rows, Adam and progress, written to OUT (the
     cartridge) and OUT.ckpt (what a resume needs) after every step. `start`: begin from
     these rows (a cartridge file reloaded) instead of initialising from the corpus.
-    `advance(n)` trains up to n conversations (the model must be wrapped in a Trainable)."""
+    `advance(n)` trains up to n visits (conversations, counted once per pass; the model
+    must be wrapped in a Trainable)."""
 
     def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
                  resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None):
@@ -473,8 +565,9 @@ class CartridgeRun:
         self.model, self.cfg, self.out, self.log = model, cfg, out, log
         self.cart = start if start is not None else init_cartridge(model, tokenizer, corpus, cfg)
         self.study = SelfStudy(model, tokenizer, corpus, cfg)
-        self.params = CartridgeParams(self.cart)
-        self.opt = torch.optim.Adam(self.params.params(), lr=cfg.lr)
+        self.params = CartridgeParams(self.cart, cfg.scaled)
+        self.opt = _adam(self.params, cfg)
+        self.pool: dict[int, Sample] = {}   # conversations kept for the run's later passes
         self.state_path = out + ".ckpt" if out else None
         self.prog = Progress()
         if resume:
@@ -494,16 +587,19 @@ class CartridgeRun:
                     init=cfg.init, losses=[round(x, 5) for x in prog.losses], train_s=round(prog.seconds, 1))
         return self.params.cartridge(meta=meta)
 
-    def advance(self, until: int) -> Progress:
-        from dataclasses import replace
+    def total(self) -> int:
+        """The run's visits: every conversation once per pass."""
+        return self.cfg.conversations * max(1, self.cfg.epochs)
 
-        until = min(until, self.cfg.conversations)
+    def advance(self, until: int) -> Progress:
+        until = min(until, self.total())
         if self.prog.done < until:
             # OUT after every step too: an interrupted run leaves a usable cartridge
-            self.prog = optimize(self.model, self.params, self.study.sample, replace(self.cfg, conversations=until),
+            self.prog = optimize(self.model, self.params, self.study.sample, self.cfg,
                                  opt=self.opt, prog=self.prog, state_path=self.state_path, log=self.log,
                                  on_step=(lambda pr: self.result().save(self.out)) if self.out else None,
-                                 many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum))
+                                 many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum),
+                                 until=until, pool=self.pool)
         return self.prog
 
 
@@ -518,7 +614,7 @@ def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out:
         log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
             f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(run.study.ids)} tokens, generated "
             f"{cfg.batch if run.study.batch_invariant() else 1} at a time")
-        run.advance(cfg.conversations)
+        run.advance(run.total())
     finally:
         trainable.close()
     final = run.result()

@@ -39,7 +39,8 @@ def fleet_run(model, tokenizer, fleet: Fleet, name: str, cfg: SelfStudyConfig,
 
 def train_fleet(model, tokenizer, fleet: Fleet, cfg: SelfStudyConfig, *, budget: int, turn: int = 4,
                 names: Sequence[str] | None = None, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Train the fleet's documents (`names`, default all) to `cfg.conversations` each,
+    """Train the fleet's documents (`names`, default all) to `cfg.conversations` each
+    (times `cfg.epochs` passes),
     with at most `budget` bytes of training state resident (at least one document).
     Returns {"loads", "evictions", "trained": {name: conversations}}."""
     if turn < 1:
@@ -56,11 +57,12 @@ def train_fleet(model, tokenizer, fleet: Fleet, cfg: SelfStudyConfig, *, budget:
     def evict(name: str, run: CartridgeRun) -> None:
         log(f"[{name}] evicted after {run.prog.done} conversations (its state is on disk)")
 
+    target = cfg.conversations * max(1, cfg.epochs)   # visits: each conversation once per pass
     resident: Resident[CartridgeRun] = Resident(budget, load, lambda r: r.nbytes(), evict)
     trainable = Trainable(model)
     try:
         while True:
-            todo = [fleet.get(n) for n in wanted if fleet.get(n).conversations < cfg.conversations]
+            todo = [fleet.get(n) for n in wanted if fleet.get(n).conversations < target]
             if not todo:
                 break
             e = min(todo, key=lambda e: (e.conversations, e.name not in resident, fleet.index(e.name)))
