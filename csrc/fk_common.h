@@ -75,8 +75,8 @@ typedef struct {
     size_t slice;
 } fk_pf;
 static inline void fk_pf_set(fk_pf *f, const uint8_t *p, size_t n, int64_t steps) {
-    f->p = (const char *)((uintptr_t)p & ~(uintptr_t)63);
     f->end = (const char *)p + n;
+    f->p = n ? (const char *)((uintptr_t)p & ~(uintptr_t)63) : f->end;   /* the last tile: nothing ahead */
     const size_t per = (size_t)(f->end - f->p) / (size_t)(steps > 0 ? steps : 1);
     f->slice = (per + 63) & ~(size_t)63;
 }
