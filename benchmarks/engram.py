@@ -113,17 +113,21 @@ def cmd_ppl(args) -> None:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _decode(model, ids, gen: int, clock: str = "wall") -> float:
+def _decode(model, ids, gen: int, clock: str = "wall", steps: list | None = None) -> float:
     """Tokens a second of `clock`: wall, or the process's CPU time (on a box shared with
     other work the CPU time a token takes moves far less than its wall time; with one
-    thread it is the work done, with more it also counts the threads' waits)."""
+    thread it is the work done, with more it also counts the threads' waits). `steps`
+    collects each step's own time."""
     now = CLOCKS[clock]
     cache = model.init_cache(len(ids) + gen + 1)
     logits = model.forward_step(cache, ids, 0)
     t = now()
     for _ in range(gen):
         nxt = int(torch.argmax(logits))
+        s = now()
         logits = model.forward_step(cache, [nxt], cache.len)
+        if steps is not None:
+            steps.append(now() - s)
     return gen / (now() - t)
 
 
@@ -152,7 +156,7 @@ def cmd_speed(args) -> None:
             eng.native, eng.in_step = name != "torch", name == "native"
             eng.attach(model)
         try:
-            return _decode(model, ids, args.gen, args.clock)
+            return _decode(model, ids, args.gen, args.clock, step_times[name])
         finally:
             model.remove_residual_hooks(_identity_hook)
             if eng._attached is not None:
@@ -160,9 +164,12 @@ def cmd_speed(args) -> None:
 
     arms = args.arms.split(",")
     times = {a: [] for a in arms}
+    step_times = {a: [] for a in arms}
     _decode(model, ids, 8)
-    for _ in range(args.reps):
-        for a in arms:
+    for r in range(args.reps):
+        # the order reversed every other repetition (A B, B A, ...): an arm is not always the
+        # one that runs first after the other's cache and graft set-up
+        for a in (arms if r % 2 == 0 else arms[::-1]):
             times[a].append(arm(a))
     med = {a: statistics.median(v) for a, v in times.items()}
     b = med.get("bare")
@@ -175,6 +182,11 @@ def cmd_speed(args) -> None:
         out["paired_ratio"] = {a: round(statistics.median(x / y for x, y in zip(v, times["bare"])), 3)
                                for a, v in times.items()}
         out["added_ms_per_token"] = {a: round(1e3 / v - 1e3 / b, 3) for a, v in med.items()}
+        # the median single step of each arm over every repetition: a step the host
+        # preempted is an outlier here, where in a repetition's rate it is averaged in
+        step = {a: statistics.median(v) for a, v in step_times.items()}
+        out["step_ms"] = {a: round(1e3 * v, 3) for a, v in step.items()}
+        out["step_ratio"] = {a: round(step["bare"] / v, 3) for a, v in step.items()}
     out["runs"] = {a: [round(x, 1) for x in v] for a, v in times.items()}
     print(json.dumps(out))
 

@@ -480,6 +480,31 @@ def test_in_step_graft_is_bitwise_the_cut_step(tiny, isa, monkeypatch):
     assert not tiny.residual_hooks and tiny._hook_step is None
 
 
+def test_in_step_graft_follows_a_parameter_given_new_storage(tiny):
+    """bind() skips its checks while nothing moved; a parameter given new storage between
+    two steps of one cache (`.data =`, as `Module.to` does) is seen at the next step: the
+    in-step logits equal the cut step's with the new weights, not the old weights'."""
+    _native_or_skip()
+    eng = _trained(Engram.for_model(tiny, [0, 2], capacity=31, n_head=2, head_dim=8)).attach(tiny)
+    w = eng.layers["2"].value_w
+    old = w.data
+
+    def run(in_step: bool, scale: float) -> torch.Tensor:
+        eng.in_step = in_step
+        w.data = old
+        cache = tiny.init_cache(len(IDS) + 1)
+        tiny.forward_step(cache, IDS[:-1], 0)
+        w.data = old * scale                    # new storage
+        return tiny.forward_step(cache, IDS[-1:], len(IDS) - 1)
+
+    try:
+        cut, inside, unchanged = run(False, 3.0), run(True, 3.0), run(True, 1.0)
+        assert torch.equal(inside, cut) and not torch.equal(inside, unchanged)
+    finally:
+        w.data = old
+        eng.detach()
+
+
 def test_in_step_bad_input(tiny):
     native_engram = _native_or_skip()
     from fucina.kernels import KernelError
