@@ -192,3 +192,17 @@ def test_plan_rejects_inconsistent_gptoss_fields(tmp_path_factory):
         with pytest.raises(KernelError):
             K.DecoderPlan.build(n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="swiglu_oai",
                                 eps=1e-5, scale=0.25, layers=[bad])
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_native_streamed_experts_equal_resident(tmp_path):
+    """--moe-ram: the native step calls the expert store's hook and reads the biases by expert id."""
+    from fucina.models.expert_store import stream_experts
+    path = write_gptoss(tmp_path / "s.gguf", layers=3, window=8, seed=2)
+    chunks = [17, 12] + [1] * 11
+    want = chunked_logits(load_model(path), NATIVE_IDS, chunks)
+    model = load_model(path)
+    store = stream_experts(model, "40%")   # one layer's experts and a bit
+    assert model.native_plan is not None
+    assert torch.equal(chunked_logits(model, NATIVE_IDS, chunks), want)
+    assert store.report()["evictions"] > 0 and store.report()["errors"] == []

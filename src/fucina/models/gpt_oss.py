@@ -11,8 +11,11 @@ What differs from the llama skeleton, all in this file's hooks:
   down(swiglu_oai(gate(x) + bg, up(x) + bu)) + bd with swiglu_oai(g, u) =
   min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1), weighted and summed.
 The expert stacks stay zero-copy in the mmap (MXFP4 goes through the native canonical
-matmul); the layer step itself runs on the torch blocks (no native plan: the sinks and
-the expert biases have no field in it yet).
+matmul). The native layer step runs it all (`plan_layer`: csrc/fk_plan.h's FK_GPTOSS_FIELDS
+for the sinks, the output bias, the router bias with SOFTMAX_WEIGHT gating and the expert
+biases, the plan act swiglu_oai; the YaRN tables carry their frequencies and magnitude, so
+RoPE is the plan's); the hooks below are its torch reference and the route of caches
+without a native table.
 """
 from __future__ import annotations
 
