@@ -120,6 +120,7 @@ typedef struct {
     float scale;
     int nthreads;
     int64_t pos0;     /* absolute position of key 0: blocks and chunks align to positions */
+    const float *sinks;   /* [n_head] or NULL: one more logit per head in the softmax (gpt-oss) */
 } fk_attn_args;
 
 #define FK_ATTN_MAX_GROUP 64

@@ -42,6 +42,7 @@ typedef struct {
     FK_MOE_FIELDS(X)                                                                              \
     FK_DELTA_FIELDS(X)                                                                            \
     FK_GEMMA4_FIELDS(X)                                                                           \
+    FK_GPTOSS_FIELDS(X)                                                                           \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -76,6 +77,16 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
 #define FK_GEMMA4_FIELDS(X) \
     X(I, kv_from) X(I, layer_ff) X(W, ple_gate) X(W, ple_proj) X(V, ple_norm)
 
+/* gpt-oss's attention and MoE pieces (0: absent): attn_sinks [n_head] a learned logit per head
+ * joining each row's softmax (probability mass, no value); wo_bias [n_embd] added after wo;
+ * gate_inp_b [n_expert] added to the router logits; moe_weight_softmax 1: the top k of the
+ * (biased) logits choose and their softmax among themselves weighs (llama.cpp's SOFTMAX_WEIGHT
+ * gating; 0: softmax over every expert, then top k); gate_exps_b / up_exps_b [n_expert *
+ * n_ff_exp] and down_exps_b [n_expert * n_embd]: expert e's biases at e * their width */
+#define FK_GPTOSS_FIELDS(X)                                                                   \
+    X(V, attn_sinks) X(V, wo_bias) X(V, gate_inp_b) X(I, moe_weight_softmax)                  \
+    X(V, gate_exps_b) X(V, up_exps_b) X(V, down_exps_b)
+
 /* res_hook (0: none): an fk_res_hook the step calls with res_hook_ctx on the residual rows
  * entering the layer, before its norm (a residual hook run inside the step: Engram's memory
  * layer, fucina.kernels._engram). pos0 is -1 in batch mode; nonzero refuses the call and
@@ -84,7 +95,8 @@ typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_
 
 enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
-enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
+/* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1) */
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2 };
 
 #define FK_FIELD_I(name) int64_t name;
 #define FK_FIELD_F(name) double name;

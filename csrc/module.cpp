@@ -173,6 +173,7 @@ static PyObject *py_attn_decode(PyObject *self, PyObject *const *args, Py_ssize_
     a.scale = (float)scale;
     a.nthreads = g_threads;
     a.pos0 = 0;
+    a.sinks = NULL;
     const fk_isa *isa = g_isa;
     FK_CALL((double)a.n * a.kv_heads * a.d > 1e5, isa->attn_decode(&a));
     Py_RETURN_NONE;
@@ -342,6 +343,14 @@ static int gemma4_ok(const fk_plan *p, const fk_layer *layers, int64_t i) {
               : !y->ple_gate.w && !y->ple_proj.w && !y->ple_norm;
 }
 
+/* gpt-oss's fields (fk_plan.h): sinks and the output bias on an attention mixer, the router
+ * and expert biases and the gating flag on a MoE ffn (the vectors' lengths: kernels.DecoderPlan) */
+static int gptoss_ok(const fk_layer *y) {
+    const int moe = y->ffn == FK_FFN_MOE, att = y->mixer == FK_MIXER_ATTENTION;
+    return (y->moe_weight_softmax == 0 || (moe && y->moe_weight_softmax == 1)) && (att || (!y->attn_sinks && !y->wo_bias)) &&
+           (moe || (!y->gate_inp_b && !y->gate_exps_b && !y->up_exps_b && !y->down_exps_b));
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
@@ -386,7 +395,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     const long long L = head.n_layer;
     if (L < 1 || L > 4096 || il / 8 != kPlanSlots + L * kLayerSlots || head.n_embd < 1 || head.n_embd > (1 << 20) ||
         head.n_ff < 1 || head.n_ff > (1 << 22) || head.n_rot < 2 || head.n_rot % 2 || (head.neox != 0 && head.neox != 1) ||
-        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
+        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH && head.act != FK_ACT_SWIGLU_OAI) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
         head.n_ple < 0 || head.n_ple > (1 << 16)) {
         PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
         return NULL;
@@ -403,7 +412,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
             (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
+import fucina.kernels as K
 from conftest import VOCAB_DIR
 from fucina.errors import GGUFError
+from fucina.kernels import KernelError
 from fucina.models import gpt_oss, load_model
 from parity_cases import LONG_TEXT, TEXT, gptoss_mxfp4_synth
+from synth import chunked_logits
 from synth_gptoss import write_gptoss
+from test_batch_invariance import check_batch_rows_equal_alone
 from test_parity import _cos, _live, oracle_tokens, ours_and_exact
+
+Q = gguf.GGMLQuantizationType
 
 IDS = [5, 70, 80, 90, 100, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, 188]
 
@@ -59,7 +66,7 @@ def test_config_windows_yarn_and_experts(model):
     assert [s.window for s in c.layers] == [8, 0, 8]            # layer 0 slides (pattern 2)
     assert [s.rope for s in c.layers] == [1, 0, 1]
     assert c.yarn.ext_factor == 1.0 and c.yarn.freq_scale == 1 / 32 and c.yarn.n_ctx_orig == 256
-    assert c.rope_neox and model.native_plan is None
+    assert c.rope_neox and model.native_plan is not None
     # YaRN: the magnitude is 1 + 0.1 ln(32), the lowest frequencies interpolated 1/32
     r = model.rope_global
     assert abs(r.mscale - (1 + 0.1 * math.log(32))) < 1e-6
@@ -125,3 +132,77 @@ def test_live_mxfp4_experts_as_close_to_exact_as_llama_cpp(oracle, tmp_path):
     assert ours_err.mean() <= 1.5 * llama_err.mean(), (ours_err.mean(), llama_err.mean())
     rows = exact.shape[0]
     assert (ours.argmax(1) == exact.argmax(1)).mean() >= (ref.argmax(1) == exact.argmax(1)).mean() - 1.5 / rows
+
+
+# ---- the native layer step (csrc/fk_plan.h FK_GPTOSS_FIELDS) against the torch blocks -----
+
+NATIVE_IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(40)]
+_NATIVE: dict = {}
+
+
+def _native_model(tmp_path_factory, expert_qtype):
+    """3 layers (sliding, full, sliding; window 8), MXFP4 or F32 experts, the rest F32."""
+    if expert_qtype not in _NATIVE:
+        path = write_gptoss(tmp_path_factory.mktemp("n") / "n.gguf", layers=3, window=8, seed=2,
+                            expert_qtype=expert_qtype)
+        _NATIVE[expert_qtype] = load_model(path)
+    return _NATIVE[expert_qtype]
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+@pytest.mark.parametrize("qtype", [Q.F32, Q.MXFP4], ids=lambda q: q.name)
+def test_native_step_matches_torch(tmp_path_factory, qtype):
+    """Prefill, decode steps and a second prefill, past the 8-token window: the native step
+    (sinks, biases, SOFTMAX_WEIGHT routing, swiglu_oai) against the torch blocks."""
+    model = _native_model(tmp_path_factory, qtype)
+    assert model.native_plan is not None
+    chunks = [9, 1, 1, 6, 1, 2, 20]
+    got, want = chunked_logits(model, NATIVE_IDS, chunks), chunked_logits(model, NATIVE_IDS, chunks, native=False)
+    if qtype == Q.F32:
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    else:   # the experts quantize their activations to int8: rounding moves with the schedule
+        assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.9999
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_native_prefill_split_any_way_equals_token_by_token(tmp_path_factory, isa):
+    model = _native_model(tmp_path_factory, Q.MXFP4)
+    whole = chunked_logits(model, NATIVE_IDS, [40])
+    for chunks in ([1] * 40, [9, 1, 1, 6, 2, 21], [3, 37]):
+        assert torch.equal(chunked_logits(model, NATIVE_IDS, chunks), whole), f"{chunks} on {isa}"
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_native_decode_in_batch_equals_alone(tmp_path_factory, isa):
+    check_batch_rows_equal_alone(_native_model(tmp_path_factory, Q.MXFP4), NATIVE_IDS, isa)
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_plan_rejects_inconsistent_gptoss_fields(tmp_path_factory):
+    model = _native_model(tmp_path_factory, Q.F32)
+    c, L = model.config, model.layers[0]
+    layer = model.plan_layer(0, L)
+    for bad in (dict(layer, attn_sinks=L.sinks[:-1]),             # one sink a head
+                dict(layer, wo_bias=L.bqkv),                      # the output bias is n_embd
+                dict(layer, gate_inp_b=L.router_bias[:-1]),       # one router bias an expert
+                dict(layer, down_exps_b=L.bd.reshape(-1)[1:]),    # n_expert x n_embd
+                dict(layer, moe_weight_softmax=2),
+                dict(layer, ffn="dense", gate_up=L.wqkv, moe_weight_softmax=0)):   # expert biases, a dense ffn
+        with pytest.raises(KernelError):
+            K.DecoderPlan.build(n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="swiglu_oai",
+                                eps=1e-5, scale=0.25, layers=[bad])
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_native_streamed_experts_equal_resident(tmp_path):
+    """--moe-ram: the native step calls the expert store's hook and reads the biases by expert id."""
+    from fucina.models.expert_store import stream_experts
+    path = write_gptoss(tmp_path / "s.gguf", layers=3, window=8, seed=2)
+    chunks = [17, 12] + [1] * 11
+    want = chunked_logits(load_model(path), NATIVE_IDS, chunks)
+    model = load_model(path)
+    store = stream_experts(model, "40%")   # one layer's experts and a bit
+    assert model.native_plan is not None
+    assert torch.equal(chunked_logits(model, NATIVE_IDS, chunks), want)
+    assert store.report()["evictions"] > 0 and store.report()["errors"] == []

@@ -427,7 +427,7 @@ def attach_ptqtp(weight) -> None:
 
 # -- the decoder layer step ---------------------------------------------------------------
 
-_ACTS = {"silu": 0, "gelu_tanh": 1}
+_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 _MIXERS = {"attention": 0, "delta_net": 1}
 _FFNS = {"dense": 0, "moe": 1}
 _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 8}
@@ -437,6 +437,13 @@ def _delta_sizes(L: dict) -> dict[str, int]:
     """A DeltaNet layer's vector lengths (fk_plan.h FK_DELTA_FIELDS)."""
     hk, hv, dk, dv = (int(L.get(k) or 0) for k in ("ssm_hk", "ssm_hv", "ssm_dk", "ssm_dv"))
     return dict(conv_w=(2 * hk * dk + hv * dv) * int(L.get("d_conv") or 0), dt_bias=hv, ssm_a=hv, ssm_norm=dv)
+
+
+def _gptoss_sizes(L: dict, n_embd: int) -> dict[str, int]:
+    """gpt-oss's vector lengths (fk_plan.h FK_GPTOSS_FIELDS)."""
+    ne, nf = int(L.get("n_expert") or 0), int(L.get("n_ff_exp") or 0)
+    return dict(attn_sinks=L["n_head"], wo_bias=n_embd, gate_inp_b=ne, gate_exps_b=ne * nf, up_exps_b=ne * nf,
+                down_exps_b=ne * n_embd)
 
 
 def _delta_geometry(L: dict) -> tuple[str, int, int]:
@@ -561,9 +568,9 @@ class DecoderPlan:
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
-        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, **_delta_sizes(L))
+        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, **_delta_sizes(L), **_gptoss_sizes(L, n_embd))
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm"):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", *_gptoss_sizes(L, n_embd)):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):

@@ -11,8 +11,11 @@ What differs from the llama skeleton, all in this file's hooks:
   down(swiglu_oai(gate(x) + bg, up(x) + bu)) + bd with swiglu_oai(g, u) =
   min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1), weighted and summed.
 The expert stacks stay zero-copy in the mmap (MXFP4 goes through the native canonical
-matmul); the layer step itself runs on the torch blocks (no native plan: the sinks and
-the expert biases have no field in it yet).
+matmul). The native layer step runs it all (`plan_layer`: csrc/fk_plan.h's FK_GPTOSS_FIELDS
+for the sinks, the output bias, the router bias with SOFTMAX_WEIGHT gating and the expert
+biases, the plan act swiglu_oai; the YaRN tables carry their frequencies and magnitude, so
+RoPE is the plan's); the hooks below are its torch reference and the route of caches
+without a native table.
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ class Layer(llama.Layer):
 class Model(llama.Model):
     schema = Schema
     layer_class = Layer
+    act = "swiglu_oai"   # the experts' (the native plan's act; `ffn` below calls swiglu_oai itself)
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         super().__init__(f, checked)
@@ -108,8 +112,17 @@ class Model(llama.Model):
     def rope_factors(self, t: Tensors) -> torch.Tensor | None:
         return None
 
-    def build_plan(self):
-        return None   # the torch blocks: the native plan has no sinks nor expert biases
+    def plan_layer(self, i: int, L: Layer) -> dict:
+        """The llama layer's fields plus the sinks, the output bias, the biased router with
+        SOFTMAX_WEIGHT gating and the biased expert stacks (csrc/fk_plan.h FK_GPTOSS_FIELDS);
+        the plan's act is swiglu_oai."""
+        c, ex = self.config, L.experts
+        store = getattr(self, "expert_store", None)
+        return dict(super().plan_layer(i, L), attn_sinks=L.sinks, wo_bias=L.bo, n_expert=c.n_expert,
+                    n_expert_used=c.n_expert_used, n_ff_exp=ex.gate.out_features, gate_inp=L.router, gate_inp_b=L.router_bias, moe_weight_softmax=1,
+                    gate_exps=ex.gate.whole, up_exps=ex.up.whole, down_exps=ex.down.whole,
+                    gate_exps_b=L.bg.reshape(-1), up_exps_b=L.bu.reshape(-1), down_exps_b=L.bd.reshape(-1),
+                    **(store.plan_fields(i) if store is not None else {}))
 
     def mixer(self, i: int, L: Layer, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
         s, m = self.config.layers[i], x.shape[0]
