@@ -304,6 +304,16 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
            y->gate_exps.qtype < FK_PTQTP_BASE && y->up_exps.qtype < FK_PTQTP_BASE && y->down_exps.qtype < FK_PTQTP_BASE;
 }
 
+/* a MoE ffn's shared expert (moe_shared_impl.inc): the dense ffn's weights, all or none;
+ * its gate and norm only with it (the vectors' lengths are the caller's check) */
+static int moe_shared_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t F = y->layer_ff ? y->layer_ff : p->n_ff;
+    const fk_lin *gu[2] = {&y->gate, &y->up};
+    const int64_t ngu[2] = {F, F};
+    if (!y->down.w) return !y->gate_up.w && !y->gate.w && !y->up.w && !y->shexp_gate && !y->shexp_norm;
+    return fused_or_parts(&y->gate_up, gu, ngu, 2, p->n_embd) && lin_ok(&y->down, p->n_embd, F);
+}
+
 /* a DeltaNet mixer's settings and weights (fk_delta.h) */
 static int delta_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t hk = y->ssm_hk, hv = y->ssm_hv, dk = y->ssm_dk, dv = y->ssm_dv, E = p->n_embd;
@@ -346,7 +356,7 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
     const int64_t ngu[2] = {F, F};
-    const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y)
+    const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y) && moe_shared_ok(p, y)
                                             : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
                                                   lin_ok(&y->down, E, F);
     if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);

@@ -26,7 +26,9 @@ expert beside the routed ones, each with its own norms: ffn = post_ffw_norm(
 post_ffw_norm_1(mlp(ffn_norm(h))) + post_ffw_norm_2(experts(pre_ffw_norm_2(h)))); the
 router reads rms(h) / sqrt(n_embd) * ffn_gate_inp.scale, softmax top-k renormalised
 (moe.Routing), the optional ffn_down_exps.scale weighs each expert's output, GELU experts
-(moe.mix). Those files run the torch blocks (the native step has no such ffn).
+(moe.mix). The native step runs it (csrc/generic/moe_shared_impl.inc: the shared expert and
+the routed half's own norms and router input); a file with the fused gate_up expert stack
+runs the torch blocks.
 """
 from __future__ import annotations
 
@@ -128,8 +130,8 @@ class Model(llama.Model):
     # -- the native step: every geometry (per-layer inputs, shared KV, per-layer FFN widths) --
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config
-        if c.n_expert:
-            return None   # the shared-plus-routed ffn has no native form: the torch blocks
+        if any(isinstance(L.experts.gate, _Half) for L in self.layers if L.experts is not None):
+            return None   # a fused gate_up expert stack: the torch blocks
         if any(s.head_dim % 16 or (c.n_rot_swa if s.window else c.n_rot) > s.head_dim for s in c.layers):
             return None
         return kernels.DecoderPlan.build(
@@ -145,6 +147,14 @@ class Model(llama.Model):
                  layer_ff=c.ffs[i], ple_gate=L.inp_gate, ple_proj=L.proj, ple_norm=L.ple_norm)
         if not L.has_kv:                          # reads its source's rows: q only
             d.update(kv_from=c.kv_source(i) + 1, v_norm=None)
+        if L.experts is not None:                 # the dense FFN is the shared expert (module docstring)
+            r, ex = c.routing, L.experts
+            d.update(ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=ex.gate.out_features,
+                     moe_norm=int(r.norm), moe_scale=r.scale, gate_inp=L.router, gate_exps=ex.gate.whole,
+                     up_exps=ex.up.whole, down_exps=ex.down.whole, shexp_norm=L.post_norm_1,
+                     moe_in_norm=L.pre_norm_2, moe_out_norm=L.post_norm_2, exp_scale=L.expert_scale,
+                     router_norm=(L.router_scale / math.sqrt(c.n_embd)).contiguous(),
+                     **moe.store_fields(self, i))
         return d
 
     # -- the cache: shared-KV layers alias their source ------------------------------
