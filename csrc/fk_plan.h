@@ -66,9 +66,13 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * row by sigmoid(h . shexp_gate) (qwen35moe), added to the routed mix after moe_out_norm;
  * moe_in_norm: the experts read rms_norm(x, moe_in_norm) instead of h, router_norm: the
  * router reads rms_norm(x, router_norm) instead of the experts' rows; exp_scale [n_expert]
- * multiplies each chosen expert's weight (gemma4's MoE layers) */
+ * multiplies each chosen expert's weight (gemma4's MoE layers); exps_stride (0: n_ff_exp):
+ * rows from one expert's gate (up) rows to the next's, gate_exps/up_exps then spanning
+ * (n_expert - 1) * exps_stride + n_ff_exp rows (gemma4's fused gate_up stack: 2 n_ff_exp,
+ * up_exps the stack from row n_ff_exp; not with the expert store's table) */
 #define FK_MOE_SHARED_FIELDS(X) \
-    X(V, shexp_gate) X(V, shexp_norm) X(V, moe_in_norm) X(V, router_norm) X(V, moe_out_norm) X(V, exp_scale)
+    X(V, shexp_gate) X(V, shexp_norm) X(V, moe_in_norm) X(V, router_norm) X(V, moe_out_norm) X(V, exp_scale) \
+    X(I, exps_stride)
 
 /* a Gated DeltaNet mixer (qwen35, fk_delta.h): hk key / hv value heads of dk / dv, a causal
  * conv of d_conv taps (conv_w [conv_dim, d_conv], conv_dim = 2 hk dk + hv dv); the input

@@ -296,9 +296,11 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
 /* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
+    const int64_t S = y->exps_stride ? y->exps_stride : M;   /* fk_plan.h exps_stride */
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
+           S >= M && S <= (1LL << 30) && (!y->exps_stride || !y->moe_table) &&
            y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
-           lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M) &&
+           lin_ok(&y->gate_exps, (NE - 1) * S + M, E) && lin_ok(&y->up_exps, (NE - 1) * S + M, E) && lin_ok(&y->down_exps, NE * E, M) &&
            (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
            !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r &&   /* no LoRA on expert stacks */
            y->gate_exps.qtype < FK_PTQTP_BASE && y->up_exps.qtype < FK_PTQTP_BASE && y->down_exps.qtype < FK_PTQTP_BASE;

@@ -2,12 +2,11 @@
 qwen35moe (a sigmoid-gated SwiGLU shared expert beside the routed ones, under qwen35's
 DeltaNet and gated-attention mixers) and gemma4's MoE layers (the dense FFN as shared
 expert, each half with its own norms, the router on its own scaled input, per-expert
-scales): the plan against the torch blocks, batch invariance (a prompt split any way, a
-batch row against its stream alone, on every ISA), the expert store streaming through the
-plan, and the plan's checks. Against llama.cpp: test_parity (qwen35moe-synth) and
+scales; separate or fused gate_up stacks): the plan against the torch blocks, batch
+invariance (a prompt split any way, a batch row against its stream alone, on every ISA),
+the expert store streaming through the plan, and the plan's checks. Against llama.cpp: test_parity (qwen35moe-synth) and
 test_gemma4 (test_live_moe_matches_llama_cpp), which run this step now."""
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -32,7 +31,8 @@ GEMMA4MOE = dict(layers=2, hidden=128, heads=4, kv_heads=[2, 1], head_dim=64, he
 def _write(tmp_path, family: str, qtype, **kw) -> str:
     if family == "qwen35moe":
         return write_model(tmp_path / "q.gguf", "qwen35moe", qtype=qtype, **{**QWEN35MOE, **kw})
-    return write_gemma4(tmp_path / "g.gguf", qtype=qtype, **{**GEMMA4MOE, **kw})
+    fused = dict(fused_experts=True) if family == "gemma4-fused" else {}
+    return write_gemma4(tmp_path / "g.gguf", qtype=qtype, **{**GEMMA4MOE, **fused, **kw})
 
 
 def _run(m, native: bool):
@@ -47,7 +47,7 @@ def _run(m, native: bool):
         m.use_native_step = True
 
 
-@pytest.mark.parametrize("family", ["qwen35moe", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen35moe", "gemma4", "gemma4-fused"])
 def test_plan_equals_torch_blocks(tmp_path, family):
     """F32 weights (on a quantized file float noise can flip an activation's int8 rounding),
     past gemma4's 16-token window: the tolerance qwen35's plan test uses, and every row's
@@ -77,7 +77,7 @@ def test_the_shared_half_counts(tmp_path, family):
     torch.testing.assert_close(after, _run(m, False), rtol=1e-3, atol=1e-3)
 
 
-@pytest.fixture(scope="module", params=["qwen35moe", "gemma4"])
+@pytest.fixture(scope="module", params=["qwen35moe", "gemma4", "gemma4-fused"])
 def q8_model(request, tmp_path_factory):
     return load_model(_write(tmp_path_factory.mktemp(request.param), request.param, Q.Q8_0))
 
@@ -131,7 +131,12 @@ def test_plan_checks_the_shared_expert(tmp_path):
         K.DecoderPlan.build(**build, layers=[bad, layers[1]])
 
 
-def test_fused_gemma4_gate_up_stays_on_torch_blocks(tmp_path):
-    m = load_model(_write(tmp_path, "gemma4", Q.F32, fused_experts=True))
-    assert m.native_plan is None
-    assert np.isfinite(m.forward_last_logits(IDS[:8]).numpy()).all()
+def test_plan_checks_the_fused_stack_views(tmp_path):
+    """gemma4's fused gate_up stack: its views must span the strided experts exactly."""
+    m = load_model(_write(tmp_path, "gemma4-fused", Q.F32))
+    spec = m.native_plan._spec
+    layers = spec["layers"]
+    assert layers[0]["exps_stride"] == 2 * layers[0]["n_ff_exp"]
+    for bad in (dict(exps_stride=layers[0]["n_ff_exp"] - 1), dict(exps_stride=3 * layers[0]["n_ff_exp"])):
+        with pytest.raises(K.KernelError, match="layer 0"):
+            K.DecoderPlan.build(**dict(spec, layers=[dict(layers[0], **bad), layers[1]]))
