@@ -43,6 +43,7 @@ typedef struct {
     FK_DELTA_FIELDS(X)                                                                            \
     FK_GEMMA4_FIELDS(X)                                                                           \
     FK_GPTOSS_FIELDS(X)                                                                           \
+    FK_MOE_SHARED_FIELDS(X)                                                                       \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -59,6 +60,20 @@ typedef struct {
     X(W, gate_inp) X(W, gate_exps) X(W, up_exps) X(W, down_exps) X(I, moe_hook) X(I, moe_hook_ctx) \
     X(I, moe_table)
 typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /* 0: go on */
+
+/* a MoE ffn's shared expert and its routed part's own norms (moe_shared_impl.inc; all
+ * optional): the shared expert is the layer's dense ffn fields (gate_up or gate/up, down,
+ * layer_ff) over the ffn_norm rows h, its output RMS-normed by shexp_norm and scaled per
+ * row by sigmoid(h . shexp_gate) (qwen35moe), added to the routed mix after moe_out_norm;
+ * moe_in_norm: the experts read rms_norm(x, moe_in_norm) instead of h, router_norm: the
+ * router reads rms_norm(x, router_norm) instead of the experts' rows; exp_scale [n_expert]
+ * multiplies each chosen expert's weight (gemma4's MoE layers); exps_stride (0: n_ff_exp):
+ * rows from one expert's gate (up) rows to the next's, gate_exps/up_exps then spanning
+ * (n_expert - 1) * exps_stride + n_ff_exp rows (gemma4's fused gate_up stack: 2 n_ff_exp,
+ * up_exps the stack from row n_ff_exp; not with the expert store's table) */
+#define FK_MOE_SHARED_FIELDS(X) \
+    X(V, shexp_gate) X(V, shexp_norm) X(V, moe_in_norm) X(V, router_norm) X(V, moe_out_norm) X(V, exp_scale) \
+    X(I, exps_stride)
 
 /* a Gated DeltaNet mixer (qwen35, fk_delta.h): hk key / hv value heads of dk / dv, a causal
  * conv of d_conv taps (conv_w [conv_dim, d_conv], conv_dim = 2 hk dk + hv dv); the input

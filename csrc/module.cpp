@@ -297,12 +297,24 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
 /* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
+    const int64_t S = y->exps_stride ? y->exps_stride : M;   /* fk_plan.h exps_stride */
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
+           S >= M && S <= (1LL << 30) && (!y->exps_stride || !y->moe_table) &&
            y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
-           lin_ok(&y->gate_exps, NE * M, E) && lin_ok(&y->up_exps, NE * M, E) && lin_ok(&y->down_exps, NE * E, M) &&
+           lin_ok(&y->gate_exps, (NE - 1) * S + M, E) && lin_ok(&y->up_exps, (NE - 1) * S + M, E) && lin_ok(&y->down_exps, NE * E, M) &&
            (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
            !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r &&   /* no LoRA on expert stacks */
            y->gate_exps.qtype < FK_PTQTP_BASE && y->up_exps.qtype < FK_PTQTP_BASE && y->down_exps.qtype < FK_PTQTP_BASE;
+}
+
+/* a MoE ffn's shared expert (moe_shared_impl.inc): the dense ffn's weights, all or none;
+ * its gate and norm only with it (the vectors' lengths are the caller's check) */
+static int moe_shared_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t F = y->layer_ff ? y->layer_ff : p->n_ff;
+    const fk_lin *gu[2] = {&y->gate, &y->up};
+    const int64_t ngu[2] = {F, F};
+    if (!y->down.w) return !y->gate_up.w && !y->gate.w && !y->up.w && !y->shexp_gate && !y->shexp_norm;
+    return fused_or_parts(&y->gate_up, gu, ngu, 2, p->n_embd) && lin_ok(&y->down, p->n_embd, F);
 }
 
 /* a DeltaNet mixer's settings and weights (fk_delta.h) */
@@ -355,7 +367,7 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
     const int64_t ngu[2] = {F, F};
-    const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y)
+    const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y) && moe_shared_ok(p, y)
                                             : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
                                                   lin_ok(&y->down, E, F);
     if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);

@@ -111,13 +111,16 @@ MOE = dict(GEOMETRY, experts=8, experts_used=2, moe_ffn=64)
 
 
 def test_moe_layers_route_beside_the_shared_expert(tmp_path):
-    """The 26B-A4B shape: every layer's dense FFN plus routed experts (torch blocks); the
-    routed part counts, the fused gate_up stack gives the same logits as separate stacks."""
+    """The 26B-A4B shape: every layer's dense FFN plus routed experts; the routed part
+    counts, the fused gate_up stack gives the same logits as separate stacks on the native
+    step (strided views of it) and on the torch blocks."""
     m = load_model(write_gemma4(tmp_path / "moe.gguf", **MOE))
-    assert m.native_plan is None and m.config.routing.k == 2
-    assert m.layers[0].experts.n_expert == 8 and m.layers[0].expert_scale.shape == (8,)
-    a = m.forward_last_logits(IDS)
     fused = load_model(write_gemma4(tmp_path / "fused.gguf", **MOE, fused_experts=True))
+    assert m.config.routing.k == 2 and (m.native_plan is None) == (fused.native_plan is None) == (not K.available())
+    assert m.layers[0].experts.n_expert == 8 and m.layers[0].expert_scale.shape == (8,)
+    assert torch.equal(fused.forward_last_logits(IDS), m.forward_last_logits(IDS))
+    m.use_native_step = fused.use_native_step = False
+    a = m.forward_last_logits(IDS)
     assert torch.equal(fused.forward_last_logits(IDS), a)
     for L in m.layers:
         L.expert_scale = torch.zeros(8)          # the routed experts' outputs weighted 0

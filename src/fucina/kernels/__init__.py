@@ -430,6 +430,8 @@ def attach_ptqtp(weight) -> None:
 _ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 _MIXERS = {"attention": 0, "delta_net": 1}
 _FFNS = {"dense": 0, "moe": 1}
+# a MoE ffn's shared-expert and routed-norm vectors (fk_plan.h FK_MOE_SHARED_FIELDS)
+_MOE_SHARED_VECTORS = ("shexp_gate", "shexp_norm", "moe_in_norm", "router_norm", "moe_out_norm", "exp_scale")
 _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 8}
 
 
@@ -568,9 +570,11 @@ class DecoderPlan:
     @staticmethod
     def _check_vectors(L: dict, n_embd: int) -> None:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
-        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, **_delta_sizes(L), **_gptoss_sizes(L, n_embd))
+        sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, exp_scale=L.get("n_expert", 0),
+                     **_delta_sizes(L), **_gptoss_sizes(L, n_embd))
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", *_gptoss_sizes(L, n_embd)):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", *_gptoss_sizes(L, n_embd),
+                     *_MOE_SHARED_VECTORS):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):

@@ -26,7 +26,8 @@ expert beside the routed ones, each with its own norms: ffn = post_ffw_norm(
 post_ffw_norm_1(mlp(ffn_norm(h))) + post_ffw_norm_2(experts(pre_ffw_norm_2(h)))); the
 router reads rms(h) / sqrt(n_embd) * ffn_gate_inp.scale, softmax top-k renormalised
 (moe.Routing), the optional ffn_down_exps.scale weighs each expert's output, GELU experts
-(moe.mix). Those files run the torch blocks (the native step has no such ffn).
+(moe.mix). The native step runs it (csrc/generic/moe_shared_impl.inc: the shared expert and
+the routed half's own norms and router input; a fused gate_up stack as two strided views).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from fucina.models.cache import AliasKV, KVCache
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.gemma4 import (MOE_TENSORS, OUT_SCALE, PLE_TENSORS, TENSORS, Config,  # noqa: F401
                                          Schema)
-from fucina.weights import ExpertStack
+from fucina.weights import ExpertStack, LinearWeight
 
 
 class _Half:
@@ -56,6 +57,22 @@ class _Half:
 
     def expert(self, e: int):
         return self.pairs.expert(2 * e + self.half)
+
+
+def _plan_stacks(ex: moe.Experts) -> dict:
+    """The plan's gate/up expert stacks (csrc/fk_plan.h): a fused gate_up stack as two row
+    views of it, expert e's gate rows at 2e n_ff_exp and its up rows n_ff_exp after (exps_stride)."""
+    if not isinstance(ex.gate, _Half):
+        return dict(gate_exps=ex.gate.whole, up_exps=ex.up.whole)
+    whole, M, n = ex.gate.pairs.whole, ex.gate.out_features, ex.gate.n_expert
+    span = (n - 1) * 2 * M + M
+
+    def rows(lo: int, half: str) -> LinearWeight:
+        w = LinearWeight(whole.raw[lo:lo + span], whole.qtype, span, whole.in_features, f"{whole.name}.{half}")
+        kernels.attach(w)
+        return w
+
+    return dict(gate_exps=rows(0, "gate"), up_exps=rows(M, "up"), exps_stride=2 * M)
 
 
 def _load_experts(t: Tensors, i: int, c: Config) -> moe.Experts:
@@ -128,8 +145,6 @@ class Model(llama.Model):
     # -- the native step: every geometry (per-layer inputs, shared KV, per-layer FFN widths) --
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config
-        if c.n_expert:
-            return None   # the shared-plus-routed ffn has no native form: the torch blocks
         if any(s.head_dim % 16 or (c.n_rot_swa if s.window else c.n_rot) > s.head_dim for s in c.layers):
             return None
         return kernels.DecoderPlan.build(
@@ -145,6 +160,14 @@ class Model(llama.Model):
                  layer_ff=c.ffs[i], ple_gate=L.inp_gate, ple_proj=L.proj, ple_norm=L.ple_norm)
         if not L.has_kv:                          # reads its source's rows: q only
             d.update(kv_from=c.kv_source(i) + 1, v_norm=None)
+        if L.experts is not None:                 # the dense FFN is the shared expert (module docstring)
+            r, ex = c.routing, L.experts
+            d.update(ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=ex.gate.out_features,
+                     moe_norm=int(r.norm), moe_scale=r.scale, gate_inp=L.router, **_plan_stacks(ex),
+                     down_exps=ex.down.whole, shexp_norm=L.post_norm_1,
+                     moe_in_norm=L.pre_norm_2, moe_out_norm=L.post_norm_2, exp_scale=L.expert_scale,
+                     router_norm=(L.router_scale / math.sqrt(c.n_embd)).contiguous(),
+                     **moe.store_fields(self, i))
         return d
 
     # -- the cache: shared-KV layers alias their source ------------------------------

@@ -137,3 +137,10 @@ def mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         g, u = ws[0](xs).chunk(2, dim=-1) if len(ws) == 2 else (ws[0](xs), ws[1](xs))
         out.index_add_(0, rows, ws[-1](act(g) * u) * w[:, None])
     return out
+
+
+def store_fields(model, i: int) -> dict:
+    """Layer i's plan fields calling the expert store (models/expert_store.py), when one is
+    attached to `model`; none otherwise."""
+    store = getattr(model, "expert_store", None)
+    return store.plan_fields(i) if store is not None else {}

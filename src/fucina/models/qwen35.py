@@ -215,13 +215,21 @@ class Model(llama.Model):
         if c.n_rot % 2 or c.head_dim % 16 or c.n_rot > c.head_dim:
             return None
         return kernels.DecoderPlan.build(
-            n_embd=c.n_embd, n_ff=c.n_ff, n_rot=c.n_rot, neox=True, act="silu", eps=c.rms_eps, scale=self.scale,
-            layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+            n_embd=c.n_embd, n_ff=self.plan_ff(), n_rot=c.n_rot, neox=True, act="silu", eps=c.rms_eps,
+            scale=self.scale, layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
+
+    def plan_ff(self) -> int:
+        """The dense ffn's width in the plan (qwen35moe: its shared expert's)."""
+        return self.config.n_ff
+
+    def plan_ffn(self, i: int, L) -> dict:
+        """Layer i's ffn fields of the plan (qwen35moe: the routed and shared experts)."""
+        return dict(down=L.ffn_down,
+                    **(dict(gate_up=L.w_gate_up) if L.w_gate_up is not None else dict(gate=L.ffn_gate, up=L.ffn_up)))
 
     def plan_layer(self, i: int, L) -> dict:
         c = self.config
-        common = dict(attn_norm=L.attn_norm, ffn_norm=L.post_attention_norm, down=L.ffn_down,
-                      **(dict(gate_up=L.w_gate_up) if L.w_gate_up is not None else dict(gate=L.ffn_gate, up=L.ffn_up)))
+        common = dict(attn_norm=L.attn_norm, ffn_norm=L.post_attention_norm, **self.plan_ffn(i, L))
         if not c.recurrent[i]:
             qkv = dict(wqkv=L.w_in) if L.w_in is not None else dict(wq=L.attn_q, wk=L.attn_k, wv=L.attn_v)
             return dict(common, mixer="attention", q_gate=1, n_head=c.n_head, n_kv=c.n_head_kv, head_dim=c.head_dim,

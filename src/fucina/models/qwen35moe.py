@@ -3,8 +3,9 @@ attention layers (models/qwen35.py) with every ffn a routed mixture of SwiGLU ex
 one shared expert, as llama.cpp b11434 builds it (src/models/qwen35moe.cpp):
     ffn(x) = mix(x; softmax top-k, weights renormalised) + sigmoid(x . gate_inp_shexp) * shexp(x)
 with the shared expert a dense SwiGLU of `expert_shared_feed_forward_length` rows. The
-routed math is models/moe.py (qwen3moe's); the blocks run in torch (the native step's MoE
-ffn has no shared expert yet), the DeltaNet decode recurrence natively per layer.
+routed math is models/moe.py (qwen3moe's). The native layer step runs it: qwen35's mixers
+and the MoE ffn with the gated shared expert (csrc/generic/moe_shared_impl.inc); the torch
+blocks stay the reference (FUCINA_NATIVE_STEP=0).
 """
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ class Model(qwen35.Model):
         shared = L.ffn_down_shexp(F.silu(g) * u)
         return routed + shared * shared_gate(x, L.ffn_gate_inp_shexp)
 
-    def build_plan(self) -> None:
-        return None   # the native MoE ffn (csrc/generic/moe_impl.inc) has no shared expert yet
+    # -- the native step: qwen35's mixers, the MoE ffn with its gated shared expert --------
+    def plan_ff(self) -> int:
+        return self.config.n_ff_shexp
+
+    def plan_ffn(self, i: int, L) -> dict:
+        r, ex = self.config.routing, L.experts
+        shared = dict(gate_up=L.w_shared) if L.w_shared is not None else dict(gate=L.ffn_gate_shexp,
+                                                                                up=L.ffn_up_shexp)
+        return dict(ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=ex.gate.out_features,
+                    moe_norm=int(r.norm), moe_scale=r.scale, gate_inp=L.ffn_gate_inp, gate_exps=ex.gate.whole,
+                    up_exps=ex.up.whole, down_exps=ex.down.whole, down=L.ffn_down_shexp,
+                    shexp_gate=L.ffn_gate_inp_shexp.float().contiguous(), **shared,
+                    **moe.store_fields(self, i))
 

@@ -42,5 +42,4 @@ class Model(llama.Model):
 
     def store_hook(self, i: int) -> dict:
         """The plan's call into the expert store (models/expert_store.py), when one is attached."""
-        store = getattr(self, "expert_store", None)
-        return store.plan_fields(i) if store is not None else {}
+        return moe.store_fields(self, i)
