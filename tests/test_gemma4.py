@@ -127,6 +127,15 @@ def test_moe_layers_route_beside_the_shared_expert(tmp_path):
     assert _cos(m.forward_last_logits(IDS).numpy(), a.numpy()) < 0.999
 
 
+def test_fused_expert_stack_refuses_streaming_with_a_typed_error(tmp_path):
+    from fucina.errors import InvalidArgument
+    from fucina.models.expert_store import stream_experts
+    fused = load_model(write_gemma4(tmp_path / "fused.gguf", **MOE, fused_experts=True))
+    with pytest.raises(InvalidArgument, match="fused tensor"):
+        stream_experts(fused, "50%")
+    assert getattr(fused, "expert_store", None) is None
+
+
 def test_moe_without_expert_count_is_typed(tmp_path):
     p = write_gemma4(tmp_path / "moe.gguf", layers=3, extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((4, 64))})
     with pytest.raises(GGUFError, match="expert_count"):

@@ -332,6 +332,11 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True) 
               if isinstance(getattr(L, "experts", None), Experts)}
     if not layers:
         raise InvalidArgument(f"moe_ram: the {type(model).__module__.rsplit('.', 1)[-1]} model has no expert stacks")
+    from fucina.weights import ExpertStack
+    if any(not isinstance(st, ExpertStack) for ex in layers.values() for st in ex.stacks + (ex.down,)):
+        # gemma4's fused gate_up stack is read as two row views of one tensor (its halves)
+        raise InvalidArgument("moe_ram: this file's expert stacks are views of a fused tensor, which the expert "
+                              "store does not stream yet; load it without --moe-ram")
     total = sum(ex.nbytes for ex in layers.values())
     store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch)
     for i, ex in layers.items():
