@@ -104,11 +104,12 @@ def test_llama_cpp_logits_on_our_merged_export(oracle, base, tmp_path):
 
 def _llama_ppl(oracle, model_path, text, *extra, chunks=False):
     """llama-perplexity's final figure (or, `chunks`, its running figure after each chunk).
-    Run again once when its output lacks the final line: once in a CI dry run (session 9)
-    the tool's output stopped after the last chunk's figure, the same run passing three
-    times after; the oracle is not what is under test here."""
+    Run again, up to four times, when its output lacks the final line: on a loaded host the
+    tool's asynchronous logger sometimes exits before printing its last lines (seen in CI dry
+    runs with the exit status 0 and the figures up to the next-to-last chunk); the oracle is
+    not what is under test here."""
     import subprocess
-    for _ in range(2):
+    for _ in range(4):
         r = subprocess.run([str(oracle / "llama-perplexity"), "-m", str(model_path), "-f", str(text),
                             "-c", "128", "-b", "128", "-t", "2", *extra], capture_output=True, text=True,
                            env={"LD_LIBRARY_PATH": str(oracle)}, timeout=600)
