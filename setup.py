@@ -53,4 +53,14 @@ engram = Extension(
     language="c++",
 )
 
-setup(ext_modules=[ext, tokenizer_merge, engram])
+# the PTQTP solver (fucina.quant.ptqtp; falls back to its torch formulation when absent): no
+# ISA pragmas and no FMA, so every x86-64 host writes the same planes
+ptqtp = Extension(
+    "fucina.quant._ptqtp",
+    sources=["csrc/ptqtp_solve.cpp"],
+    extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-Wall"],
+    extra_link_args=["-fopenmp"],
+    language="c++",
+)
+
+setup(ext_modules=[ext, tokenizer_merge, engram, ptqtp])

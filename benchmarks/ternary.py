@@ -149,16 +149,17 @@ def ptqtp(args) -> None:
             ids = Tokenizer.from_gguf(args.src).encode(fh.read())[: args.tokens]
     paths = {}
     os.makedirs(args.out, exist_ok=True)
-    for planes in args.planes:
-        out = os.path.join(args.out, f"{os.path.basename(args.src)[:-5]}-ptqtp{planes}.gguf")
+    for planes, tie in [(p, False) for p in args.planes] + ([(2, True)] if args.tie else []):
+        label = f"{planes}{'-tied' if tie else ''}"
+        out = os.path.join(args.out, f"{os.path.basename(args.src)[:-5]}-ptqtp{label}.gguf")
         if not os.path.exists(out):
             t = time.perf_counter()
-            report = decorate(args.src, out, planes)
+            report = decorate(args.src, out, planes, tie=tie)
             sh = shares(report)
             took = time.perf_counter() - t
-            print(f"PTQTP K={planes}: decorated {sh['decorated']:.1%} of the weights in {took:.0f} s "
+            print(f"PTQTP K={label}: decorated {sh['decorated']:.1%} of the weights in {took:.0f} s "
                   f"(kept: {', '.join(f'{w} {v:.1%}' for w, v in sh.items() if w != 'decorated')})", flush=True)
-        paths[f"PTQTP{planes}"] = out
+        paths[f"PTQTP{label}"] = out
     for q in args.against:
         paths[os.path.basename(q)] = q
     ref = teacher_forced_logits(load_model(args.src), ids).numpy()
@@ -248,6 +249,7 @@ def main() -> None:
     s = sub.add_parser("ptqtp")
     s.add_argument("src")
     s.add_argument("--planes", type=int, nargs="+", default=[1, 2, 3])
+    s.add_argument("--tie", action="store_true", help="also the scale-tied K=2 file")
     s.add_argument("--against", nargs="*", default=[], help="other encodings of SRC (first: the decode baseline)")
     s.add_argument("--out", default="ptqtp-out", help="folder for the decorated files (kept: reruns reuse them)")
     s.add_argument("--tokens", type=int, default=64)

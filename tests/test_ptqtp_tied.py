@@ -30,9 +30,10 @@ def _planted(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (c.view(rows, -1, 256) * s.unsqueeze(-1)).view(rows, k), s
 
 
-def test_planted_nine_level_weights_recovered_exactly():
+@pytest.mark.parametrize("solver", ["torch", "auto"])
+def test_planted_nine_level_weights_recovered_exactly(solver):
     W, s = _planted(5, 512, 1)
-    f = fit(W, 2, tie=True)
+    f = fit(W, 2, tie=True, solver=solver)
     assert f.tied and f.unconverged == 0
     assert torch.equal(f.weight(), W)
     assert torch.equal(f.scales[1], s) and torch.equal(f.scales[0], 3 * s)

@@ -37,6 +37,11 @@ import torch
 
 from fucina.errors import QuantError
 
+try:    # the native solver (csrc/ptqtp_solve.cpp); the torch formulation below is its reference
+    from fucina.quant import _ptqtp
+except ImportError:   # pragma: no cover - a build without the extension
+    _ptqtp = None
+
 GROUP = 256
 LAMBDA0, LAMBDA_MAX, KAPPA_MAX = 1e-8, 1.0, 1e6
 EPSILON, MAX_ITERATIONS = 1e-4, 50
@@ -165,10 +170,26 @@ def _solve_tied(w: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torc
     return S.to(torch.int8), mag.unsqueeze(-1) * tie, it, unconverged
 
 
-def fit(weight, planes: int, progress=None, tie: bool = False) -> Fit:
+def _solve_native(groups: torch.Tensor, K: int, tie: bool, threads: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The native solver on groups [G, 256]: the same alternation, each group solved alone."""
+    G = groups.shape[0]
+    trits = torch.empty(G, GROUP, K, dtype=torch.int8)
+    scales = torch.empty(G, K)
+    its, unconverged, failed = _ptqtp.solve(groups.data_ptr(), G, K, int(tie), trits.data_ptr(), scales.data_ptr(),
+                                            threads)
+    if failed >= 0:
+        raise QuantError("PTQTP scale-tied fit: a group's scale has no f16 value whose triple is an f16 too "
+                         "(weights above ~20000 in magnitude)")
+    return trits, scales, its, unconverged
+
+
+def fit(weight, planes: int, progress=None, tie: bool = False, solver: str = "auto", threads: int | None = None) -> Fit:
     """Fit `planes` trit-planes to a matrix [n, k] (k a multiple of 256); `progress(g)` is
     called with the number of 256-groups done after each chunk of them. `tie`: the
-    scale-tied fit (planes = 2 only; module docstring)."""
+    scale-tied fit (planes = 2 only; module docstring). `solver`: "native" (csrc, minutes
+    for a 0.6B model), "torch" (this module's batched formulation, hours for one), "auto"
+    (native when built). The two agree on the method, not to the bit: their ridge sums round
+    differently, so a few groups may differ in a scale's last f16 bit."""
     if planes not in (1, 2, 3):
         raise QuantError(f"PTQTP takes 1, 2 or 3 planes, not {planes}")
     if tie and planes != 2:
@@ -177,13 +198,23 @@ def fit(weight, planes: int, progress=None, tie: bool = False) -> Fit:
     W = W.detach().float()
     if W.dim() != 2 or W.shape[1] % GROUP:
         raise QuantError(f"PTQTP needs a matrix whose rows split into {GROUP}-value groups, got {tuple(W.shape)}")
+    if solver not in ("auto", "native", "torch"):
+        raise QuantError(f"PTQTP solver is auto, native or torch, not {solver!r}")
+    if solver == "native" and _ptqtp is None:
+        raise QuantError("the native PTQTP solver is not built (reinstall fucina to compile it); use solver='torch'")
+    native = solver != "torch" and _ptqtp is not None
     n, k = W.shape
-    groups = W.reshape(-1, GROUP)
+    groups = W.reshape(-1, GROUP).contiguous()
     cand = candidates(planes)
+    threads = threads or torch.get_num_threads()
+    chunk_groups = 16 * _CHUNK if native else _CHUNK
     trits, scales, its, unconv = [], [], 0, 0
-    for g0 in range(0, groups.shape[0], _CHUNK):
-        chunk = groups[g0:g0 + _CHUNK]
-        t, s, i, u = _solve_tied(chunk, cand) if tie else _solve_groups(chunk, planes, cand)
+    for g0 in range(0, groups.shape[0], chunk_groups):
+        chunk = groups[g0:g0 + chunk_groups]
+        if native:
+            t, s, i, u = _solve_native(chunk, planes, tie, threads)
+        else:
+            t, s, i, u = _solve_tied(chunk, cand) if tie else _solve_groups(chunk, planes, cand)
         trits.append(t)
         scales.append(s)
         its, unconv = max(its, i), unconv + u
