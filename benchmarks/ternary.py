@@ -4,7 +4,7 @@
     python benchmarks/ternary.py kl MODEL.gguf [--tokens 64]          # mean KL to the exact model, ours and llama.cpp's
     python benchmarks/ternary.py ptqtp SRC.gguf --planes 1 2 3 [--against Q.gguf ...]   # decorate, KL, decode speed
     python benchmarks/ternary.py speedfile SRC.gguf OUT.gguf --planes 2 [--tie]   # PTQTP layout (speed only)
-    python benchmarks/ternary.py decode A.gguf B.gguf ...              # paired greedy decode tok/s, ratios to A
+    python benchmarks/ternary.py decode A.gguf B.gguf ... [--rows]     # paired greedy decode tok/s, ratios to A
 
 `kernels`: the Qwen3-0.6B ffn shape (3072 x 1024) at m = 1 (decode), 4 (a verify pass) and
 128 (prefill), one thread, the three formats and PTQTP K = 1, 2, 3 (K stacked TQ2_0 planes, one
@@ -173,12 +173,23 @@ def ptqtp(args) -> None:
                                                  if base else ""), flush=True)
 
 
+def _layer_weights(model) -> list:
+    from fucina.weights.lora import weight_slots
+    return [w for L in model.layers for _, _, w in weight_slots(L)]
+
+
 def decode(args) -> None:
     """Greedy decode tokens/s of each file, alternated per round, ratios to the first."""
     from fucina.models import load_model
 
     K.set_threads(args.threads)
     models = {os.path.basename(p): load_model(p) for p in args.models}
+    if args.rows:   # each file whose TQ2_0 weights went to 8-row groups, also on its rows
+        for p in args.models:
+            if any(getattr(w.kernel, "qtype", None) == K.TQ2_X8 for w in _layer_weights(models[os.path.basename(p)])):
+                os.environ["FUCINA_TQ2_X8"] = "0"
+                models[os.path.basename(p) + " [rows]"] = load_model(p)
+                del os.environ["FUCINA_TQ2_X8"]
     tps = _decode_tps(models, args.steps, args.rounds)
     base = tps[os.path.basename(args.models[0])]
     for name, v in tps.items():
@@ -260,6 +271,8 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=32)
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rows", action="store_true",
+                   help="also each file whose TQ2_0 weights took 8-row groups, on its rows (FUCINA_TQ2_X8=0)")
     s = sub.add_parser("speedfile")
     s.add_argument("src")
     s.add_argument("out")
