@@ -139,6 +139,15 @@ def test_model_on_groups_gives_the_rows_logits(tq2_model_path, monkeypatch):
         assert L.wqkv.kernel.qtype == K.TQ2_X8 and L.w_gate_up.kernel.qtype == K.TQ2_X8
         assert rows.layers[0].wqkv.kernel.qtype == int(T.TQ2_0)
         assert L.wq.kernel.qtype == int(T.TQ2_0)   # a fused weight's parts are left as they are
+        # the fused weight's stacked rows are dropped; raw rebuilds them from the groups
+        from fucina.errors import FucinaError
+        from fucina.weights.tq2x8 import GroupedWeight
+        R = rows.layers[0]
+        assert isinstance(L.w_gate_up, GroupedWeight) and "raw" not in vars(L.w_gate_up)
+        assert torch.equal(L.w_gate_up.raw, R.w_gate_up.raw) and L.w_gate_up.nbytes == R.w_gate_up.nbytes
+        assert torch.equal(L.wqkv.dequantize(), R.wqkv.dequantize())
+        with pytest.raises(FucinaError, match="8-row groups"):
+            L.wqkv.raw = R.wqkv.raw
         ids = torch.tensor([3, 17, 42, 5, 9, 100, 7])
         outs = []
         for m in (rows, grp):
