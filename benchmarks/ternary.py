@@ -4,7 +4,8 @@
     python benchmarks/ternary.py kl MODEL.gguf [--tokens 64]          # mean KL to the exact model, ours and llama.cpp's
     python benchmarks/ternary.py ptqtp SRC.gguf --planes 1 2 3 [--against Q.gguf ...]   # decorate, KL, decode speed
     python benchmarks/ternary.py speedfile SRC.gguf OUT.gguf --planes 2 [--tie]   # PTQTP layout (speed only)
-    python benchmarks/ternary.py decode A.gguf B.gguf ...              # paired greedy decode tok/s, ratios to A
+    python benchmarks/ternary.py decode A.gguf B.gguf ... [--rows]     # paired greedy decode tok/s, ratios to A
+    python benchmarks/ternary.py groups [--isa avx2]                  # TQ2_0 rows vs 8-row groups, per call
 
 `kernels`: the Qwen3-0.6B ffn shape (3072 x 1024) at m = 1 (decode), 4 (a verify pass) and
 128 (prefill), one thread, the three formats and PTQTP K = 1, 2, 3 (K stacked TQ2_0 planes, one
@@ -174,12 +175,47 @@ def ptqtp(args) -> None:
                                                  if base else ""), flush=True)
 
 
+def groups(args) -> None:
+    """TQ2_0 on its rows against the same weights in 8-row groups (kernels.tq2_interleave),
+    m = 1, 4, 128, two Qwen3-0.6B shapes, one thread, wall time per call, median of --rounds."""
+    K.set_threads(1)
+    K.set_isa(args.isa)
+    for m in (1, 4, 128):
+        for n, k in ((3072, 1024), (1024, 3072)):
+            raw = rand_raw(T.TQ2_0, n, k, np.random.default_rng(0))
+            x8 = K.tq2_interleave(raw, n)
+            x, y, rb = torch.randn(m, k), torch.empty(m, n), k // 256 * 66
+            calls = {"rows": (int(T.TQ2_0), raw), "groups": (K.TQ2_X8, x8)}
+            reps, times = max(2, 50 // m), {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, (qt, w) in calls.items():
+                    K._native.matmul(qt, w.data_ptr(), rb, n, k, x.data_ptr(), m, y.data_ptr(), n)
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        K._native.matmul(qt, w.data_ptr(), rb, n, k, x.data_ptr(), m, y.data_ptr(), n)
+                    times[name].append((time.perf_counter() - t) / reps * 1e6)
+            med = {name: statistics.median(v) for name, v in times.items()}
+            print(f"{K.isa()} m={m} {n}x{k}: rows {med['rows']:.1f} us, groups {med['groups']:.1f} us "
+                  f"({med['rows'] / med['groups']:.2f}x)", flush=True)
+
+
+def _layer_weights(model) -> list:
+    from fucina.weights.lora import weight_slots
+    return [w for L in model.layers for _, _, w in weight_slots(L)]
+
+
 def decode(args) -> None:
     """Greedy decode tokens/s of each file, alternated per round, ratios to the first."""
     from fucina.models import load_model
 
     K.set_threads(args.threads)
     models = {os.path.basename(p): load_model(p) for p in args.models}
+    if args.rows:   # each file whose TQ2_0 weights went to 8-row groups, also on its rows
+        for p in args.models:
+            if any(getattr(w.kernel, "qtype", None) == K.TQ2_X8 for w in _layer_weights(models[os.path.basename(p)])):
+                os.environ["FUCINA_TQ2_X8"] = "0"
+                models[os.path.basename(p) + " [rows]"] = load_model(p)
+                del os.environ["FUCINA_TQ2_X8"]
     tps = _decode_tps(models, args.steps, args.rounds)
     base = tps[os.path.basename(args.models[0])]
     for name, v in tps.items():
@@ -262,13 +298,19 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=32)
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rows", action="store_true",
+                   help="also each file whose TQ2_0 weights took 8-row groups, on its rows (FUCINA_TQ2_X8=0)")
+    s = sub.add_parser("groups")
+    s.add_argument("--isa", default="avx2")
+    s.add_argument("--rounds", type=int, default=9)
     s = sub.add_parser("speedfile")
     s.add_argument("src")
     s.add_argument("out")
     s.add_argument("--planes", type=int, default=2)
     s.add_argument("--tie", action="store_true", help="the scale-tied layout (--planes 2), served folded")
     a = ap.parse_args()
-    {"kernels": kernels, "kl": kl, "ptqtp": ptqtp, "decode": decode, "speedfile": speedfile}[a.cmd](a)
+    {"kernels": kernels, "kl": kl, "ptqtp": ptqtp, "decode": decode, "speedfile": speedfile,
+     "groups": groups}[a.cmd](a)
 
 
 if __name__ == "__main__":

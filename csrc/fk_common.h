@@ -37,6 +37,9 @@ enum { FK_PTQTP_BASE = 1000 };
 /* a scale-tied K=2 PTQTP matrix (plane scales 3s and s) folded to one plane of 9-level codes
  * c = 3 t0 + t1 (generic/ternary_impl.inc): its own format, not a GGML type */
 enum { FK_PTQTP_FOLD = FK_PTQTP_BASE + 16 };
+/* TQ2_0 rows repacked in groups of 8 for the AVX2 decode GEMV (generic/tq2x8_impl.inc):
+ * the same bytes as TQ2_0 per 8 rows, row_bytes TQ2_0's; not a GGML type */
+enum { FK_TQ2_X8 = FK_PTQTP_BASE + 32 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
 typedef struct {

@@ -85,6 +85,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
         *bs = 256; *ts = 66; return 1;
     case FK_PTQTP_FOLD: *bs = 256; *ts = 130; return 1;
+    case FK_TQ2_X8: *bs = 256; *ts = 66; return 1;   /* the buffer holds the rows rounded up to 8 */
     }
     return 0;
 }

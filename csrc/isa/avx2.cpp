@@ -114,6 +114,8 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
 
 #define CB_NP 8
 #define CB_MR 4
+/* cbg_prep's bytes: FK_TQ2_X8's activation dwords broadcast 8 times (avx2_ternary.inc) */
+#define CB_GEMV_PREP_BYTES(qt, m, kp) ((size_t)(m) * (size_t)(kp) * ((qt) == FK_TQ2_X8 ? 8 : 1) + 64)
 #include "generic/matmul_impl.inc"
 #include "avx2_decode.inc"
 #include "avx2_gemv.inc"

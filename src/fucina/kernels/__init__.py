@@ -371,8 +371,15 @@ class QuantKernel:
         """Rows `ids` (int64, checked in range here and in C) as f32 [len(ids), k]."""
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
         out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        qtype, raw, n, sel = self.qtype, self.raw, self.n, ids
+        if qtype == TQ2_X8:   # the ids' 8-row groups back to TQ2_0 rows, then the rows as any
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                raise KernelError(f"dequant_rows: a row out of range [0, {n})")
+            groups = raw.view(-1, 8 * self.rb)[ids // 8]
+            raw = tq2_deinterleave(groups.reshape(-1, self.rb), 8 * ids.numel())
+            qtype, n, sel = int(GGMLType.TQ2_0), max(8 * ids.numel(), 1), torch.arange(ids.numel()) * 8 + ids % 8
         try:
-            _native.dequant_rows(self.qtype, self.ptr, self.rb, self.n, self.k, ids.data_ptr(), ids.numel(),
+            _native.dequant_rows(qtype, raw.data_ptr(), self.rb, n, self.k, sel.data_ptr(), sel.numel(),
                                  out.data_ptr())
         except ValueError as e:
             raise KernelError(str(e)) from None
@@ -423,6 +430,60 @@ def attach_ptqtp(weight) -> None:
     k = QuantKernel(stacked)
     k.weight, k.qtype, k.n = weight, PTQTP_BASE + weight.k, weight.out_features
     weight.kernel = k
+
+
+#: the kernels' pseudo type of TQ2_0 rows repacked in 8-row groups (csrc/generic/tq2x8_impl.inc)
+TQ2_X8 = PTQTP_BASE + 32
+#: the ISA levels whose decode GEMV reads that layout (AVX-512's reads TQ2_0 rows as they are)
+_X8_ISAS = ("avx2", "avx2vnni")
+_TQ2_BYTES = 66
+
+
+def tq2_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """TQ2_0 rows [n, rb] -> their 8-row groups (csrc/generic/tq2x8_impl.inc), [ceil8(n), rb]
+    uint8: per group, superblock s's 16 qs dwords of the 8 rows (dword e of row r at 512 s +
+    32 e + 4 r), then the 8 rows' f16 scales of each superblock (at 512 nsb + 16 s + 2 r).
+    The rows past n are zeros. A byte permutation: tq2_deinterleave undoes it."""
+    rb = raw.shape[-1]
+    nsb, groups = rb // _TQ2_BYTES, -(-n // 8)
+    if raw.dtype != torch.uint8 or rb % _TQ2_BYTES or raw.numel() != n * rb:
+        raise KernelError(f"tq2_interleave: {tuple(raw.shape)} {raw.dtype} is not TQ2_0 rows")
+    rows = raw.reshape(n, rb)
+    if groups * 8 != n:
+        rows = torch.cat([rows, rows.new_zeros(groups * 8 - n, rb)])
+    b = rows.view(groups, 8, nsb, _TQ2_BYTES)
+    qs = b[..., :64].reshape(groups, 8, nsb, 16, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb * 512)
+    d = b[..., 64:].permute(0, 2, 1, 3).reshape(groups, nsb * 16)
+    return torch.cat([qs, d], dim=1).reshape(groups * 8, rb)
+
+
+def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
+    """tq2_interleave's inverse: the first n TQ2_0 rows [n, rb] of 8-row groups [ceil8(n), rb]."""
+    rb = x8.shape[-1]
+    nsb, groups = rb // _TQ2_BYTES, x8.numel() // (8 * rb)
+    if x8.dtype != torch.uint8 or rb % _TQ2_BYTES or x8.numel() != groups * 8 * rb or n > groups * 8:
+        raise KernelError(f"tq2_deinterleave: {tuple(x8.shape)} {x8.dtype} does not hold {n} rows in 8-row groups")
+    b = x8.reshape(groups, 8 * rb)
+    qs = b[:, :nsb * 512].reshape(groups, nsb, 16, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups, 8, nsb, 64)
+    d = b[:, nsb * 512:].reshape(groups, nsb, 8, 2).permute(0, 2, 1, 3)
+    return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
+
+
+def interleave(weight) -> bool:
+    """Give a TQ2_0 weight's kernel its bytes in 8-row groups when the ISA in force is an AVX2
+    level: its decode GEMV then loads the rows' dwords as they are where it shuffled 48
+    times a superblock (BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"); every route
+    (prefill panels, verify, scalar, AVX-512) reads the layout too and gives the same bits
+    as the rows it came from. The kernel holds the copy (weight.raw keeps the TQ2_0 rows:
+    the reference path, training and the file's pages read those); True when repacked.
+    FUCINA_TQ2_X8=0 keeps the rows."""
+    k = getattr(weight, "kernel", None)
+    if (type(k) is not QuantKernel or k.qtype != int(GGMLType.TQ2_0) or isa() not in _X8_ISAS
+            or os.environ.get("FUCINA_TQ2_X8", "1") == "0"):
+        return False
+    k.raw = tq2_interleave(k.raw, k.n)
+    k.qtype, k.ptr = TQ2_X8, k.raw.data_ptr()
+    return True
 
 
 # -- the decoder layer step ---------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""TQ2_0 weights in 8-row groups for the AVX2 decode GEMV, made once when a model loads.
+
+`interleave_model(model)` gives each TQ2_0 weight the model computes with (the fused QKV /
+gate-up, not the parts they were stacked from; the head) its kernel's bytes in the layout
+of `fucina.kernels.tq2_interleave` when the kernels run an AVX2 level, then rebuilds the
+native layer plan on them. Every route gives the bits of the rows they came from, so the
+model's output is unchanged; the decode is faster (BENCHMARK.md "TQ2_0 decode at AVX2:
+8-row groups"). Memory: the groups replace the rows. A weight read from the file has its
+mapped pages dropped after the copy (a later read of `weight.raw` faults them back); a fused
+weight (its rows already a copy) drops that copy and becomes a `GroupedWeight`, whose `raw`
+gives the rows back from the groups on each read.
+"""
+from __future__ import annotations
+
+from fucina import kernels
+from fucina.errors import FucinaError
+from fucina.weights.linear import LinearWeight
+from fucina.weights.lora import weight_slots
+
+
+class GroupedWeight(LinearWeight):
+    """A TQ2_0 LinearWeight whose one copy of the bytes is its kernel's 8-row groups: `raw`
+    is the TQ2_0 rows rebuilt from them, a new tensor on each read (the reference path, a
+    dequantize, a LoRA merge read it; the hot path never does). Writing to it would not reach
+    the kernel, so assigning `raw` is an error: build a LinearWeight from new bytes instead."""
+
+    @property
+    def raw(self):
+        return kernels.tq2_deinterleave(self.kernel.raw, self.out_features)
+
+    @raw.setter
+    def raw(self, value):
+        raise FucinaError(f"{self.name}: the bytes of a weight in 8-row groups are its kernel's; "
+                          "make a new LinearWeight from the new bytes")
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.kernel.rb
+
+
+def _drop_rows(w: LinearWeight) -> None:
+    """w's own copy of its TQ2_0 rows gone: w becomes a GroupedWeight (same attributes)."""
+    del w.__dict__["raw"]
+    w.__class__ = GroupedWeight
+
+
+def interleave_model(model) -> int:
+    """Repack the model's TQ2_0 weights in place (see the module); the count repacked."""
+    ws = [w for L in getattr(model, "layers", []) for _, _, w in weight_slots(L)]
+    out = getattr(model, "output", None)
+    if isinstance(out, LinearWeight):
+        ws.append(out)
+    parts = {p for w in ws if "+" in w.name for p in w.name.split("+")}
+    f = getattr(model, "gguf", None)
+    seen, done = set(), 0
+    for w in ws:
+        if id(w) in seen or w.name in parts:
+            continue
+        seen.add(id(w))
+        if kernels.interleave(w):
+            done += 1
+            if f is not None and w.name in getattr(f, "tensors", {}):
+                f.release(f.tensors[w.name])   # the file's pages
+            elif "+" in w.name:
+                _drop_rows(w)                  # a fused weight's stacked copy
+    if done and getattr(model, "native_plan", None) is not None:
+        model.native_plan = model.build_plan()
+    return done
