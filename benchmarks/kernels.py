@@ -42,7 +42,9 @@ def rand_raw(qt: T, n: int, k: int, rng) -> torch.Tensor:
         w = rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16
         return torch.from_numpy(w.astype(np.uint16).view(np.uint8))
     raw = rng.integers(0, 256, (n * (k // bs), ts), dtype=np.uint8)
-    for o in F16_FIELDS[qt]:
+    if qt == T.MXFP4:   # the E8M0 scale byte: 2^-10 .. 2^-4
+        raw[:, 0] = rng.integers(118, 124, raw.shape[0], dtype=np.uint8)
+    for o in F16_FIELDS.get(qt, []):
         raw[:, o:o + 2] = (rng.standard_normal(raw.shape[0]) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(raw.reshape(n, -1))
 

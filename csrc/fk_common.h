@@ -90,6 +90,22 @@ static inline void fk_pf_step(fk_pf *f) {
 static inline void fk_pf_rest(fk_pf *f) {
     for (; f->p < f->end; f->p += 64) __builtin_prefetch(f->p, 0, 2);
 }
+/* Bytes the prefetch runs ahead of the tile being computed: at least the next tile, and for
+ * short rows FK_PF_AHEAD (a 16-row tile of a 512-wide MXFP4 expert is 4 KB, computed in less
+ * time than a DRAM miss takes: one tile ahead its lines had not arrived when its dots
+ * started, and a quarter of the GEMV's time was that stall; 8, 16 and 24 KB measured alike) */
+#define FK_PF_AHEAD ((size_t)16384)
+/* the span from the frontier `front` to FK_PF_AHEAD (at least `tile`) past the current
+ * tile's end `end`, stopping at `stop` (all byte offsets into w), prefetched over the tile's
+ * `steps` kernel steps; returns the new frontier */
+static inline size_t fk_pf_ahead(fk_pf *f, const uint8_t *w, size_t front, size_t end, size_t tile, size_t stop,
+                                 int64_t steps) {
+    size_t to = end + (tile > FK_PF_AHEAD ? tile : FK_PF_AHEAD);
+    if (to > stop) to = stop;
+    if (to < front) to = front;
+    fk_pf_set(f, w + front, to - front, steps);
+    return to;
+}
 /* activation rows up to which the decode GEMV touches its tiles (and drops the per-row
  * prefetches): past them the dots are long enough to hide the reads the old way, and the
  * touch's serial read phase costs more than it saves (8 rows: SmolLM2 +10%, Gemma-3 +4-14%) */
