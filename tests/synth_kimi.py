@@ -17,17 +17,19 @@ import numpy as np
 from synth import _byte_vocab, _copy_tokenizer, quantized_adder
 
 
-def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, heads: int = 4, kda_dim: int = 16,
-               d_conv: int = 4, kv_lora: int = 32, nope: int = 16, rope: int = 8, v_head: int = 16, ffn: int = 128,
+def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, heads: int = 2, kda_dim: int = 32,
+               d_conv: int = 4, kv_lora: int = 32, nope: int = 32, rope: int = 8, v_head: int = 32, ffn: int = 128,
                ffn_exp: int = 32, experts: int = 8, used: int = 2, shared: int = 1, dense_lead: int = 1,
                routed_scale: float = 2.5, gating: int = 2, fused_qkv: bool = False, vocab: str | None = None,
                qtype=gguf.GGMLQuantizationType.F32, seed: int = 0, ctx: int = 2048, router_scale: float = 4.0,
-               drop: tuple[str, ...] = (), mla_out_scale: float = 1.0) -> str:
+               drop: tuple[str, ...] = (), mla_out_scale: float = 1.0, chat_template: bool = True,
+               logit_scale: float = 1.0) -> str:
     """`drop`: tensor names left out (a malformed file for the error tests); `mla_out_scale`
-    scales the MLA layers' output projections (0 mutes them: the KDA path alone)."""
+    scales the MLA layers' output projections (0 mutes them: the KDA path alone);
+    `logit_scale` the output matrix (> 1: peaked next-token distributions)."""
     arch = "kimi-linear"
     w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
+    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     w.add_name("synthetic-kimi-linear")
     w.add_context_length(ctx)
     w.add_embedding_length(hidden)
@@ -69,7 +71,7 @@ def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, he
     di = heads * kda_dim
     add("token_embd.weight", mat(n_vocab, hidden, scale=0.5))
     add("output_norm.weight", norm(hidden))
-    add("output.weight", mat(n_vocab, hidden))
+    add("output.weight", mat(n_vocab, hidden) * logit_scale)
     for i in range(layers):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", norm(hidden))
@@ -93,7 +95,7 @@ def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, he
             add(b + "ssm_f_b.weight", mat(di, kda_dim))
             add(b + "ssm_beta.weight", mat(heads, hidden))
             # -exp(A_log) and a dt bias that keeps the decays in (0.3, 1) per step
-            add(b + "ssm_a", -np.exp(rng.uniform(-2.5, -0.5, heads)).astype(np.float32).reshape(1, 1, heads, 1))
+            add(b + "ssm_a", -np.exp(rng.uniform(-2.5, -0.5, heads)).astype(np.float32).reshape(1, 1, heads, 1), quantize=False)
             add(b + "ssm_dt.bias", rng.uniform(-2.0, 0.5, di).astype(np.float32))
             add(b + "ssm_g_a.weight", mat(kda_dim, hidden))
             add(b + "ssm_g_b.weight", mat(di, kda_dim))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import delta_net, kda, llama
-from fucina.models.base import Ragged, Tensors, layer_tensors, rms_norm, rowwise
+from fucina.models.base import ROWWISE_MAX, Ragged, Tensors, layer_tensors, rms_norm, rowwise
 from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
 from fucina.models.mla import MLAWeights, mla_attention
 from fucina.models.moe import Experts, Routing, mix
@@ -115,7 +115,11 @@ class Model(llama.Model):
         if not L.moe:
             g, u = L.gate_up(x).chunk(2, dim=-1) if L.gate_up is not None else (L.gate(x), L.up(x))
             return L.down(F.silu(g) * u)
-        ids, w = self.routing(L.router(x), L.exp_bias)
+        logits = L.router(x)
+        if 1 < x.shape[0] <= ROWWISE_MAX:   # each row alone: a sigmoid over m rows rounds its tail apart
+            ids, w = (torch.cat(t) for t in zip(*(self.routing(row, L.exp_bias) for row in logits.split(1))))
+        else:
+            ids, w = self.routing(logits, L.exp_bias)
         out = mix(x, ids, w, L.experts, F.silu)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
         return out + L.sh_down(F.silu(g) * u)
@@ -167,7 +171,9 @@ class Model(llama.Model):
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
                    cache_type: str = "f16", rewindable: bool = False) -> KVCache:
         """MLA layers keep every position's latent and key row (f16 or q8_0); KDA layers a
-        RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here)."""
+        RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here),
+        one at every length decode reaches too (decode_stride 1): without a native step a
+        speculative verify runs one row a step, and any of its lengths may be the rewind."""
         if cache_type not in ("f16", "q8_0"):
             raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
         c = self.config
@@ -175,7 +181,8 @@ class Model(llama.Model):
         if cap <= 0:
             raise KVCacheError(f"cache capacity must be positive, got {cap}")
         d = c.kda_head_dim
-        mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=self.state_horizon) if r
+        mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=self.state_horizon,
+                               decode_stride=1) if r
                 else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
         return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
 
