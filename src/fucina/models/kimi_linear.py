@@ -59,9 +59,9 @@ class Layer:
             di, dk = d["d_inner"], d["kda_dim"]
             qkv = [t["attn_qkv"]] if t["attn_qkv"] is not None else [t["attn_q"], t["attn_k"], t["attn_v"]]
             parts = qkv + [t["ssm_f_a"], t["ssm_g_a"], t["ssm_beta"]]
-            self.parts = parts
             self.split = [3 * di, dk, dk, c.n_head]
             self.w_in = llama.fuse(f, parts)     # one matmul for every projection of x (same types)
+            self.parts = parts if self.w_in is None else None
             self.conv = torch.cat([t[f"ssm_conv1d_{x}"].dequantize().float().reshape(di, c.d_conv)
                                    for x in "qkv"]).contiguous()             # [3 * d_inner, d_conv]
             self.f_b, self.g_b, self.wo = t["ssm_f_b"], t["ssm_g_b"], t["attn_output"]
