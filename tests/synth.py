@@ -106,6 +106,10 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         from synth_deepseek2 import write_deepseek2
         return write_deepseek2(path, layers=layers, hidden=hidden, heads=heads, vocab=vocab, qtype=qtype,
                                seed=seed, ctx=ctx)
+    if arch == "kimi-linear":   # KDA + MLA layers, MoE: its own writer (tests/synth_kimi.py)
+        from synth_kimi import write_kimi
+        return write_kimi(path, layers=layers, hidden=hidden, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx,
+                          chat_template=chat_template)
     if arch == "glm4moe":   # dense lead, NextN blocks after the trunk: its own writer
         from synth_glm4moe import write_glm4moe
         return write_glm4moe(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

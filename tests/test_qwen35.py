@@ -125,7 +125,12 @@ def _llm(tmp_path, **kw):
 
 
 def test_three_turn_chat_prefills_only_new_tokens(tmp_path):
-    llm = _llm(tmp_path)
+    check_three_turn_prefill(_llm(tmp_path))
+
+
+def check_three_turn_prefill(llm):
+    """Three chat turns: each forwards only the tokens past the reused prefix (a recurrent
+    state rewinds within its horizon: a retokenized tail is re-run, nothing else)."""
     conv = llm.chat(max_tokens=6)
     model = conv.model
     rows = []

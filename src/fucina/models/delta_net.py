@@ -46,13 +46,15 @@ def expand_heads(x: torch.Tensor, n_v: int) -> torch.Tensor:
 
 def sequential(q, k, v, g, beta, state, keep_states: int = 0):
     """The recurrence token by token. q, k [m, H, d_k] (normalized, expanded), v [m, H, d_v],
-    g, beta [m, H], state [H, d_k, d_v] (not modified). Returns (o [m, H, d_v], final state,
-    the states after each of the last `keep_states` tokens, oldest first)."""
+    g, beta [m, H] (g [m, H, d_k]: a decay per key channel, KDA's, models/kda.py), state
+    [H, d_k, d_v] (not modified). Returns (o [m, H, d_v], final state, the states after each
+    of the last `keep_states` tokens, oldest first)."""
     m, scale = q.shape[0], q.shape[-1] ** -0.5
     s = state.clone()
     out, kept = [], []
     for t in range(m):
-        s = s * torch.exp(g[t])[:, None, None]
+        decay = torch.exp(g[t])
+        s = s * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
         u = (v[t] - (s * k[t][:, :, None]).sum(1)) * beta[t][:, None]    # S^T k, elementwise:
         s = s + k[t][:, :, None] * u[:, None, :]                         # no BLAS call per token
         out.append((s * q[t][:, :, None]).sum(1) * scale)
@@ -61,20 +63,24 @@ def sequential(q, k, v, g, beta, state, keep_states: int = 0):
     return torch.stack(out), s, kept
 
 
+def to_chunks(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """Each [m, H, ...] as [H, n, chunk, ...]: m padded up to n * chunk with zero rows (no
+    update, no decay)."""
+    out = []
+    for x in xs:
+        pad = (-x.shape[0]) % chunk
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
+        out.append(x.reshape(-1, chunk, *x.shape[1:]).movedim(2, 0))
+    return out
+
+
 def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same recurrence over chunks of `chunk` tokens (same arguments as `sequential`);
     returns (o [m, H, d_v], final state)."""
     m, H, dk = k.shape
-    scale = dk ** -0.5
-    pad = (-m) % chunk
-    n = (m + pad) // chunk
-
-    def blocks(x):   # [m, H, ...] -> [H, n, chunk, ...]; padded rows are zero (no update, no decay)
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
-        return x.reshape(n, chunk, *x.shape[1:]).movedim(2, 0)
-
-    q, k, v, g, beta = blocks(q * scale), blocks(k), blocks(v), blocks(g), blocks(beta)
+    n = -(-m // chunk)
+    q, k, v, g, beta = to_chunks([q * dk ** -0.5, k, v, g, beta], chunk)
     gc = g.cumsum(-1)                                                   # [H, n, C]
     tri = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool))
     diff = gc[..., :, None] - gc[..., None, :]                          # g_cum[i] - g_cum[j]

@@ -1,0 +1,201 @@
+"""Kimi-Linear (Kimi-Linear-48B-A3B and its GGUFs on the `kimi-linear` architecture), as
+llama.cpp b11434 builds it (src/models/kimi-linear.cpp): a hybrid of KDA layers (linear
+attention, models/kda.py) and MLA layers (models/mla.py) without RoPE, each block
+    x = x + mixer(rms_norm(x, attn_norm));  x = x + ffn(rms_norm(x, ffn_norm))
+with a dense SwiGLU ffn on the first `leading_dense_block_count` layers and a routed MoE
+plus shared experts after (models/moe.py: deepseek2's Routing and mix).
+
+- KDA: q, k, v projections, each through its own causal short conv (window d_conv) and
+  SiLU; q, k L2-normed per head; the per-channel log-decay g = ssm_a[head] *
+  softplus(f_b(f_a x) + dt_bias); beta = sigmoid(ssm_beta x); the delta rule with that
+  vector gate; the output RMSNorm(ssm_norm) per head times sigmoid(g_b(g_a x)) -> attn_output.
+- MLA: one attn_q [n_head, nope + rope], attn_kv_a_mqa -> latent (RMSNorm'd) + one shared
+  key row; the "rope" parts are plain dims (no rotation), so the score is
+  q_abs . c + q_pe . k_pe over the latent cache, scaled by 1 / sqrt(nope + rope).
+
+KDA layers keep a `RecurrentState` (the three conv windows side by side, the [H, d, d]
+states, snapshots over `state_horizon` lengths), MLA layers a `LatentKV`, so prefix reuse,
+Conversation and speculation rewind within the horizon. A step of up to ROWWISE_MAX rows
+(a speculative verify, a short turn) runs its KDA layers row by row with decode's exact
+ops, so a row's output does not depend on the step it came in; longer prefills run the
+chunked scan. No native layer step: the torch blocks serve every call.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fucina.errors import KVCacheError
+from fucina.gguf import GGUFFile
+from fucina.models import delta_net, kda, llama
+from fucina.models.base import ROWWISE_MAX, Ragged, Tensors, layer_tensors, rms_norm, rowwise
+from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
+from fucina.models.mla import MLAWeights, mla_attention
+from fucina.models.moe import Experts, Routing, mix
+# the config and tensor schema (torch-free: fucina.load() checks a file with them)
+from fucina.models.schema.kimi_linear import GATING, KDA, MLA, Config, Schema, layer_schema  # noqa: F401
+from fucina.weights import ExpertStack
+
+
+class NoRope:
+    """The MLA layers' key/query "rope" dims are not rotated (llama.cpp: rope type NONE)."""
+
+    mscale = 1.0
+
+    def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        return x
+
+
+class Layer:
+    def __init__(self, tensors: Tensors, i: int, c: Config):
+        f = tensors.f
+        self.kda, self.moe = c.recurrent[i], i >= c.n_dense_lead
+        t = layer_tensors(tensors, i, layer_schema(c, i))
+        self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
+        if self.kda:
+            d = c.dims()
+            di, dk = d["d_inner"], d["kda_dim"]
+            qkv = [t["attn_qkv"]] if t["attn_qkv"] is not None else [t["attn_q"], t["attn_k"], t["attn_v"]]
+            parts = qkv + [t["ssm_f_a"], t["ssm_g_a"], t["ssm_beta"]]
+            self.split = [3 * di, dk, dk, c.n_head]
+            self.w_in = llama.fuse(f, parts)     # one matmul for every projection of x (same types)
+            self.parts = parts if self.w_in is None else None
+            self.conv = torch.cat([t[f"ssm_conv1d_{x}"].dequantize().float().reshape(di, c.d_conv)
+                                   for x in "qkv"]).contiguous()             # [3 * d_inner, d_conv]
+            self.f_b, self.g_b, self.wo = t["ssm_f_b"], t["ssm_g_b"], t["attn_output"]
+            self.a = t["ssm_a"].float().reshape(c.n_head, 1).contiguous()
+            self.dt_bias = t["ssm_dt_bias"].float().contiguous()
+            self.o_norm = t["ssm_norm"].float().contiguous()
+        else:
+            self.attn = MLAWeights(t, c.geometry())
+        if not self.moe:
+            self.gate, self.up, self.down = t["ffn_gate"], t["ffn_up"], t["ffn_down"]
+            self.gate_up = llama.fuse(f, [self.gate, self.up])
+            return
+        self.router, self.exp_bias = t["ffn_gate_inp"], t["exp_probs_b_bias"]
+        stack = lambda w: ExpertStack(w, c.n_expert)   # noqa: E731
+        self.experts = Experts(stack(t["ffn_gate_exps"]), stack(t["ffn_up_exps"]), stack(t["ffn_down_exps"]))
+        self.sh_gate, self.sh_up, self.sh_down = t["ffn_gate_shexp"], t["ffn_up_shexp"], t["ffn_down_shexp"]
+        self.sh_gate_up = llama.fuse(f, [self.sh_gate, self.sh_up])
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [m, n_embd] -> [q|k|v, f_a x, g_a x, beta logits]."""
+        if self.w_in is not None:
+            return list(self.w_in(x).split(self.split, dim=-1))
+        out = [w(x) for w in self.parts]
+        return [torch.cat(out[:-3], dim=-1)] + out[-3:]
+
+
+class Model(llama.Model):
+    supports_batch = True
+    schema = Schema
+    state_horizon = 18           # lengths a recurrent state can rewind to: a 16-token draft + carried + base
+
+    def __init__(self, f: GGUFFile, checked: Tensors | None = None):
+        t = self.check_and_embed(f, checked)
+        c = self.config
+        self.layers = [Layer(t, i, c) for i in range(c.n_layer)]
+        self.routing = (Routing(c.n_expert, c.n_expert_used, GATING[c.gating_func], True, c.expert_weights_scale)
+                        if c.n_dense_lead < c.n_layer else None)
+        self.rope = NoRope()
+        self.scale = 1.0 / math.sqrt(c.head_k_mla)
+        self.native_plan = None
+
+    # -- the block ---------------------------------------------------------------------
+    def block(self, i: int, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        L, eps = self.layers[i], self.config.rms_eps
+        h = rms_norm(x, L.attn_norm, eps)
+        x = x + (self.kda_mixer(i, L, h, cache, pos0) if L.kda else
+                 mla_attention(L.attn, h, cache, i, pos0, self.rope, self.scale, eps))
+        return x + self.ffn(i, L, rms_norm(x, L.ffn_norm, eps))
+
+    def ffn(self, i: int, L: Layer, x: torch.Tensor) -> torch.Tensor:
+        if not L.moe:
+            g, u = L.gate_up(x).chunk(2, dim=-1) if L.gate_up is not None else (L.gate(x), L.up(x))
+            return L.down(F.silu(g) * u)
+        logits = L.router(x)
+        if 1 < x.shape[0] <= ROWWISE_MAX:   # each row alone: a sigmoid over m rows rounds its tail apart
+            ids, w = (torch.cat(t) for t in zip(*(self.routing(row, L.exp_bias) for row in logits.split(1))))
+        else:
+            ids, w = self.routing(logits, L.exp_bias)
+        out = mix(x, ids, w, L.experts, F.silu)
+        g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
+        return out + L.sh_down(F.silu(g) * u)
+
+    def kda_mixer(self, i: int, L: Layer, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
+        """The KDA mixer of the normed residual x [m, n_embd]; advances layer i's state."""
+        if isinstance(cache, Ragged):   # each stream's row alone: its own decode step
+            return torch.cat([self.kda_mixer(i, L, x[r:r + 1], c, p)
+                              for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
+        mem, m = cache.memories[i], x.shape[0]
+        window, state = mem.span(pos0, pos0)
+        keep = min(m, mem.horizon)
+        if rowwise(m, cache, x):
+            # inference: row by row with decode's ops (batch invariance: speculation is lossless)
+            outs, inner = [], []
+            for r in range(m):
+                o, full, state, _ = self._kda(L, x[r:r + 1], window, state, 0)
+                window = full[1:]
+                outs.append(o)
+                if r >= m - keep:
+                    inner.append((pos0 + r + 1, window, state))
+            mem.write(pos0, window, state, inner)
+            return torch.cat(outs)
+        out, full, final, kept = self._kda(L, x, window, state, keep)
+        tail, d = m - len(kept), self.config.d_conv - 1
+        mem.write(pos0, full[m:], final, [(pos0 + t + 1, full[t + 1:t + 1 + d], s) for t, s in zip(range(tail, m), kept)])
+        return out
+
+    def _kda(self, L: Layer, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, keep: int):
+        """m rows through KDA from (window, state): (out [m, n_embd], the padded conv input
+        [d_conv - 1 + m, 3 * d_inner], the final state, the last `keep` states)."""
+        c, m = self.config, x.shape[0]
+        H, dk, eps = c.n_head, c.kda_head_dim, c.rms_eps
+        di = H * dk
+        qkv, fa, ga, b = L.project(x)
+        conv, full = delta_net.causal_conv(qkv.float(), window, L.conv)
+        conv = F.silu(conv)
+        q = delta_net.l2_norm(conv[:, :di].reshape(m, H, dk), eps)
+        k = delta_net.l2_norm(conv[:, di:2 * di].reshape(m, H, dk), eps)
+        v = conv[:, 2 * di:].reshape(m, H, dk)
+        g = F.softplus(L.f_b(fa).float() + L.dt_bias).reshape(m, H, dk) * L.a
+        beta = torch.sigmoid(b.float())
+        o, final, kept = kda.scan(q, k, v, g, beta, state, keep)
+        gate = torch.sigmoid(L.g_b(ga).float()).reshape(m, H, dk)
+        o = rms_norm(o, L.o_norm, eps) * gate
+        return L.wo(o.reshape(m, di)), full, final, kept
+
+    # -- the cache ---------------------------------------------------------------------
+    def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
+                   cache_type: str = "f16", rewindable: bool = False) -> KVCache:
+        """MLA layers keep every position's latent and key row (f16 or q8_0); KDA layers a
+        RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here),
+        one at every length decode reaches too (decode_stride 1): without a native step a
+        speculative verify runs one row a step, and any of its lengths may be the rewind."""
+        if cache_type not in ("f16", "q8_0"):
+            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
+        c = self.config
+        cap = capacity or min(c.n_ctx_train, 4096)
+        if cap <= 0:
+            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        d = c.kda_head_dim
+        mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=self.state_horizon,
+                               decode_stride=1) if r
+                else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
+        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+
+    def kv_bytes(self, capacity: int, cache_type: str = "f16") -> int:
+        c = self.config
+        per_value = 2.0 if cache_type == "f16" else 34 / 32
+        latent = sum(not r for r in c.recurrent) * capacity * (c.kv_lora_rank + c.n_rot) * per_value
+        d = c.kda_head_dim
+        state = (c.d_conv - 1) * 3 * c.n_head * d + c.n_head * d * d
+        return int(latent + sum(c.recurrent) * state * 4 * (1 + self.state_horizon))
+
+    def kv_geometry(self) -> tuple[list[int], list[int]]:
+        # callers estimate 2 * heads * dim values per position: the latent row and the key row
+        c = self.config
+        return ([0 if r else 1 for r in c.recurrent],
+                [0 if r else (c.kv_lora_rank + c.n_rot) // 2 for r in c.recurrent])
