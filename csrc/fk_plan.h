@@ -44,6 +44,7 @@ typedef struct {
     FK_GEMMA4_FIELDS(X)                                                                           \
     FK_GPTOSS_FIELDS(X)                                                                           \
     FK_MOE_SHARED_FIELDS(X)                                                                       \
+    FK_MOE_SIGMOID_FIELDS(X)                                                                      \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -74,6 +75,12 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
 #define FK_MOE_SHARED_FIELDS(X) \
     X(V, shexp_gate) X(V, shexp_norm) X(V, moe_in_norm) X(V, router_norm) X(V, moe_out_norm) X(V, exp_scale) \
     X(I, exps_stride)
+
+/* sigmoid routing and a selection bias (glm4moe; moe_impl.inc): moe_sigmoid 1: each router
+ * logit's sigmoid is its expert's weight (0: softmax); exp_probs_b [n_expert] (0: none): the
+ * top k of weight + bias choose, the unbiased weights weigh; then moe_norm and moe_scale
+ * (llama.cpp's build_moe_ffn with exp_probs_b) */
+#define FK_MOE_SIGMOID_FIELDS(X) X(I, moe_sigmoid) X(V, exp_probs_b)
 
 /* a Gated DeltaNet mixer (qwen35, fk_delta.h): hk key / hv value heads of dk / dv, a causal
  * conv of d_conv taps (conv_w [conv_dim, d_conv], conv_dim = 2 hk dk + hv dv); the input

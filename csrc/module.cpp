@@ -363,6 +363,13 @@ static int gptoss_ok(const fk_layer *y) {
            (moe || (!y->gate_inp_b && !y->gate_exps_b && !y->up_exps_b && !y->down_exps_b));
 }
 
+/* sigmoid routing and the selection bias (fk_plan.h FK_MOE_SIGMOID_FIELDS): a MoE ffn's, not
+ * with gpt-oss's gating (the bias's length: kernels.DecoderPlan) */
+static int moe_sigmoid_ok(const fk_layer *y) {
+    if (y->moe_sigmoid == 0 && !y->exp_probs_b) return 1;
+    return (y->moe_sigmoid == 0 || y->moe_sigmoid == 1) && y->ffn == FK_FFN_MOE && !y->moe_weight_softmax;
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
@@ -424,7 +431,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
             (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);

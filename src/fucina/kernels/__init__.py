@@ -572,9 +572,10 @@ class DecoderPlan:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
         gptoss = _gptoss_sizes(L, n_embd)
         sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, exp_scale=L.get("n_expert", 0),
-                     **_delta_sizes(L), **gptoss)
+                     exp_probs_b=L.get("n_expert", 0), **_delta_sizes(L), **gptoss)
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", *gptoss, *_MOE_SHARED_VECTORS):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", "exp_probs_b", *gptoss,
+                     *_MOE_SHARED_VECTORS):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):
