@@ -19,7 +19,7 @@ from fucina.models import load_model, mtp, registry
 from fucina.text.evaluate import greedy
 from parity_cases import TEXT
 from synth_glm4moe import write_glm4moe
-from test_batch_invariance import _prefill, _same_cache, check_batch_rows_equal_alone
+from test_batch_invariance import check_batch_rows_equal_alone, check_split_equals_whole
 from test_moe_shared import IDS as NATIVE_IDS, _run as _logits, check_streamed_equals_resident
 
 needs_native = pytest.mark.skipif(not K.available(), reason="native kernels not built")
@@ -171,12 +171,7 @@ def q8_model(tmp_path_factory):
 def test_native_prompt_split_any_way_equals_one_call(q8_model, isa):
     """Decode, verify and prefill rows are one arithmetic: a prompt split any way gives the
     bits of one call, and the same cache."""
-    ids = NATIVE_IDS[:37]
-    whole, c0 = _prefill(q8_model, ids, [37], capacity=64)
-    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18]):
-        got, c1 = _prefill(q8_model, ids, chunks, capacity=64)
-        assert torch.equal(got, whole), f"{chunks} on {isa}"
-        _same_cache(c1, c0)
+    check_split_equals_whole(q8_model, NATIVE_IDS[:37], ([1] * 37, [9, 1, 1, 6, 2, 18]), isa, capacity=64)
 
 
 @needs_native
