@@ -47,6 +47,9 @@ class Layer:
         self.attn_norm, self.ffn_norm = t["attn_norm"], t["ffn_norm"]
         self.post_attn_norm = self.post_ffn_norm = None    # the llama block's hooks
         self.attn = MLAWeights(t, c.geometry())
+        # the native step reads the heads' k_b / v_b in the file's type (the older GGUFs'
+        # attn_kv_b split at load: the F32 split the torch mixer holds)
+        self.k_b, self.v_b = t.get("attn_k_b"), t.get("attn_v_b")
         if not self.moe:
             self.gate, self.up, self.down = t["ffn_gate"], t["ffn_up"], t["ffn_down"]
             return
@@ -117,7 +120,7 @@ class Model(llama.Model):
         d = dict(mixer="mla", n_head=g.n_head, n_kv=1, head_dim=0, mla_rank=g.kv_lora, mla_nope=g.nope,
                  mla_rope=g.rope, mla_v=g.v_dim, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, wq=a.q, q_a=a.q_a,
                  q_a_norm=a.q_a_norm, q_b=a.q_b, kv_a=a.kv_a, kv_a_norm=a.kv_a_norm, wo=a.wo,
-                 k_b=_f32_weight(a.k_b, "attn_k_b"), v_b=_f32_weight(a.v_b, "attn_v_b"))
+                 k_b=_heads(L.k_b, a.k_b, "attn_k_b"), v_b=_heads(L.v_b, a.v_b, "attn_v_b"))
         if not L.moe:
             return dict(d, ffn="dense", gate=L.gate, up=L.up, down=L.down, layer_ff=c.n_ff)
         r, ex = self.routing, L.experts
@@ -136,9 +139,11 @@ class Model(llama.Model):
                     gate_inp=L.router, down_exps=ex.down.whole, **stacks, **shared, **moe.store_fields(self, i))
 
 
-def _f32_weight(t: torch.Tensor, name: str) -> LinearWeight:
-    """Stacked heads [H, out, in] (f32, as the torch mixer holds them) as one F32 weight over
-    the same memory: head h's rows at h * out."""
+def _heads(w: LinearWeight | None, t: torch.Tensor, name: str) -> LinearWeight:
+    """Stacked heads [H, out, in] as one weight, head h's rows at h * out: the file's (on a
+    native route), else the f32 stack the torch mixer holds, over the same memory."""
+    if w is not None and isinstance(w.kernel, kernels.QuantKernel):
+        return w
     h, n, k = t.shape
     w = LinearWeight(t.contiguous().view(torch.uint8).reshape(h * n, k * 4), GGMLType.F32, h * n, k, name)
     kernels.attach(w)

@@ -47,16 +47,16 @@ class Layer(llama.Layer):
             self.bqkv = None
         self.moe = c.is_moe(i)
         self.gate = self.up = self.down = self.w_gate_up = self.w_shared = None
+        self.gate_shexp = self.up_shexp = self.down_shexp = None   # the shared experts, when there are
         if not self.moe:
             self.gate, self.up, self.down = t["ffn_gate"], t["ffn_up"], t["ffn_down"]
             self.w_gate_up = llama.fuse(f, [self.gate, self.up])
             return
         self.router, self.exp_bias = t["ffn_gate_inp"], t["exp_probs_b_bias"]
         self.experts = moe.Experts(t["ffn_gate_exps"], t["ffn_up_exps"], t["ffn_down_exps"])
-        shared = (t["ffn_gate_shexp"], t["ffn_up_shexp"], t["ffn_down_shexp"])
-        self.shared = shared if c.n_expert_shared else None
-        if self.shared is not None:
-            self.w_shared = llama.fuse(f, [shared[0], shared[1]])
+        if c.n_expert_shared:   # the parts stay attributes: LoRA adapts the fused weight through them
+            self.gate_shexp, self.up_shexp, self.down_shexp = t["ffn_gate_shexp"], t["ffn_up_shexp"], t["ffn_down_shexp"]
+            self.w_shared = llama.fuse(f, [self.gate_shexp, self.up_shexp])
 
     def qkv(self, x: torch.Tensor):
         if self.bqkv is not None and self.wqkv is None:
@@ -82,10 +82,9 @@ class Model(llama.Model):
             return L.down(llama.ACTS[self.act](g) * u)
         ids, w = self.routing(L.router(x), L.exp_bias)
         out = moe.mix(x, ids, w, L.experts, llama.ACTS[self.act])
-        if L.shared is not None:
-            g, u, d = L.shared
-            g, u = L.w_shared(x).chunk(2, dim=-1) if L.w_shared is not None else (g(x), u(x))
-            out = out + d(llama.ACTS[self.act](g) * u)
+        if L.down_shexp is not None:
+            g, u = L.w_shared(x).chunk(2, dim=-1) if L.w_shared is not None else (L.gate_shexp(x), L.up_shexp(x))
+            out = out + L.down_shexp(llama.ACTS[self.act](g) * u)
         return out
 
     # -- the native step: the llama plan, the MoE layers' sigmoid routing and shared expert ----
@@ -104,10 +103,9 @@ class Model(llama.Model):
             return dict(d, ffn="dense", layer_ff=c.n_ff)
         r, ex = self.routing, L.experts
         shared = {}
-        if L.shared is not None:
-            g, u, down = L.shared
-            shared = dict(gate_up=L.w_shared) if L.w_shared is not None else dict(gate=g, up=u)
-            shared.update(down=down, layer_ff=down.in_features)
+        if L.down_shexp is not None:
+            shared = dict(gate_up=L.w_shared) if L.w_shared is not None else dict(gate=L.gate_shexp, up=L.up_shexp)
+            shared.update(down=L.down_shexp, layer_ff=L.down_shexp.in_features)
         # the store's hook only where it streams this layer's stacks (not the NextN block's)
         store = moe.store_fields(self, i) if ex.on_use is not None else {}
         return dict(d, ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=ex.gate.out_features,
