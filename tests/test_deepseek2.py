@@ -21,6 +21,8 @@ from fucina.models import deepseek2
 from fucina.models.moe import Routing
 from fucina.models.mla import YarnParams, yarn_rope, yarn_scales
 from parity_cases import DEEPSEEK2, TEXT
+from fucina.models.expert_store import stream_experts
+from fucina.text.evaluate import greedy
 from synth_deepseek2 import write_deepseek2
 from test_batch_invariance import check_batch_rows_equal_alone, check_split_equals_whole
 from test_moe_shared import check_streamed_equals_resident
@@ -296,6 +298,18 @@ def test_native_batch_rows_equal_streams_alone(q8_model, isa):
 @needs_native
 def test_native_streamed_experts_equal_resident(tmp_path):
     check_streamed_equals_resident(write_deepseek2(tmp_path / "m.gguf", seed=1, qtype=Q.Q8_0))
+
+
+def test_streamed_fused_experts_keep_the_torch_blocks(tmp_path):
+    """--moe-ram on a fused gate_up stack: the plan steps aside, the tokens are the resident
+    torch blocks'."""
+    path = write_deepseek2(tmp_path / "m.gguf", seed=1, qtype=Q.Q8_0, fused_gate_up=True)
+    resident = load_model(path)
+    resident.use_native_step = False
+    want = greedy(resident, IDS, 6)
+    m = load_model(path)
+    stream_experts(m, "60%")
+    assert m.native_plan is None and greedy(m, IDS, 6) == want
 
 
 @needs_native

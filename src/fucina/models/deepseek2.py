@@ -110,6 +110,9 @@ class Model(llama.Model):
         c = self.config
         if c.n_rot % 2 or self.routing.groups > 1:
             return None
+        if getattr(self, "expert_store", None) is not None and any(
+                L.moe and L.experts.gate_up is not None for L in self.layers):
+            return None   # the store's table holds a fused stack's experts whole; the plan reads halves
         return kernels.DecoderPlan.build(
             n_embd=c.n_embd, n_ff=max(c.n_ff, c.n_ff_exp * c.n_expert_shared), n_rot=c.n_rot, neox=False,
             act="silu", eps=c.rms_eps, scale=self.scale, layers=[self.plan_layer(i, L) for i, L in enumerate(self.layers)])
