@@ -44,6 +44,8 @@ typedef struct {
     FK_GEMMA4_FIELDS(X)                                                                           \
     FK_GPTOSS_FIELDS(X)                                                                           \
     FK_MOE_SHARED_FIELDS(X)                                                                       \
+    FK_MOE_SIGMOID_FIELDS(X)                                                                      \
+    FK_MLA_FIELDS(X)                                                                              \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -74,6 +76,21 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
 #define FK_MOE_SHARED_FIELDS(X) \
     X(V, shexp_gate) X(V, shexp_norm) X(V, moe_in_norm) X(V, router_norm) X(V, moe_out_norm) X(V, exp_scale) \
     X(I, exps_stride)
+
+/* sigmoid routing and a selection bias (glm4moe; moe_impl.inc): moe_sigmoid 1: each router
+ * logit's sigmoid is its expert's weight (0: softmax); exp_probs_b [n_expert] (0: none): the
+ * top k of weight + bias choose, the unbiased weights weigh; then moe_norm and moe_scale
+ * (llama.cpp's build_moe_ffn with exp_probs_b) */
+#define FK_MOE_SIGMOID_FIELDS(X) X(I, moe_sigmoid) X(V, exp_probs_b)
+
+/* an MLA mixer (deepseek2; mla_impl.inc): n_head heads of mla_nope + mla_rope query values
+ * (wq, or q_a -> q_a_norm -> q_b), kv_a [mla_rank + mla_rope, n_embd] (the latent, normed by
+ * kv_a_norm, and the shared rope key), k_b [n_head * mla_rank, mla_nope] and v_b [n_head *
+ * mla_v, mla_rank] each head's rows stacked, wo [n_embd, n_head * mla_v]; mla_rope is the
+ * rotary width. Its cache entry: latent rows (mla_rank f16) as k, rope key rows as v. */
+#define FK_MLA_FIELDS(X)                                                                      \
+    X(I, mla_rank) X(I, mla_nope) X(I, mla_rope) X(I, mla_v) X(W, q_a) X(V, q_a_norm) X(W, q_b) \
+    X(W, kv_a) X(V, kv_a_norm) X(W, k_b) X(W, v_b)
 
 /* a Gated DeltaNet mixer (qwen35, fk_delta.h): hk key / hv value heads of dk / dv, a causal
  * conv of d_conv taps (conv_w [conv_dim, d_conv], conv_dim = 2 hk dk + hv dv); the input
@@ -108,7 +125,7 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * the step stops (status -2). */
 typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_t pos0, int nthreads);
 
-enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1 };
+enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
 /* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1) */
 enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2 };

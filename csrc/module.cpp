@@ -329,8 +329,36 @@ static int delta_ok(const fk_plan *p, const fk_layer *y) {
     return fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_out, E, hv * dv);
 }
 
+/* an MLA mixer's settings and weights (mla_impl.inc): one q path, the stacked heads of k_b
+ * and v_b (no LoRA on those: the step reads them a head at a time), the rope width the plan's */
+static int mla_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t H = y->n_head, R = y->mla_rank, N = y->mla_nope, PR = y->mla_rope, V = y->mla_v, E = p->n_embd;
+    const int64_t QW = H * (N + PR);
+    if (H < 1 || H > 4096 || R < 1 || R > 8192 || N < 1 || N > 1024 || PR < 2 || PR % 2 || PR > 1024 || V < 1 ||
+        V > 1024 || (y->layer_rot ? y->layer_rot : p->n_rot) != PR || (y->rope != 0 && y->rope != 1) || y->window ||
+        y->kv_from || y->q_gate || y->qkv_bias || y->q_norm || y->k_norm || y->v_norm || y->attn_sinks || y->wo_bias ||
+        y->wqkv.w || y->wk.w || y->wv.w || !y->attn_norm || !y->ffn_norm || !y->kv_a_norm ||
+        y->k_b.lora_r || y->v_b.lora_r)
+        return 0;
+    const int q_ok = y->q_a.w ? !y->wq.w && y->q_a_norm && y->q_a.n >= 1 && lin_ok(&y->q_a, y->q_a.n, E) &&
+                                    lin_ok(&y->q_b, QW, y->q_a.n)
+                              : !y->q_b.w && !y->q_a_norm && lin_ok(&y->wq, QW, E);
+    return q_ok && lin_ok(&y->kv_a, R + PR, E) && lin_ok(&y->k_b, H * R, N) && lin_ok(&y->v_b, H * V, R) &&
+           lin_ok(&y->wo, E, H * V);
+}
+
+/* another mixer's layer leaves the MLA fields empty */
+static int mla_absent(const fk_layer *y) {
+    return y->mixer == FK_MIXER_MLA || (!y->mla_rank && !y->mla_nope && !y->mla_rope && !y->mla_v && !y->q_a.w &&
+                                        !y->q_a_norm && !y->q_b.w && !y->kv_a.w && !y->kv_a_norm && !y->k_b.w && !y->v_b.w);
+}
+
 /* the widths a layer's step writes: its projection row and its mixer output row */
 static void layer_widths(const fk_layer *y, int64_t *proj, int64_t *out) {
+    if (y->mixer == FK_MIXER_MLA) {   /* mla_impl.inc has its own scratch */
+        *out = *proj = 0;
+        return;
+    }
     if (y->mixer == FK_MIXER_DELTA) {
         *out = y->ssm_hv * y->ssm_dv;
         *proj = 2 * y->ssm_hk * y->ssm_dk + 2 * *out + 2 * y->ssm_hv;
@@ -364,6 +392,13 @@ static int gptoss_ok(const fk_layer *y) {
            (moe || (!y->gate_inp_b && !y->gate_exps_b && !y->up_exps_b && !y->down_exps_b));
 }
 
+/* sigmoid routing and the selection bias (fk_plan.h FK_MOE_SIGMOID_FIELDS): a MoE ffn's, not
+ * with gpt-oss's gating (the bias's length: kernels.DecoderPlan) */
+static int moe_sigmoid_ok(const fk_layer *y) {
+    if (y->moe_sigmoid == 0 && !y->exp_probs_b) return 1;
+    return (y->moe_sigmoid == 0 || y->moe_sigmoid == 1) && y->ffn == FK_FFN_MOE && !y->moe_weight_softmax;
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
@@ -372,6 +407,7 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
                                             : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
                                                   lin_ok(&y->down, E, F);
     if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);
+    if (y->mixer == FK_MIXER_MLA) return ffn_ok && mla_ok(p, y);
     if (y->mixer != FK_MIXER_ATTENTION || (y->q_gate != 0 && y->q_gate != 1) || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
         H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
         y->layer_rot < 0 || y->layer_rot % 2 ||
@@ -425,7 +461,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !mla_absent(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
             (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);

@@ -132,6 +132,15 @@ def _prefill(model, ids, chunks, capacity=320):
     return torch.cat(out), cache
 
 
+def check_split_equals_whole(model, ids, splits, isa, capacity=320):
+    """The prompt in one call against each split of it: the same logits and cache, bitwise."""
+    whole, c0 = _prefill(model, ids, [len(ids)], capacity)
+    for chunks in splits:
+        got, c1 = _prefill(model, ids, chunks, capacity)
+        assert torch.equal(got, whole), f"{chunks} on {isa}"
+        _same_cache(c1, c0)
+
+
 def _same_cache(a, b):
     """Every position both caches still hold (a window memory keeps only its last rows)."""
     assert a.len == b.len

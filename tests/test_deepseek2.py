@@ -1,7 +1,9 @@
 """deepseek2: MLA (absorbed attention over a latent cache) and its MoE, on random-weight
 GGUFs written by tests/synth_deepseek2.py. The parity goldens (tests/parity_cases.py,
 test_parity.py) hold llama.cpp's logits and greedy continuations; these tests check the
-pieces against their definitions and, live, the quantized files against the exact model."""
+pieces against their definitions and, live, the quantized files against the exact model;
+the native layer step (the MLA mixer, the plan's MoE ffn) against the torch blocks, batch
+invariance on every ISA, the expert store through the plan, and the plan's checks."""
 import math
 
 import gguf
@@ -19,7 +21,13 @@ from fucina.models import deepseek2
 from fucina.models.moe import Routing
 from fucina.models.mla import YarnParams, yarn_rope, yarn_scales
 from parity_cases import DEEPSEEK2, TEXT
+from fucina.models.expert_store import stream_experts
+from fucina.text.evaluate import greedy
 from synth_deepseek2 import write_deepseek2
+from test_batch_invariance import check_batch_rows_equal_alone, check_split_equals_whole
+from test_moe_shared import check_streamed_equals_resident
+
+NATIVE_IDS = [(7 * i * i + 3 * i + 5) % 250 + 1 for i in range(70)]
 
 IDS = [5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 33, 200]
 
@@ -230,3 +238,94 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, qwen3_vocab, tmp_
             K.set_enabled(True)
         noise = float(np.abs(ours - exact).max())
         assert i >= 4 and abs(last[mine[i]] - last[theirs[i]]) < noise, (i, mine, theirs, noise)
+
+
+# ---- the native layer step: the MLA mixer over the latent cache, the plan's MoE ffn ----------
+needs_native = pytest.mark.skipif(not K.available(), reason="native kernels not built")
+Q = gguf.GGMLQuantizationType
+
+
+@needs_native
+@pytest.mark.parametrize("kw", [dict(), dict(q_lora=0, generation="kv_b", shared=0),
+                                dict(gating=2, probs_bias=True, norm_topk=True, routed_scale=2.5, fused_gate_up=True),
+                                dict(yarn=(40.0, 1.0, 64))],
+                         ids=["q-lora", "attn-q-kv-b-no-shared", "sigmoid-bias-fused", "yarn"])
+def test_native_step_equals_torch_blocks(tmp_path, kw):
+    """F32 weights: the plan (q paths, both k_b/v_b generations, the latent attention, YaRN,
+    both gatings with the selection bias, the fused gate_up stack, shared experts) against
+    the torch blocks, past the online softmax's 64-key block, the other families' tolerance."""
+    m = load_model(write_deepseek2(tmp_path / "m.gguf", seed=3, **kw))
+    assert m.native_plan is not None and m.native_plan.n_layer == 3
+    native, ref = _long(m, True), _long(m, False)
+    torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
+    assert torch.nn.functional.cosine_similarity(native.double(), ref.double(), dim=-1).min() > 0.999
+
+
+def _long(m, native: bool):
+    """A 66-row prefill, then 4 decode steps (70 keys: past one 64-key block): every row's logits."""
+    m.use_native_step = native
+    try:
+        c = m.init_cache(80)
+        rows = [m.forward_step_all_logits(c, NATIVE_IDS[:66], 0)]
+        rows += [m.forward_step_all_logits(c, [t], 66 + i) for i, t in enumerate(NATIVE_IDS[66:])]
+        return torch.cat(rows)
+    finally:
+        m.use_native_step = True
+
+
+def test_grouped_routing_keeps_the_torch_blocks(tmp_path):
+    m = load_model(write_deepseek2(tmp_path / "m.gguf", experts=8, used=2, groups=4, group_used=2, seed=1))
+    assert m.native_plan is None
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory):
+    return load_model(write_deepseek2(tmp_path_factory.mktemp("ds") / "m.gguf", seed=6, qtype=Q.Q8_0))
+
+
+@needs_native
+def test_native_prompt_split_any_way_equals_one_call(q8_model, isa):
+    """Decode, verify and prefill rows are one arithmetic: a prompt past a 64-key block split
+    any way gives the bits of one call, and the same latent cache."""
+    check_split_equals_whole(q8_model, NATIVE_IDS, ([1] * 70, [9, 1, 1, 6, 2, 51]), isa, capacity=80)
+
+
+@needs_native
+def test_native_batch_rows_equal_streams_alone(q8_model, isa):
+    check_batch_rows_equal_alone(q8_model, NATIVE_IDS, isa)
+
+
+@needs_native
+def test_native_streamed_experts_equal_resident(tmp_path):
+    check_streamed_equals_resident(write_deepseek2(tmp_path / "m.gguf", seed=1, qtype=Q.Q8_0))
+
+
+def test_streamed_fused_experts_keep_the_torch_blocks(tmp_path):
+    """--moe-ram on a fused gate_up stack: the plan steps aside, the tokens are the resident
+    torch blocks'."""
+    path = write_deepseek2(tmp_path / "m.gguf", seed=1, qtype=Q.Q8_0, fused_gate_up=True)
+    resident = load_model(path)
+    resident.use_native_step = False
+    want = greedy(resident, IDS, 6)
+    m = load_model(path)
+    stream_experts(m, "60%")
+    assert m.native_plan is None and greedy(m, IDS, 6) == want
+
+
+@needs_native
+def test_plan_checks_the_mla_fields(pair):
+    m = pair[0]
+    spec = m.native_plan._spec
+    layers = spec["layers"]
+
+    def build(first):
+        return K.DecoderPlan.build(**dict(spec, layers=[first] + layers[1:]))
+    assert build(layers[0]) is not None
+    for bad in (dict(mla_rope=layers[0]["mla_rope"] + 2),       # not the plan's rotary width
+                dict(k_b=layers[0]["v_b"]),                     # the heads' shapes swapped
+                dict(wq=layers[0]["kv_a"]),                     # two q paths
+                dict(v_b=None)):                                # a head stack missing
+        with pytest.raises(K.KernelError, match="layer 0"):
+            build(dict(layers[0], **bad))
+    with pytest.raises(K.KernelError, match="kv_a_norm"):
+        build(dict(layers[0], kv_a_norm=torch.ones(3)))

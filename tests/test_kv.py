@@ -384,7 +384,8 @@ def test_protocol_costs_and_native_table(kind):
     table = c.native_table()
     def native_mem(m):   # an alias has an empty entry when its target is native (gemma4's kv_from)
         return native_mem(m.target) if m.kind == "alias" else (
-            m.kind in ("kv", "window") and m.storage == "f16" and m.k.dim == m.v.dim)
+            m.kind in ("kv", "window") and m.storage == "f16" and m.k.dim == m.v.dim
+            or m.kind == "latent" and m.storage == "f16")                  # latent rows as k, rope rows as v
     assert (table is not None) == all(native_mem(m) for m in c.memories)
     if table is not None:
         t = table.ptrs.view(-1, 4)

@@ -100,7 +100,12 @@ def test_batch_rows_equal_streams_alone(q8_model, isa):
 def test_streamed_experts_equal_resident(tmp_path, family):
     """The expert store under a budget that evicts: the rebuilt plan calls it, and every
     row's logits are the resident plan's, bitwise."""
-    path = _write(tmp_path, family, Q.Q8_0)
+    check_streamed_equals_resident(_write(tmp_path, family, Q.Q8_0))
+
+
+def check_streamed_equals_resident(path):
+    """The file's model under a 60% expert budget against it resident: the same bits, some
+    experts evicted; the streamed model."""
     want = _run(load_model(path), True)
     m = load_model(path)
     store = stream_experts(m, "60%")
@@ -108,6 +113,7 @@ def test_streamed_experts_equal_resident(tmp_path, family):
     assert torch.equal(_run(m, True), want)
     rep = store.report()
     assert rep["evictions"] > 0 and rep["errors"] == []
+    return m
 
 
 def test_plan_checks_the_shared_expert(tmp_path):

@@ -79,6 +79,7 @@ def test_nextn_equals_llama_cpp_graph(tmp_path, extras):
     path = write_glm4moe(tmp_path / "m.gguf", seed=7, nextn_extras=extras, router_scale=12.0)
     model = load_model(path)
     head = mtp.attach_from(model, True)
+    assert head.block.native_plan is not None          # the head's block runs the native step
     cache = model.init_cache(32)
     model.forward_step(cache, IDS, 0)
     trunk = head.trunk_state(cache.hidden_rows[:len(IDS)])
@@ -139,7 +140,7 @@ def test_mtp_drafted_equals_plain(tmp_path, mtp_always, opts):
     want = plain.generate("hello world", max_tokens=16, **opts)
     got = llm.generate("hello world", max_tokens=16, speculative=True, spec_max=3, **opts)
     assert got == want
-    assert llm.spec.index.mtp_gate.total_drafted > 0
+    assert llm.spec.index.mtp_gate.total_drafted > 0 and llm.model.native_plan is not None
     chats = [x.chat(speculative=x is llm, spec_max=3, max_tokens=8, **opts) for x in (plain, llm)]
     for turn in ("abc", "more please"):
         assert chats[1].send(turn) == chats[0].send(turn)

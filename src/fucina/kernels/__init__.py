@@ -489,7 +489,7 @@ def interleave(weight) -> bool:
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
-_MIXERS = {"attention": 0, "delta_net": 1}
+_MIXERS = {"attention": 0, "delta_net": 1, "mla": 2}
 _FFNS = {"dense": 0, "moe": 1}
 # a MoE ffn's shared-expert and routed-norm vectors (fk_plan.h FK_MOE_SHARED_FIELDS)
 _MOE_SHARED_VECTORS = ("shexp_gate", "shexp_norm", "moe_in_norm", "router_norm", "moe_out_norm", "exp_scale")
@@ -566,6 +566,7 @@ class DecoderPlan:
         self.x_width = n_embd + len(layers) * n_ple   # gemma4: per-layer inputs trail each row
         # a shared-KV layer (kv_from) has no rows of its own, as its cache memory says
         self.geometry = [(0, 0) if L.get("kv_from") else _delta_geometry(L) if L["mixer"] == _MIXERS["delta_net"]
+                         else (1, L["mla_rank"]) if L["mixer"] == _MIXERS["mla"]   # a LatentKV's rows
                          else (L["n_kv"], L["head_dim"]) for L in layers]
         widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width
         if len({t for t, _ in widths}) != len(widths):
@@ -633,9 +634,12 @@ class DecoderPlan:
         d, nq, nkv = L["head_dim"], L["n_head"] * L["head_dim"], L["n_kv"] * L["head_dim"]
         gptoss = _gptoss_sizes(L, n_embd)
         sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, exp_scale=L.get("n_expert", 0),
-                     **_delta_sizes(L), **gptoss)
+                     exp_probs_b=L.get("n_expert", 0), kv_a_norm=L.get("mla_rank", 0),
+                     q_a_norm=getattr(L.get("q_a"), "out_features", 0), **_delta_sizes(L), **gptoss)
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
-                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", *gptoss, *_MOE_SHARED_VECTORS):
+                     "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", "exp_probs_b", "kv_a_norm", "q_a_norm",
+                     *gptoss,
+                     *_MOE_SHARED_VECTORS):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):

@@ -287,7 +287,8 @@ class LatentKV(KVMemory):
     values through absorbed projections, so nothing per head is stored (llama.cpp's MLA
     cache keeps the same two rows). `write(pos, latent, rope_key)` with rows
     [m, 1, rank] / [m, 1, n_rot]; `span` returns them. Every position is kept, so any
-    rewind works; no native route (the torch mixer reads it)."""
+    rewind works. Its native entry (f16 rows): the latent rows as k, the rope key rows as v
+    (csrc/fk_plan.h FK_MLA_FIELDS)."""
 
     kind = "latent"
 
@@ -295,8 +296,10 @@ class LatentKV(KVMemory):
                  dtype: torch.dtype = torch.float16):
         super().__init__(capacity, 1, rank, n_rot, storage, dtype)
 
-    def native_entry(self):
-        return None
+    def native_entry(self) -> tuple[int, int, int, int] | None:
+        if self.storage != "f16" or self.k.dtype is not torch.float16:
+            return None
+        return (self.k.parts[0].data_ptr(), self.v.parts[0].data_ptr(), self.base, self.rows)
 
 
 class AliasKV(RowMemory):
