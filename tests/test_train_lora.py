@@ -337,8 +337,19 @@ def test_targets_the_model_lacks_are_an_error(tmp_path):
     assert model.use_native_step is before and not isinstance(model.output, Adapted)   # restored
 
 
+#: loaded families the trainer refuses, each with a typed error (its gradients not yet verified)
+NOT_TRAINABLE = {"kimi-linear"}
+
+
 def test_every_loaded_family_trains():
-    assert set(TRAINABLE) == set(ARCHS)
+    assert set(TRAINABLE) == set(ARCHS) - NOT_TRAINABLE
+
+
+@pytest.mark.parametrize("arch", sorted(NOT_TRAINABLE))
+def test_a_family_not_yet_trainable_is_refused(tmp_path, arch):
+    model = _model(tmp_path, arch)
+    with pytest.raises(LoRAError, match="not supported yet"):
+        LoRAModel(model, LoRAConfig(rank=4, alpha=8))
 
 
 @pytest.mark.parametrize("arch", TRAINABLE)
