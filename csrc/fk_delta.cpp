@@ -57,14 +57,16 @@ FK_CLONES static void head_rows(const fk_delta_args *a, int h, int64_t m, int64_
     for (int64_t t = 0; t < m; t++) {
         const float *row_cv = cv + t * cd;
         const float *q = row_cv + (h % hk) * dk, *k = row_cv + kd + (h % hk) * dk, *v = row_cv + 2 * kd + h * dv;
-        const float decay = expf(softplus(a->a[t * ld + h] + a->dt_bias[h]) * a->ssm_a[h]);
+        const float *dvec = a->decay ? a->decay + t * ld + (size_t)h * dk : NULL;   /* KDA: one per key channel */
+        const float decay = dvec ? 0.0f : expf(softplus(a->a[t * ld + h] + a->dt_bias[h]) * a->ssm_a[h]);
         const float beta = 1.0f / (1.0f + expf(-a->b[t * ld + h]));
         float *o = a->out + t * ldo + (size_t)h * dv;
         for (int j = 0; j < dv; j++) u[j] = 0.0f;
         for (int i = 0; i < dk; i++) {
             float *r = S + (size_t)i * dv;
+            const float di = dvec ? dvec[i] : decay;
             for (int j = 0; j < dv; j++) {
-                r[j] *= decay;
+                r[j] *= di;
                 u[j] += r[j] * k[i];
             }
         }
@@ -88,7 +90,10 @@ FK_CLONES static void head_rows(const fk_delta_args *a, int h, int64_t m, int64_
         }
         const float rn = 1.0f / sqrtf(ss / dv + a->eps);
         const float *z = a->z + t * ld + (size_t)h * dv;
-        for (int j = 0; j < dv; j++) o[j] = o[j] * rn * a->norm_w[j] * silu(z[j]);
+        if (a->out_sigmoid)
+            for (int j = 0; j < dv; j++) o[j] = o[j] * rn * a->norm_w[j] * (1.0f / (1.0f + expf(-z[j])));
+        else
+            for (int j = 0; j < dv; j++) o[j] = o[j] * rn * a->norm_w[j] * silu(z[j]);
     }
 }
 
@@ -139,6 +144,7 @@ int fk_delta_layer(const fk_layer *L, const float *in, int64_t m, int64_t ld, fl
                    int nthreads, float eps) {
     const int64_t cd = 2 * L->ssm_hk * L->ssm_dk + L->ssm_hv * L->ssm_dv, dz = L->ssm_hv * L->ssm_dv;
     fk_delta_args a;
+    memset(&a, 0, sizeof(a));
     a.qkv = in;
     a.z = in + cd;
     a.b = in + cd + dz;

@@ -19,6 +19,11 @@ struct fk_delta_args {
     float *out;            /* [hv*dv] */
     int hk, hv, dk, dv, d_conv, nthreads;
     float eps;
+    /* KDA (fk_kda.h; zero for qwen35): decay [hv*dk] per row at ld, the per-key-channel
+     * decay factors exp(g) that replace the scalar gate from a (S[i][:] *= decay[h*dk + i]);
+     * out_sigmoid 1: the output gate is sigmoid(z), not SiLU(z) */
+    const float *decay;
+    int out_sigmoid;
 };
 
 /* one token (the m = 1 case of fk_delta_rows, no snapshots) */

@@ -46,6 +46,7 @@ typedef struct {
     FK_MOE_SHARED_FIELDS(X)                                                                       \
     FK_MOE_SIGMOID_FIELDS(X)                                                                      \
     FK_MLA_FIELDS(X)                                                                              \
+    FK_KDA_FIELDS(X)                                                                              \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -103,6 +104,13 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
     X(V, conv_w) X(V, dt_bias) X(V, ssm_a) X(V, ssm_norm)                                     \
     X(W, ssm_in) X(W, ssm_qkv) X(W, ssm_z) X(W, ssm_beta) X(W, ssm_alpha) X(W, ssm_out)
 
+/* a KDA mixer (kimi-linear, fk_kda.h): the DeltaNet fields with hk = hv = H heads of dk = dv,
+ * dt_bias [H dk] (one per key channel), ssm_a [H], ssm_in = [qkv (3 H dk) | f_a (rf) | g_a (rg) |
+ * beta (H)] fused or as ssm_qkv, ssm_f_a, ssm_g_a, ssm_beta; the decay input ssm_f_b [H dk, rf]
+ * and the output gate ssm_g_b [H dk, rg] read f_a's and g_a's rows; kda_gate the form of the
+ * log-decay (fk_kda.h FK_KDA_GATE_*). Its cache entry is a DeltaNet layer's. */
+#define FK_KDA_FIELDS(X) X(I, kda_gate) X(W, ssm_f_a) X(W, ssm_f_b) X(W, ssm_g_a) X(W, ssm_g_b)
+
 /* gemma4's E-model layers: kv_from = 1 + the earlier layer whose K/V rows this layer reads
  * (shared KV: only wq, nothing written; 0: its own); layer_ff its FFN width (0: n_ff, the
  * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
@@ -125,7 +133,7 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * the step stops (status -2). */
 typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_t pos0, int nthreads);
 
-enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2 };
+enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2, FK_MIXER_KDA = 3 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
 /* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1) */
 enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2 };

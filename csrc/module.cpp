@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fk_delta.h"
+#include "fk_kda.h"
 #include "fk_common.h"
 
 static const fk_isa *g_isa = &fk_isa_scalar;
@@ -329,6 +330,26 @@ static int delta_ok(const fk_plan *p, const fk_layer *y) {
     return fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_out, E, hv * dv);
 }
 
+/* a KDA mixer's settings and weights (fk_kda.h): square heads, the low-rank gate pairs, the
+ * DeltaNet layer's conv and norms; the gate form one fk_kda.h knows */
+static int kda_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t H = y->ssm_hv, dk = y->ssm_dk, di = H * dk, rf = y->ssm_f_b.k, rg = y->ssm_g_b.k, E = p->n_embd;
+    if (y->kda_gate != FK_KDA_GATE_SOFTPLUS || H < 1 || H > 4096 || y->ssm_hk != H || dk < 1 || dk > 1024 ||
+        y->ssm_dv != dk || y->d_conv < 2 || y->d_conv > 64 || !y->conv_w || !y->dt_bias || !y->ssm_a ||
+        !y->ssm_norm || !y->attn_norm || !y->ffn_norm || y->kv_from || y->ssm_z.w || y->ssm_alpha.w || rf < 1 ||
+        rf > di || rg < 1 || rg > di)
+        return 0;
+    const fk_lin *in[4] = {&y->ssm_qkv, &y->ssm_f_a, &y->ssm_g_a, &y->ssm_beta};
+    const int64_t n_in[4] = {3 * di, rf, rg, H};
+    return fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_f_b, di, rf) && lin_ok(&y->ssm_g_b, di, rg) &&
+           lin_ok(&y->ssm_out, E, di);
+}
+
+/* another mixer's layer leaves the KDA fields empty */
+static int kda_absent(const fk_layer *y) {
+    return y->mixer == FK_MIXER_KDA || (!y->kda_gate && !y->ssm_f_a.w && !y->ssm_f_b.w && !y->ssm_g_a.w && !y->ssm_g_b.w);
+}
+
 /* an MLA mixer's settings and weights (mla_impl.inc): one q path, the stacked heads of k_b
  * and v_b (no LoRA on those: the step reads them a head at a time), the rope width the plan's */
 static int mla_ok(const fk_plan *p, const fk_layer *y) {
@@ -357,6 +378,13 @@ static int mla_absent(const fk_layer *y) {
 static void layer_widths(const fk_layer *y, int64_t *proj, int64_t *out) {
     if (y->mixer == FK_MIXER_MLA) {   /* mla_impl.inc has its own scratch */
         *out = *proj = 0;
+        return;
+    }
+    if (y->mixer == FK_MIXER_KDA) {   /* the row fk_kda.h lays out; the gates' inputs packed in out */
+        int64_t ob, og, od;
+        fk_kda_layout(y, &ob, &og, &od, proj);
+        const int64_t di = y->ssm_hv * y->ssm_dk, r = y->ssm_f_b.k > y->ssm_g_b.k ? y->ssm_f_b.k : y->ssm_g_b.k;
+        *out = di > r ? di : r;
         return;
     }
     if (y->mixer == FK_MIXER_DELTA) {
@@ -408,6 +436,7 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
                                                   lin_ok(&y->down, E, F);
     if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);
     if (y->mixer == FK_MIXER_MLA) return ffn_ok && mla_ok(p, y);
+    if (y->mixer == FK_MIXER_KDA) return ffn_ok && kda_ok(p, y);
     if (y->mixer != FK_MIXER_ATTENTION || (y->q_gate != 0 && y->q_gate != 1) || (y->ffn != FK_FFN_DENSE && y->ffn != FK_FFN_MOE) || H < 1 || KV < 1 || H % KV ||
         H / KV > FK_ATTN_MAX_GROUP || D < 16 || D % 16 || D > FK_ATTN_MAX_D || (y->layer_rot ? y->layer_rot : p->n_rot) > D ||
         y->layer_rot < 0 || y->layer_rot % 2 ||
@@ -461,7 +490,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !mla_absent(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !mla_absent(y) || !kda_absent(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
             (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);
@@ -514,7 +543,7 @@ static int rows_fit(const fk_step_args *a, const int64_t *kv, int64_t pos, int64
     const fk_plan *p = a->plan;
     for (int l = 0; l < p->n_layer; l++) {
         const int64_t *e = kv + (p->layers[l].kv_from ? p->layers[l].kv_from - 1 : l) * FK_KV_ENTRY;
-        if (p->layers[l].mixer == FK_MIXER_DELTA) {   /* window, state, snapshot slots, keep <= m */
+        if (p->layers[l].mixer == FK_MIXER_DELTA || p->layers[l].mixer == FK_MIXER_KDA) {   /* window, state, snapshot slots, keep <= m */
             if (!e[0] || !e[1] || e[3] < 0 || e[3] > m || (e[3] && !e[2])) return 0;
             for (int64_t j = 0; j < e[3]; j++)
                 if (!((const int64_t *)(uintptr_t)e[2])[j]) return 0;

@@ -116,6 +116,91 @@ def test_short_steps_equal_single_rows(tmp_path):
     assert torch.equal(a.memories[2].state, b.memories[2].state)
 
 
+
+# -- the native layer step (KDA, MLA and the MoE in one call) ---------------------------
+
+def _plan_model(tmp_path_factory, qtype):
+    m = load_model(write_kimi(tmp_path_factory.mktemp("kimip") / "p.gguf", seed=6, qtype=qtype))
+    if m.native_plan is None:
+        pytest.skip("native kernels not built")
+    return m
+
+
+@pytest.fixture(scope="module")
+def plan_model(tmp_path_factory):
+    return _plan_model(tmp_path_factory, Q.Q8_0)
+
+
+def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
+    """A 40-row prefill, a 5-row verify-sized step and 6 decode steps through the plan against
+    the torch blocks (FUCINA_NATIVE_STEP=0): logits, the KDA states, every snapshot and the
+    MLA latent rows agree closely (F32 weights: on a quantized file float noise can flip an
+    activation's int8 rounding)."""
+    from test_qwen35 import _snapshots
+    m = _plan_model(tmp_path_factory, Q.F32)
+
+    def run():
+        c = m.init_cache(128)
+        a = m.forward_step_all_logits(c, IDS[:40], 0)
+        b = m.forward_step_all_logits(c, IDS[40:45], 40)
+        d = torch.stack([m.forward_step(c, [t], 45 + i) for i, t in enumerate(IDS[45:51])])
+        return torch.cat([a, b, d]), c
+
+    native, a = run()
+    monkeypatch.setattr(m, "use_native_step", False)
+    ref, b = run()
+    torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
+    for i in (0, 2):
+        torch.testing.assert_close(a.memories[i].state, b.memories[i].state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.memories[i].conv, b.memories[i].conv)
+        sa, sb = _snapshots(a, i), _snapshots(b, i)
+        assert sorted(sa) == sorted(sb) and len(sa) == m.state_horizon
+        for n in sa:   # the windows are layer inputs: layer 2's carry the layers before it
+            torch.testing.assert_close(sa[n][0], sb[n][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(sa[n][1], sb[n][1], rtol=1e-4, atol=1e-4)
+    ka, _ = a.span(1, 0, 51)
+    kb, _ = b.span(1, 0, 51)
+    torch.testing.assert_close(ka.float(), kb.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_native_plan_rows_equal_single_rows(plan_model, isa):
+    """The plan claims batch invariance: a prompt split any way gives the same logits, KDA
+    states, snapshots and MLA rows, bit for bit."""
+    from test_batch_invariance import _prefill, _same_cache
+    from test_qwen35 import _snapshots
+    m, ids = plan_model, IDS[:37]
+    whole, c0 = _prefill(m, ids, [37], capacity=64)
+    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17]):
+        got, c1 = _prefill(m, ids, chunks, capacity=64)
+        assert torch.equal(got, whole), f"{chunks} on {isa}"
+        _same_cache(c1, c0)
+        s0, s1 = _snapshots(c0), _snapshots(c1)
+        both = set(s0) & set(s1)
+        assert len(both) >= 5
+        assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in both)
+
+
+def test_native_batch_rows_equal_streams_alone(plan_model, isa):
+    from test_batch_invariance import _same_cache, check_batch_rows_equal_alone
+    check_batch_rows_equal_alone(plan_model, IDS, isa, same_cache=_same_cache)
+
+
+def test_native_plan_checks_kda_layers(plan_model):
+    """A gate form the kernel does not know, gate ranks that do not match, or KDA fields on
+    another mixer are refused when the plan is built."""
+    m = plan_model
+    c = m.config
+    layers = [m.plan_layer(i, L) for i, L in enumerate(m.layers)]
+    build = lambda ls: K.DecoderPlan.build(n_embd=c.n_embd, n_ff=m.native_plan._spec["n_ff"], n_rot=c.n_rot,  # noqa: E731
+                                           neox=False, act="silu", eps=c.rms_eps, scale=m.scale, layers=ls)
+    assert build(layers) is not None
+    for bad in (dict(layers[0], kda_gate=1), dict(layers[0], ssm_f_b=layers[0]["ssm_out"], ssm_out=layers[0]["ssm_f_b"]),
+                dict(layers[1], ssm_f_b=layers[0]["ssm_f_b"])):
+        i = 0 if bad["mixer"] == "kda" else 1
+        with pytest.raises(K.KernelError):
+            build(layers[:i] + [bad] + layers[i + 1:])
+
+
 def _llm(tmp_path, **kw):
     from fucina.text.api import load
     return load(write_kimi(tmp_path / "chat.gguf", layers=4, seed=5), n_ctx=512, **kw)

@@ -489,7 +489,7 @@ def interleave(weight) -> bool:
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
-_MIXERS = {"attention": 0, "delta_net": 1, "mla": 2}
+_MIXERS = {"attention": 0, "delta_net": 1, "mla": 2, "kda": 3}
 _FFNS = {"dense": 0, "moe": 1}
 # a MoE ffn's shared-expert and routed-norm vectors (fk_plan.h FK_MOE_SHARED_FIELDS)
 _MOE_SHARED_VECTORS = ("shexp_gate", "shexp_norm", "moe_in_norm", "router_norm", "moe_out_norm", "exp_scale")
@@ -497,9 +497,10 @@ _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 8}
 
 
 def _delta_sizes(L: dict) -> dict[str, int]:
-    """A DeltaNet layer's vector lengths (fk_plan.h FK_DELTA_FIELDS)."""
+    """A DeltaNet (or KDA) layer's vector lengths (fk_plan.h FK_DELTA_FIELDS, FK_KDA_FIELDS)."""
     hk, hv, dk, dv = (int(L.get(k) or 0) for k in ("ssm_hk", "ssm_hv", "ssm_dk", "ssm_dv"))
-    return dict(conv_w=(2 * hk * dk + hv * dv) * int(L.get("d_conv") or 0), dt_bias=hv, ssm_a=hv, ssm_norm=dv)
+    dt = hv * dk if L.get("mixer") == _MIXERS["kda"] else hv    # KDA: one bias per key channel
+    return dict(conv_w=(2 * hk * dk + hv * dv) * int(L.get("d_conv") or 0), dt_bias=dt, ssm_a=hv, ssm_norm=dv)
 
 
 def _gptoss_sizes(L: dict, n_embd: int) -> dict[str, int]:
@@ -565,7 +566,8 @@ class DecoderPlan:
         self._capsule, self.n_layer, self.n_embd, self.n_rot = capsule, len(layers), n_embd, n_rot
         self.x_width = n_embd + len(layers) * n_ple   # gemma4: per-layer inputs trail each row
         # a shared-KV layer (kv_from) has no rows of its own, as its cache memory says
-        self.geometry = [(0, 0) if L.get("kv_from") else _delta_geometry(L) if L["mixer"] == _MIXERS["delta_net"]
+        self.geometry = [(0, 0) if L.get("kv_from") else _delta_geometry(L)
+                         if L["mixer"] in (_MIXERS["delta_net"], _MIXERS["kda"])
                          else (1, L["mla_rank"]) if L["mixer"] == _MIXERS["mla"]   # a LatentKV's rows
                          else (L["n_kv"], L["head_dim"]) for L in layers]
         widths = {(L["rope"], L["layer_rot"] or n_rot) for L in layers}   # gemma4: a table per width

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 from fucina import kernels
 from fucina.errors import KVCacheError
-from fucina.gguf import GGMLType, GGUFFile
+from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
 from fucina.models.base import Ragged, Tensors, layer_tensors
 from fucina.models.cache import KVCache, LatentKV, Q8Cache
-from fucina.models.mla import MLAWeights, mla_attention, yarn_rope, yarn_scales
+from fucina.models.mla import MLAWeights, mla_attention, stacked_heads, yarn_rope, yarn_scales
 from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.deepseek2 import (ATTN, DENSE, GATING, MOE, TENSORS, Config, Schema, T,  # noqa: F401
@@ -123,7 +123,7 @@ class Model(llama.Model):
         d = dict(mixer="mla", n_head=g.n_head, n_kv=1, head_dim=0, mla_rank=g.kv_lora, mla_nope=g.nope,
                  mla_rope=g.rope, mla_v=g.v_dim, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, wq=a.q, q_a=a.q_a,
                  q_a_norm=a.q_a_norm, q_b=a.q_b, kv_a=a.kv_a, kv_a_norm=a.kv_a_norm, wo=a.wo,
-                 k_b=_heads(L.k_b, a.k_b, "attn_k_b"), v_b=_heads(L.v_b, a.v_b, "attn_v_b"))
+                 k_b=stacked_heads(L.k_b, a.k_b, "attn_k_b"), v_b=stacked_heads(L.v_b, a.v_b, "attn_v_b"))
         if not L.moe:
             return dict(d, ffn="dense", gate=L.gate, up=L.up, down=L.down, layer_ff=c.n_ff)
         r, ex = self.routing, L.experts
@@ -140,17 +140,6 @@ class Model(llama.Model):
         return dict(d, ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=c.n_ff_exp, moe_norm=int(r.norm),
                     moe_scale=r.scale, moe_sigmoid=int(r.gating == "sigmoid"), exp_probs_b=L.exp_bias,
                     gate_inp=L.router, down_exps=ex.down.whole, **stacks, **shared, **moe.store_fields(self, i))
-
-
-def _heads(w: LinearWeight | None, t: torch.Tensor, name: str) -> LinearWeight:
-    """Stacked heads [H, out, in] as one weight, head h's rows at h * out: the file's (on a
-    native route), else the f32 stack the torch mixer holds, over the same memory."""
-    if w is not None and isinstance(w.kernel, kernels.QuantKernel):
-        return w
-    h, n, k = t.shape
-    w = LinearWeight(t.contiguous().view(torch.uint8).reshape(h * n, k * 4), GGMLType.F32, h * n, k, name)
-    kernels.attach(w)
-    return w
 
 
 def _rows(whole: LinearWeight, lo: int, n: int) -> LinearWeight:

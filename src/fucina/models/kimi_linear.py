@@ -29,10 +29,11 @@ import torch.nn.functional as F
 
 from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
-from fucina.models import delta_net, kda, llama
-from fucina.models.base import ROWWISE_MAX, Ragged, Tensors, layer_tensors, rms_norm, rowwise
+from fucina import kernels
+from fucina.models import delta_net, kda, llama, moe
+from fucina.models.base import ROWWISE_MAX, Ragged, Rope, Tensors, layer_tensors, rms_norm, rowwise
 from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
-from fucina.models.mla import MLAWeights, mla_attention
+from fucina.models.mla import MLAWeights, mla_attention, stacked_heads
 from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.kimi_linear import GATING, KDA, MLA, Config, Schema, layer_schema  # noqa: F401
@@ -70,6 +71,7 @@ class Layer:
             self.o_norm = t["ssm_norm"].float().contiguous()
         else:
             self.attn = MLAWeights(t, c.geometry())
+            self.k_b, self.v_b = t.get("attn_k_b"), t.get("attn_v_b")   # the native step reads the file's
         if not self.moe:
             self.gate, self.up, self.down = t["ffn_gate"], t["ffn_up"], t["ffn_down"]
             self.gate_up = llama.fuse(f, [self.gate, self.up])
@@ -101,7 +103,7 @@ class Model(llama.Model):
                         if c.n_dense_lead < c.n_layer else None)
         self.rope = NoRope()
         self.scale = 1.0 / math.sqrt(c.head_k_mla)
-        self.native_plan = None
+        self.native_plan = self.build_plan()
 
     # -- the block ---------------------------------------------------------------------
     def block(self, i: int, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
@@ -199,3 +201,56 @@ class Model(llama.Model):
         c = self.config
         return ([0 if r else 1 for r in c.recurrent],
                 [0 if r else (c.kv_lora_rank + c.n_rot) // 2 for r in c.recurrent])
+
+    # -- the native layer step: KDA, MLA and the dense or MoE ffn in one call ----------------
+    def rope_tables(self, capacity: int = 0) -> list[Rope]:
+        """The MLA layers' "rope" dims are not rotated: the plan's table is the identity
+        (cos 1, sin 0 at every position, which rotates each pair to itself exactly)."""
+        if getattr(self, "_still", None) is None:
+            self._still = Rope(self.config.n_rot, 10000.0, False)
+            self._still.inv_freq = torch.zeros_like(self._still.inv_freq)
+        return [self._still]
+
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        c = self.config
+        if c.n_rot % 2 or (self.routing is not None and self.routing.groups > 1):
+            return None
+        layers = [self.plan_layer(i, L) for i, L in enumerate(self.layers)]
+        if any(L is None for L in layers):
+            return None
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=max(c.n_ff, c.n_ff_exp * c.n_expert_shared), n_rot=c.n_rot, neox=False,
+            act="silu", eps=c.rms_eps, scale=self.scale, layers=layers)
+
+    def plan_layer(self, i: int, L: Layer) -> dict | None:
+        """Layer i's plan fields (kernels.DecoderPlan): None when its KDA projections are not
+        one fused weight or [attn_qkv, f_a, g_a, beta] (the torch blocks serve the model)."""
+        c = self.config
+        if L.kda:
+            if L.w_in is not None:
+                proj = dict(ssm_in=L.w_in)
+            elif len(L.parts) == 4:
+                proj = dict(ssm_qkv=L.parts[0], ssm_f_a=L.parts[1], ssm_g_a=L.parts[2], ssm_beta=L.parts[3])
+            else:
+                return None
+            d = dict(mixer="kda", kda_gate=0, n_head=0, n_kv=0, head_dim=0, ssm_hk=c.n_head, ssm_hv=c.n_head,
+                     ssm_dk=c.kda_head_dim, ssm_dv=c.kda_head_dim, d_conv=c.d_conv, conv_w=L.conv.reshape(-1),
+                     dt_bias=L.dt_bias.reshape(-1), ssm_a=L.a.reshape(-1), ssm_norm=L.o_norm, ssm_f_b=L.f_b,
+                     ssm_g_b=L.g_b, ssm_out=L.wo, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, **proj)
+        else:
+            a = L.attn
+            g = a.g
+            d = dict(mixer="mla", n_head=g.n_head, n_kv=1, head_dim=0, mla_rank=g.kv_lora, mla_nope=g.nope,
+                     mla_rope=g.rope, mla_v=g.v_dim, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, wq=a.q, q_a=a.q_a,
+                     q_a_norm=a.q_a_norm, q_b=a.q_b, kv_a=a.kv_a, kv_a_norm=a.kv_a_norm, wo=a.wo,
+                     k_b=stacked_heads(L.k_b, a.k_b, "attn_k_b"),
+                     v_b=stacked_heads(L.v_b, a.v_b, "attn_v_b"))
+        if not L.moe:
+            ffn = dict(gate_up=L.gate_up) if L.gate_up is not None else dict(gate=L.gate, up=L.up)
+            return dict(d, ffn="dense", down=L.down, layer_ff=c.n_ff, **ffn)
+        r, ex = self.routing, L.experts
+        shared = dict(gate_up=L.sh_gate_up) if L.sh_gate_up is not None else dict(gate=L.sh_gate, up=L.sh_up)
+        return dict(d, ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=c.n_ff_exp, moe_norm=int(r.norm),
+                    moe_scale=r.scale, moe_sigmoid=int(r.gating == "sigmoid"), exp_probs_b=L.exp_bias,
+                    gate_inp=L.router, gate_exps=ex.gate.whole, up_exps=ex.up.whole, down_exps=ex.down.whole,
+                    down=L.sh_down, layer_ff=L.sh_down.in_features, **shared, **moe.store_fields(self, i))

@@ -20,10 +20,13 @@ import math
 
 import torch
 
+from fucina import kernels
+from fucina.gguf import GGMLType
 from fucina.models.base import Ragged, Rope, rms_norm, rowwise
 from fucina.models.cache import KVCache
 # the geometry and YaRN parameters are plain data (torch-free: deepseek2's config holds them)
 from fucina.models.schema.mla import MLAGeometry, YarnParams  # noqa: F401
+from fucina.weights import LinearWeight
 
 
 # -- YaRN ---------------------------------------------------------------------------
@@ -152,3 +155,16 @@ def _latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, l
         qpos = torch.arange(pos0, n)[:, None, None]
         s = s.masked_fill(torch.arange(n)[None, None, :] > qpos, float("-inf"))
     return torch.softmax(s, dim=-1) @ c
+
+
+# -- the native step's view of the heads ---------------------------------------------
+
+def stacked_heads(w: LinearWeight | None, t: torch.Tensor, name: str) -> LinearWeight:
+    """Stacked heads [H, out, in] as one weight, head h's rows at h * out: the file's (on a
+    native route), else the f32 stack the torch mixer holds, over the same memory."""
+    if w is not None and isinstance(w.kernel, kernels.QuantKernel):
+        return w
+    h, n, k = t.shape
+    w = LinearWeight(t.contiguous().view(torch.uint8).reshape(h * n, k * 4), GGMLType.F32, h * n, k, name)
+    kernels.attach(w)
+    return w
