@@ -154,7 +154,7 @@ def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
         torch.testing.assert_close(a.memories[i].state, b.memories[i].state, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a.memories[i].conv, b.memories[i].conv)
         sa, sb = _snapshots(a, i), _snapshots(b, i)
-        assert sorted(sa) == sorted(sb) and len(sa) == m.state_horizon
+        assert set(sa) <= set(sb) and len(sa) >= 12   # decode on the native step: every 4th length
         for n in sa:   # the windows are layer inputs: layer 2's carry the layers before it
             torch.testing.assert_close(sa[n][0], sb[n][0], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(sa[n][1], sb[n][1], rtol=1e-4, atol=1e-4)
@@ -184,6 +184,12 @@ def test_native_batch_rows_equal_streams_alone(plan_model, isa):
     from test_batch_invariance import _same_cache, check_batch_rows_equal_alone
     check_batch_rows_equal_alone(plan_model, IDS, isa, same_cache=_same_cache)
 
+
+
+def test_native_decode_snapshots_are_strided_and_a_rewind_between_reruns(plan_model):
+    """qwen35's check on the KDA layers: decode keeps every 4th length on the native step."""
+    from test_qwen35 import test_decode_snapshots_are_strided_and_a_rewind_between_reruns as check
+    check(plan_model)
 
 def test_native_plan_checks_kda_layers(plan_model):
     """A gate form the kernel does not know, gate ranks that do not match, or KDA fields on

@@ -175,7 +175,9 @@ class Model(llama.Model):
         """MLA layers keep every position's latent and key row (f16 or q8_0); KDA layers a
         RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here),
         one at every length decode reaches too (decode_stride 1): without a native step a
-        speculative verify runs one row a step, and any of its lengths may be the rewind."""
+        speculative verify runs one row a step, and any of its lengths may be the rewind.
+        On the native step (an f16 cache) every 4th, as qwen35's: a verify's rows all keep
+        theirs, and a rewind between two decode lengths re-runs from the one below."""
         if cache_type not in ("f16", "q8_0"):
             raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
         c = self.config
@@ -183,8 +185,9 @@ class Model(llama.Model):
         if cap <= 0:
             raise KVCacheError(f"cache capacity must be positive, got {cap}")
         d = c.kda_head_dim
+        stride = 4 if self.native_plan is not None and self.use_native_step and cache_type == "f16" else 1
         mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=self.state_horizon,
-                               decode_stride=1) if r
+                               decode_stride=stride) if r
                 else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
         return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
 
