@@ -140,29 +140,33 @@ int fk_delta_rows(const fk_delta_args *a, int64_t m, int64_t ld, int64_t ldo, fl
 
 void fk_delta_step(const fk_delta_args *a) { fk_delta_rows(a, 1, 0, 0, NULL, 0); }
 
+void fk_delta_of_layer(const fk_layer *L, const int64_t *entry, float *out, int nthreads, float eps, fk_delta_args *a) {
+    memset(a, 0, sizeof(*a));
+    a->window = (float *)(uintptr_t)entry[0];
+    a->state = (float *)(uintptr_t)entry[1];
+    a->conv_w = L->conv_w;
+    a->dt_bias = L->dt_bias;
+    a->ssm_a = L->ssm_a;
+    a->norm_w = L->ssm_norm;
+    a->out = out;
+    a->hk = (int)L->ssm_hk;
+    a->hv = (int)L->ssm_hv;
+    a->dk = (int)L->ssm_dk;
+    a->dv = (int)L->ssm_dv;
+    a->d_conv = (int)L->d_conv;
+    a->nthreads = nthreads;
+    a->eps = eps;
+}
+
 int fk_delta_layer(const fk_layer *L, const float *in, int64_t m, int64_t ld, float *out, const int64_t *entry,
                    int nthreads, float eps) {
     const int64_t cd = 2 * L->ssm_hk * L->ssm_dk + L->ssm_hv * L->ssm_dv, dz = L->ssm_hv * L->ssm_dv;
     fk_delta_args a;
-    memset(&a, 0, sizeof(a));
+    fk_delta_of_layer(L, entry, out, nthreads, eps, &a);
     a.qkv = in;
     a.z = in + cd;
     a.b = in + cd + dz;
     a.a = in + cd + dz + L->ssm_hv;
-    a.window = (float *)(uintptr_t)entry[0];
-    a.state = (float *)(uintptr_t)entry[1];
-    a.conv_w = L->conv_w;
-    a.dt_bias = L->dt_bias;
-    a.ssm_a = L->ssm_a;
-    a.norm_w = L->ssm_norm;
-    a.out = out;
-    a.hk = (int)L->ssm_hk;
-    a.hv = (int)L->ssm_hv;
-    a.dk = (int)L->ssm_dk;
-    a.dv = (int)L->ssm_dv;
-    a.d_conv = (int)L->d_conv;
-    a.nthreads = nthreads;
-    a.eps = eps;
     const int64_t keep = entry[3] < m ? entry[3] : m;
     return fk_delta_rows(&a, m, ld, dz, (float *const *)(uintptr_t)entry[2], keep);
 }

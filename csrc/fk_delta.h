@@ -44,3 +44,6 @@ int fk_delta_rows(const fk_delta_args *a, int64_t m, int64_t ld, int64_t ldo, fl
  * snapshot slot table, keep). module.cpp checked the layer and the entry. */
 int fk_delta_layer(const fk_layer *L, const float *in, int64_t m, int64_t ld, float *out, const int64_t *entry,
                    int nthreads, float eps);
+/* a's fields from a DeltaNet or KDA layer and its cache entry (window, state; the rest zero:
+ * the caller points qkv, z, b and a or decay into its rows) */
+void fk_delta_of_layer(const fk_layer *L, const int64_t *entry, float *out, int nthreads, float eps, fk_delta_args *a);

@@ -26,24 +26,12 @@ int fk_kda_layer(const fk_layer *L, float *in, int64_t m, int64_t ld, float *out
     fk_kda_layout(L, &ob, &og, &od, &w);
     fk_kda_gate(L, in + od, m, ld, nthreads);
     fk_delta_args a;
-    memset(&a, 0, sizeof(a));
+    fk_delta_of_layer(L, entry, out, nthreads, eps, &a);
     a.qkv = in;
     a.z = in + og;
     a.b = in + ob;
     a.decay = in + od;
     a.out_sigmoid = 1;
-    a.window = (float *)(uintptr_t)entry[0];
-    a.state = (float *)(uintptr_t)entry[1];
-    a.conv_w = L->conv_w;
-    a.dt_bias = L->dt_bias;
-    a.ssm_a = L->ssm_a;
-    a.norm_w = L->ssm_norm;
-    a.out = out;
-    a.hk = a.hv = (int)L->ssm_hv;
-    a.dk = a.dv = (int)L->ssm_dk;
-    a.d_conv = (int)L->d_conv;
-    a.nthreads = nthreads;
-    a.eps = eps;
     const int64_t keep = entry[3] < m ? entry[3] : m;
     return fk_delta_rows(&a, m, ld, L->ssm_hv * L->ssm_dk, (float *const *)(uintptr_t)entry[2], keep);
 }

@@ -18,7 +18,11 @@ states, snapshots over `state_horizon` lengths), MLA layers a `LatentKV`, so pre
 Conversation and speculation rewind within the horizon. A step of up to ROWWISE_MAX rows
 (a speculative verify, a short turn) runs its KDA layers row by row with decode's exact
 ops, so a row's output does not depend on the step it came in; longer prefills run the
-chunked scan. No native layer step: the torch blocks serve every call.
+chunked scan. The native layer step (`plan_layer`) runs every layer in one call: KDA layers
+on the KDA mixer (csrc/fk_kda.cpp: the decay gate, then Gated DeltaNet's rows with a vector
+decay and a sigmoid output gate, sequential over the step's rows, snapshots written as it
+goes), MLA layers on deepseek2's MLA mixer over an identity rope table, the MoE with its
+sigmoid routing and selection bias; the torch blocks stay the reference (FUCINA_NATIVE_STEP=0).
 """
 from __future__ import annotations
 
