@@ -152,7 +152,7 @@ def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
     torch.testing.assert_close(native, ref, rtol=1e-3, atol=1e-3)
     for i in (0, 2):
         torch.testing.assert_close(a.memories[i].state, b.memories[i].state, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a.memories[i].conv, b.memories[i].conv)
+        torch.testing.assert_close(a.memories[i].conv, b.memories[i].conv, rtol=1e-4, atol=1e-4)
         sa, sb = _snapshots(a, i), _snapshots(b, i)
         assert set(sa) <= set(sb) and len(sa) >= 12   # decode on the native step: every 4th length
         for n in sa:   # the windows are layer inputs: layer 2's carry the layers before it
