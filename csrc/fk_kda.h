@@ -17,7 +17,10 @@
 /* how a KDA layer's log-decay g [H dk] comes from its decay input f (fk_plan.h kda_gate):
  *   FK_KDA_GATE_SOFTPLUS (kimi-linear): g = ssm_a[h] * softplus(f + dt_bias), ssm_a = -exp(A_log).
  * A second form (e.g. g = bound * sigmoid(exp(A_log) (f + dt_bias))) is one more enum value,
- * its case in fk_kda_gate (fk_kda.cpp) and its check in module.cpp's kda_ok. */
+ * its case in fk_kda_gate (fk_kda.cpp) and its check in module.cpp's kda_ok (a scalar such
+ * as the bound: one more F field in FK_KDA_FIELDS). A full-rank output gate in place of the
+ * g_a/g_b pair is a layout where ssm_g_a is [H dk, n_embd] and writes the gate part directly
+ * (fk_kda_layout and kda_impl.inc skip g_b when it is absent). */
 enum { FK_KDA_GATE_SOFTPLUS = 0 };
 
 /* the row layout's offsets (floats into a row) and width for layer L */
