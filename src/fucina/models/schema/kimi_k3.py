@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fucina.errors import GGUFError
 from fucina.gguf import GGUFFile
 from fucina.models.schema import kimi_linear, llama
-from fucina.models.schema.base import LayerSpec, Tensors, TensorSpec, meta_field
+from fucina.models.schema.base import Tensors, TensorSpec, meta_field
 from fucina.models.schema.qwen35 import BareSpec
 
 GATING = kimi_linear.GATING
@@ -45,10 +45,6 @@ class Config(kimi_linear.Config):
             raise GGUFError(f"{f.path}: {self.arch}.activation.situ_beta must not be 0 (SiTU divides by it)")
         if self.res_block < 0 or self.n_latent < 0:
             raise GGUFError(f"{f.path}: attn_res.block_size and expert_latent_length must not be negative")
-
-    def layer_spec(self, i: int) -> LayerSpec:
-        spec = super().layer_spec(i)
-        return spec
 
     @property
     def latent(self) -> int:
