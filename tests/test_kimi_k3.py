@@ -50,7 +50,7 @@ def test_layer_pattern_and_caches(ref_model):
     assert cache.bytes_per_position() == 2 * (c.kv_lora_rank + c.n_rot) * 2     # two MLA layers, f16
     m.forward_step(cache, IDS[:30], 0)
     assert cache.nbytes() <= m.kv_bytes(64)
-    assert m._bank == []      # the residual bank lives inside one pass over the layers
+    assert m._local.bank == []      # the residual bank lives inside one pass over the layers
 
 
 def test_situ_is_swiglu_shaped_and_bounded():

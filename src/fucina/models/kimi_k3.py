@@ -27,6 +27,7 @@ blocks serve every call.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -106,16 +107,17 @@ class Model(llama.Model):
         self.rope = NoRope()
         self.scale = 1.0 / math.sqrt(c.head_k_mla)
         self.native_plan = None
-        self._bank: list[torch.Tensor] = []
+        self._local = threading.local()   # the residual bank of the pass a thread is running
 
     # -- the block ---------------------------------------------------------------------
     def res_mix(self, cur: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """The residual attention: cur [m, n_embd] replaced by the softmax-weighted sum of
         the banked rows and itself (llama.cpp's res_mix: the current row scored apart)."""
-        if not self._bank:
+        bank = self._local.bank
+        if not bank:
             return cur
         eps = self.config.rms_eps
-        src = torch.stack(self._bank, dim=1)                                    # [m, n_ckpt, n_embd]
+        src = torch.stack(bank, dim=1)                                          # [m, n_ckpt, n_embd]
         s_src = rms_norm(src, score, eps).sum(-1)                              # [m, n_ckpt]
         s_cur = rms_norm(cur, score, eps).sum(-1, keepdim=True)                # [m, 1]
         p = torch.softmax(torch.cat([s_src, s_cur], dim=-1), dim=-1)
@@ -125,11 +127,11 @@ class Model(llama.Model):
         c, L = self.config, self.layers[i]
         eps, res = c.rms_eps, c.res_block > 0
         if i == 0:
-            self._bank = []
+            self._local.bank = []
         h = self.res_mix(x, L.attn_score) if res else x
         banked = res and i % c.res_block == 0
         if banked:
-            self._bank.append(x)             # the raw layer input, not the mix
+            self._local.bank.append(x)       # the raw layer input, not the mix
         h = rms_norm(h, L.attn_norm, eps)
         a = (kda.mixer(lambda *s: self._kda(L, *s), h, cache, i, pos0, c.d_conv) if L.kda else
              mla_attention(L.attn, h, cache, i, pos0, self.rope, self.scale, eps))
@@ -138,7 +140,7 @@ class Model(llama.Model):
         x = x + self.ffn(i, L, rms_norm(h, L.ffn_norm, eps))
         if i == c.n_layer - 1 and res:
             x = self.res_mix(x, self.output_score)
-            self._bank = []
+            self._local.bank = []
         return x
 
     def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
