@@ -62,7 +62,7 @@ class Layer:
             d = c.dims()
             di, dk = d["d_inner"], d["kda_dim"]
             parts = [t["attn_q"], t["attn_k"], t["attn_v"], t["ssm_f_a"], t["ssm_beta"], t["ssm_g"]]
-            self.split = [di, di, di, dk, c.n_head, di]
+            self.split = [3 * di, dk, c.n_head, di]
             self.w_in = llama.fuse(f, parts)     # one matmul for every projection of x (same types)
             self.parts = parts if self.w_in is None else None
             self.conv = torch.cat([t[f"ssm_conv1d_{x}"].dequantize().float().reshape(di, c.d_conv)
@@ -86,10 +86,11 @@ class Layer:
         self.sh_gate_up = llama.fuse(f, [self.sh_gate, self.sh_up]) if self.sh_gate is not None else None
 
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [m, n_embd] -> [q, k, v, f_a x, beta logits, output gate logits]."""
+        """x [m, n_embd] -> [q|k|v, f_a x, beta logits, output gate logits]."""
         if self.w_in is not None:
             return list(self.w_in(x).split(self.split, dim=-1))
-        return [w(x) for w in self.parts]
+        out = [w(x) for w in self.parts]
+        return [torch.cat(out[:3], dim=-1)] + out[3:]
 
 
 class Model(llama.Model):
@@ -176,8 +177,8 @@ class Model(llama.Model):
         c, m = self.config, x.shape[0]
         H, dk, eps = c.n_head, c.kda_head_dim, c.rms_eps
         di = H * dk
-        q, k, v, fa, b, gl = L.project(x)
-        conv, full = delta_net.causal_conv(torch.cat([q, k, v], dim=-1).float(), window, L.conv)
+        qkv, fa, b, gl = L.project(x)
+        conv, full = delta_net.causal_conv(qkv.float(), window, L.conv)
         conv = F.silu(conv)
         q = delta_net.l2_norm(conv[:, :di].reshape(m, H, dk), eps)
         k = delta_net.l2_norm(conv[:, di:2 * di].reshape(m, H, dk), eps)
