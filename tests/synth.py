@@ -110,6 +110,10 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         from synth_kimi import write_kimi
         return write_kimi(path, layers=layers, hidden=hidden, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx,
                           chat_template=chat_template)
+    if arch == "kimi-k3":   # kimi-linear's layers plus K3's parts: its own writer (tests/synth_kimi_k3.py)
+        from synth_kimi_k3 import write_kimi_k3
+        return write_kimi_k3(path, layers=layers, hidden=hidden, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx,
+                             chat_template=chat_template)
     if arch == "glm4moe":   # dense lead, NextN blocks after the trunk: its own writer
         from synth_glm4moe import write_glm4moe
         return write_glm4moe(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

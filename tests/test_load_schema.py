@@ -22,7 +22,8 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # a required key of the family's own config (the common ones are checked for every family)
 FAMILY_KEY = {"qwen35": "ssm.conv_kernel", "qwen35moe": "expert_count",
               "qwen3moe": "expert_count", "deepseek2": "attention.kv_lora_rank",
-              "gemma4": "attention.sliding_window_pattern", "kimi-linear": "kda.head_dim"}
+              "gemma4": "attention.sliding_window_pattern", "kimi-linear": "kda.head_dim",
+              "kimi-k3": "attn_res.block_size"}
 TENSOR = "blk.1.attn_output.weight"     # every family's layer 1 has one (qwen35's is an attention layer)
 
 

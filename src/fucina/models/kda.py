@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from fucina.errors import KVCacheError
 from fucina.models import delta_net
+from fucina.models.base import Ragged, rowwise
+from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
 
 CHUNK = 16
 
@@ -71,3 +74,60 @@ def scan(q, k, v, g, beta, state, keep: int):
         return o1, s, []
     o2, s, kept = sequential(q[head:], k[head:], v[head:], g[head:], beta[head:], s, keep)
     return torch.cat([o1, o2]), s, kept
+
+
+def mixer(step, x, cache, layer: int, pos0: int, d_conv: int):
+    """A KDA layer over the normed residual x [m, n_embd] on layer `layer`'s RecurrentState
+    (a family's KDA math is `step(x, window, state, keep)` -> (out [m, n_embd], the padded
+    conv input [d_conv - 1 + m, ch], the final state, the last `keep` states)): steps of up
+    to ROWWISE_MAX rows at inference run row by row with decode's ops (batch invariance:
+    speculation is lossless), longer ones the chunked scan; the state advances and keeps
+    its snapshots. A Ragged batch runs each stream's row as its own decode step."""
+    if isinstance(cache, Ragged):
+        return torch.cat([mixer(step, x[r:r + 1], c, layer, p, d_conv)
+                          for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
+    mem, m = cache.memories[layer], x.shape[0]
+    window, state = mem.span(pos0, pos0)
+    keep = min(m, mem.horizon)
+    if rowwise(m, cache, x):
+        outs, inner = [], []
+        for r in range(m):
+            o, full, state, _ = step(x[r:r + 1], window, state, 0)
+            window = full[1:]
+            outs.append(o)
+            if r >= m - keep:
+                inner.append((pos0 + r + 1, window, state))
+        mem.write(pos0, window, state, inner)
+        return torch.cat(outs)
+    out, full, final, kept = step(x, window, state, keep)
+    tail, d = m - len(kept), d_conv - 1
+    mem.write(pos0, full[m:], final, [(pos0 + t + 1, full[t + 1:t + 1 + d], s) for t, s in zip(range(tail, m), kept)])
+    return out
+
+
+# -- the hybrid cache: KDA layers' RecurrentStates beside the MLA layers' LatentKVs ---------
+
+def hybrid_cache(c, capacity: int | None, dtype: torch.dtype, cache_type: str, horizon: int) -> KVCache:
+    """A KDA + MLA hybrid's cache (c: its config, `recurrent` per layer): KDA layers a
+    RecurrentState (the q/k/v conv windows side by side, [H, d, d] states) with a snapshot
+    at every length within `horizon` (decode_stride 1: without a native step a speculative
+    verify runs one row a step, and any of its lengths may be the rewind), MLA layers every
+    position's latent and key row (f16 or q8_0)."""
+    if cache_type not in ("f16", "q8_0"):
+        raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
+    cap = capacity or min(c.n_ctx_train, 4096)
+    if cap <= 0:
+        raise KVCacheError(f"cache capacity must be positive, got {cap}")
+    d = c.kda_head_dim
+    mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=horizon, decode_stride=1) if r
+            else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
+    return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+
+
+def hybrid_cache_bytes(c, capacity: int, cache_type: str, horizon: int) -> int:
+    """What hybrid_cache(c, capacity, ..., cache_type, horizon) allocates."""
+    per_value = 2.0 if cache_type == "f16" else 34 / 32
+    latent = sum(not r for r in c.recurrent) * capacity * (c.kv_lora_rank + c.n_rot) * per_value
+    d = c.kda_head_dim
+    state = (c.d_conv - 1) * 3 * c.n_head * d + c.n_head * d * d
+    return int(latent + sum(c.recurrent) * state * 4 * (1 + horizon))

@@ -75,6 +75,15 @@ def yarn_rope(n_rot: int, base: float, y: YarnParams, attn_factor: float) -> Rop
     return rope
 
 
+class NoRope:
+    """For MLA layers whose key/query "rope" dims are not rotated (llama.cpp: rope type NONE)."""
+
+    mscale = 1.0
+
+    def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        return x
+
+
 # -- the weights --------------------------------------------------------------------
 
 def split_kv_b(kv_b: torch.Tensor, g: MLAGeometry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +105,7 @@ class MLAWeights:
         self.g = g
         self.q_a, self.q_a_norm, self.q_b, self.q = t.get("attn_q_a"), t.get("attn_q_a_norm"), t.get("attn_q_b"), t.get("attn_q")
         self.kv_a, self.kv_a_norm, self.wo = t["attn_kv_a_mqa"], t["attn_kv_a_norm"], t["attn_output"]
+        self.gate = t.get("attn_gate")   # kimi-k3: heads * sigmoid(attn_gate x) before attn_output
         if t.get("attn_k_b") is not None and t.get("attn_v_b") is not None:
             self.k_b = t["attn_k_b"].dequantize().reshape(g.n_head, g.kv_lora, g.nope)
             self.v_b = t["attn_v_b"].dequantize().reshape(g.n_head, g.v_dim, g.kv_lora)
@@ -131,7 +141,10 @@ def mla_attention(w: MLAWeights, x: torch.Tensor, cache: KVCache | Ragged, layer
                        for r in range(m)])
     else:
         v = _absorbed(w, q_nope, q_pe, cache, layer, pos0, scale)
-    return w.wo(v.reshape(m, g.n_head * g.v_dim))
+    v = v.reshape(m, g.n_head * g.v_dim)
+    if w.gate is not None:
+        v = v * torch.sigmoid(w.gate(x).float())
+    return w.wo(v)
 
 
 def _absorbed(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, pos0: int,

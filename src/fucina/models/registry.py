@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen35moe": "fucina.models.qwen35moe",
     "deepseek2": "fucina.models.deepseek2",
     "kimi-linear": "fucina.models.kimi_linear",
+    "kimi-k3": "fucina.models.kimi_k3",
     "gemma4": "fucina.models.gemma4",
     "qwen3moe": "fucina.models.qwen3moe",
     "glm4moe": "fucina.models.glm4moe",
