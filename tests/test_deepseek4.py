@@ -112,7 +112,7 @@ def test_rewind_recomputes_blocks(model):
     cache.truncate(130)
     got = model.forward_step_all_logits(cache, other, 130)
     want, _ = _chunked(model, ids[:130] + other, [130, 20])
-    torch.testing.assert_close(got, want[130:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want[130:], atol=1e-4, rtol=0)   # a 150-row prefill rounds apart from 130
 
 
 def _llm(tmp_path, **kw):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
-from fucina.models.base import Rope, Tensors, as_ids, layer_tensors, linear, rms_norm, vector
+from fucina.models.base import ROWWISE_MAX, Rope, Tensors, as_ids, layer_tensors, linear, rms_norm, vector
 from fucina.models.cache import KVCache
 from fucina.models.cache.dsv4 import DSV4Memory
 from fucina.models.mla import yarn_rope
@@ -310,10 +310,11 @@ class Model(llama.Model):
             mem.put("lid_sc", pos0, L.idx_gate(x) + L.idx_ape[pos % CSA])
             self._compress(mem, L, pos0, m, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
         chosen = self._indexer(L, x, qr, mem, pos0) if L.ratio == CSA else None
-        rows = []
-        for r in range(m):   # each row over exactly its own keys: a row's output does not depend on its step
-            rows.append(self._attend_row(L, q[r], mem, pos0 + r, None if chosen is None else chosen[r]))
-        out = torch.stack(rows)                                              # [m, H, hd]
+        if m <= ROWWISE_MAX:   # each row over exactly its own keys: a verify step is its decode steps
+            out = torch.stack([self._attend_row(L, q[r], mem, pos0 + r, None if chosen is None else chosen[r])
+                               for r in range(m)])                           # [m, H, hd]
+        else:
+            out = self._attend_rows(L, q, mem, pos0, chosen)
         out = rope_tail(rope, out, pos, inverse=True)
         g = c.o_groups
         oa = torch.einsum("mgi,gri->mgr", out.reshape(m, g, -1), L.wo_a)
@@ -335,6 +336,30 @@ class Model(llama.Model):
         s = (q @ k.T) * self.scale                                           # [H, n]
         s = torch.cat([s, L.sinks[:, None]], dim=1)
         return torch.softmax(s, dim=-1)[:, :-1] @ k
+
+    def _attend_rows(self, L: Layer, q: torch.Tensor, mem: DSV4Memory, pos0: int, chosen: list | None) -> torch.Tensor:
+        """A long step's rows at once: the same keys per row as `_attend_row`, as a mask over
+        the step's raw span and every compressed key visible to its last row."""
+        c, m = self.config, q.shape[0]
+        start = max(0, pos0 - c.window + 1)
+        pos = torch.arange(pos0, pos0 + m)[:, None]
+        kpos = torch.arange(start, pos0 + m)[None, :]
+        keys, allow = [mem.raw[start:pos0 + m]], [(kpos <= pos) & (pos - kpos < c.window)]
+        if L.ratio:
+            nb = (pos0 + m) // L.ratio
+            keys.append(mem.comp[torch.arange(nb) * L.ratio + L.ratio - 1])
+            if chosen is None:
+                allow.append(torch.arange(nb)[None, :] < (pos + 1) // L.ratio)
+            else:
+                sel = torch.zeros(m, nb, dtype=torch.bool)
+                for r, b in enumerate(chosen):
+                    sel[r, b] = True
+                allow.append(sel)
+        k = torch.cat(keys).float()
+        s = torch.einsum("mhd,nd->hmn", q, k) * self.scale
+        s = s.masked_fill(~torch.cat(allow, dim=1)[None], float("-inf"))
+        s = torch.cat([s, L.sinks[:, None, None].expand(-1, m, 1)], dim=-1)
+        return torch.einsum("hmn,nd->mhd", torch.softmax(s, dim=-1)[..., :-1], k)
 
     def _indexer(self, L: Layer, x: torch.Tensor, qr: torch.Tensor, mem: DSV4Memory, pos0: int) -> list:
         """Per row, the visible CSA blocks the lightning indexer keeps (top_k by
