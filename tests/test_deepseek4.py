@@ -142,7 +142,6 @@ def test_bad_files_and_configurations_are_typed_errors(tmp_path):
                               ("deepseek4.attention.compress_ratios", [0, 4], "2 entries for 4 layers"),
                               ("deepseek4.expert_gating_func", 2, "sqrt-softplus"),
                               ("deepseek4.hyper_connection.count", 2, "hyper_connection.count"),
-                              ("deepseek4.nextn_predict_layers", 1, "MTP"),
                               ("deepseek4.attention.indexer.key_length", 32, "multiple of 64"),
                               ("deepseek4.attention.output_group_count", 3, "output groups")):
         f = GGUFFile(p)
@@ -158,6 +157,17 @@ def test_bad_files_and_configurations_are_typed_errors(tmp_path):
     m = load_model(p)
     with pytest.raises(KVCacheError, match="f16"):
         m.init_cache(32, cache_type="q8_0")
+
+
+def test_an_mtp_block_is_left_unread(tmp_path):
+    """block_count 4 with nextn_predict_layers 1 and the MTP probe tensor: the trunk is the
+    first 3 layers (llama.cpp's n_layer); without the probe the key is ignored (as there)."""
+    p = write_deepseek4(tmp_path / "m.gguf", ratios=(0, 4, 128, 4), extra={"deepseek4.nextn_predict_layers": 1})
+    assert load_model(p).config.n_layer == 4
+    f = GGUFFile(p)
+    f.tensors["blk.3.nextn.eh_proj.weight"] = f.tensors["blk.3.attn_kv.weight"]
+    m = load_model(f)
+    assert m.config.n_layer == 3 and len(m.layers) == 3
 
 
 def test_lora_is_refused(model):

@@ -6,8 +6,8 @@ shared K=V row (attn_kv) with its norm, the grouped low-rank output (attn_output
 sinks; by the layer's compress ratio the compressor (4 and 128) and the lightning indexer
 (4 only); a routed MoE whose first `hash_layer_count` layers pick experts by token id
 (ffn_gate_tid2eid) and the rest by sqrt-softplus scores with a selection bias, plus shared
-experts. The MTP block (nextn) is not read: a file whose block count includes one is
-refused."""
+experts. The MTP block (nextn, counted in block_count when the file carries it) is not
+read: the trunk runs without it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,8 +53,11 @@ class Config(llama.Config):
         super().finish(f)
         m, a, p = f.metadata, self.arch, f.path
         self.expert_weights_norm = bool(m.get(f"{a}.expert_weights_norm", False))
-        if int(m.get(f"{a}.nextn_predict_layers", 0) or 0):
-            raise GGUFError(f"{p}: deepseek4 files with an MTP block (nextn_predict_layers) are not supported")
+        nextn = int(m.get(f"{a}.nextn_predict_layers", 0) or 0)
+        if nextn and f"blk.{self.n_layer - nextn}.nextn.eh_proj.weight" in f.tensors:
+            if nextn >= self.n_layer:
+                raise GGUFError(f"{p}: an MTP-only deepseek4 file (no trunk layers) cannot run on its own")
+            self.n_layer -= nextn   # the trunk only: the MTP block (llama.cpp's drafter) is not read
         if self.n_head_kv != 1 or self.v_dim != self.head_dim:
             raise GGUFError(f"{p}: deepseek4 needs one K=V head (head_count_kv 1, value_length == key_length)")
         if self.n_rot % 2 or not 0 < self.n_rot <= min(self.head_dim, self.idx_dim):
