@@ -79,6 +79,13 @@ class Layer:
             self.idx_kv, self.idx_gate = t["indexer_compressor_kv"], t["indexer_compressor_gate"]
             self.idx_ape = t["indexer_compressor_ape"].dequantize().contiguous()
             self.idx_norm = t["indexer_compressor_norm"]
+        # every projection of the normed input in one matmul when their types agree
+        parts = [self.q_a, self.wkv] + ([self.comp_kv, self.comp_gate] if self.ratio else [])
+        parts += [self.idx_kv, self.idx_gate, self.idx_proj] if self.ratio == CSA else []
+        self.split = [p.out_features for p in parts]
+        self.w_in = llama.fuse(tensors.f, parts)
+        self.parts = parts if self.w_in is None else None
+        self.sh_gate_up = llama.fuse(tensors.f, [t["ffn_gate_shexp"], t["ffn_up_shexp"]])
         self.router = t["ffn_gate_inp"]
         self.experts = moe.Experts(t["ffn_gate_exps"], t["ffn_up_exps"], t["ffn_down_exps"])
         self.sh_gate, self.sh_up, self.sh_down = t["ffn_gate_shexp"], t["ffn_up_shexp"], t["ffn_down_shexp"]
@@ -288,7 +295,8 @@ class Model(llama.Model):
             gate, up, down = ws
             return down(swiglu_clamp(gate(xs), up(xs), limit))
         out = moe.mix(x, chosen, w, L.experts, None, run)
-        return out + L.sh_down(swiglu_clamp(L.sh_gate(x), L.sh_up(x), c.clamp_shexp[i]))
+        g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
+        return out + L.sh_down(swiglu_clamp(g, u, c.clamp_shexp[i]))
 
     # -- attention -----------------------------------------------------------------------
     def attention(self, i: int, L: Layer, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
@@ -296,20 +304,21 @@ class Model(llama.Model):
         mem: DSV4Memory = cache.memories[i]
         rope = self.rope_comp if L.ratio else self.rope
         pos = torch.arange(pos0, pos0 + m)
-        qr = rms_norm(L.q_a(x), L.q_a_norm, c.rms_eps)
+        ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
+        qr = rms_norm(ys[0], L.q_a_norm, c.rms_eps)
         q = rms_norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
         q = rope_tail(rope, q, pos)
-        kv = rope_tail(rope, rms_norm(L.wkv(x), L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), pos)
+        kv = rope_tail(rope, rms_norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), pos)
         mem.put("raw", pos0, kv)
         if L.ratio:
-            mem.put("st_kv", pos0, L.comp_kv(x))
-            mem.put("st_sc", pos0, L.comp_gate(x) + L.comp_ape[pos % L.ratio])
+            mem.put("st_kv", pos0, ys[2])
+            mem.put("st_sc", pos0, ys[3] + L.comp_ape[pos % L.ratio])
             self._compress(mem, L, pos0, m, "st_kv", "st_sc", "comp", c.head_dim, L.comp_norm)
         if L.ratio == CSA:
-            mem.put("lid_kv", pos0, L.idx_kv(x))
-            mem.put("lid_sc", pos0, L.idx_gate(x) + L.idx_ape[pos % CSA])
+            mem.put("lid_kv", pos0, ys[4])
+            mem.put("lid_sc", pos0, ys[5] + L.idx_ape[pos % CSA])
             self._compress(mem, L, pos0, m, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
-        chosen = self._indexer(L, x, qr, mem, pos0) if L.ratio == CSA else None
+        chosen = self._indexer(L, ys[6], qr, mem, pos0) if L.ratio == CSA else None
         if m <= ROWWISE_MAX:   # each row over exactly its own keys: a verify step is its decode steps
             out = torch.stack([self._attend_row(L, q[r], mem, pos0 + r, None if chosen is None else chosen[r])
                                for r in range(m)])                           # [m, H, hd]
@@ -361,16 +370,16 @@ class Model(llama.Model):
         s = torch.cat([s, L.sinks[:, None, None].expand(-1, m, 1)], dim=-1)
         return torch.einsum("hmn,nd->mhd", torch.softmax(s, dim=-1)[..., :-1], k)
 
-    def _indexer(self, L: Layer, x: torch.Tensor, qr: torch.Tensor, mem: DSV4Memory, pos0: int) -> list:
+    def _indexer(self, L: Layer, proj: torch.Tensor, qr: torch.Tensor, mem: DSV4Memory, pos0: int) -> list:
         """Per row, the visible CSA blocks the lightning indexer keeps (top_k by
-        sum_h w_h relu(q_h . k_b)), ascending."""
-        c, m = self.config, x.shape[0]
+        sum_h w_h relu(q_h . k_b), w = indexer.proj(x) = proj), ascending."""
+        c, m = self.config, proj.shape[0]
         n_vis_last = (pos0 + m) // CSA
         if n_vis_last == 0:
             return [torch.zeros(0, dtype=torch.long)] * m
         iq = L.idx_q_b(qr).view(m, c.idx_heads, c.idx_dim)
         iq = hadamard(rope_tail(self.rope_comp, iq, torch.arange(pos0, pos0 + m)), self.lid_rot)
-        w = L.idx_proj(x) * (1.0 / math.sqrt(c.idx_dim * c.idx_heads))    # [m, heads]
+        w = proj * (1.0 / math.sqrt(c.idx_dim * c.idx_heads))             # [m, heads]
         k = mem.lid[torch.arange(n_vis_last) * CSA + CSA - 1].float()      # [nb, idx_dim]
         score = (torch.relu(torch.einsum("mhd,bd->mhb", iq, k)) * w[..., None]).sum(1)   # [m, nb]
         out = []
