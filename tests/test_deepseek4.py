@@ -104,6 +104,19 @@ def test_prefill_split_any_way_equals_one_step(model):
         assert (got - whole).abs().max() < 2e-3 and torch.equal(got.argmax(-1), whole.argmax(-1))
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(qtype=Q.Q8_0, expert_qtype=Q.MXFP4)], ids=["f32", "q8_0-mxfp4"])
+def test_short_step_is_its_decode_steps_bit_for_bit(tmp_path, kw):
+    """A step of up to ROWWISE_MAX rows (a speculative verify) runs row by row: the logits
+    equal one row a step exactly, across CSA block boundaries."""
+    m = load_model(write_deepseek4(tmp_path / "s.gguf", seed=3, **kw))
+    a, b = m.init_cache(64), m.init_cache(64)
+    m.forward_step(a, IDS[:40], 0)
+    m.forward_step(b, IDS[:40], 0)
+    step = m.forward_step_all_logits(a, IDS[40:49], 40)
+    rows = torch.cat([m.forward_step_all_logits(b, [t], 40 + i) for i, t in enumerate(IDS[40:49])])
+    assert torch.equal(step, rows)
+
+
 def test_rewind_recomputes_blocks(model):
     """Truncating into a block and feeding other tokens rewrites that block: the result is
     the fresh cache's."""

@@ -258,7 +258,7 @@ class Model(llama.Model):
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         c = self.config
         streams = x.view(-1, c.hc, c.n_embd)
-        out = y[:, None, :] * post[..., None] + torch.einsum("msd,msn->mdn", comb, streams)
+        out = y[:, None, :] * post[..., None] + torch.bmm(comb.transpose(1, 2), streams)
         return out.reshape(x.shape[0], -1)
 
     # -- the block -----------------------------------------------------------------------
@@ -267,6 +267,8 @@ class Model(llama.Model):
         return super()._hidden(cache, tokens, pos0)
 
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
+        if 1 < x.shape[0] <= ROWWISE_MAX:   # a short step (a speculative verify) is its decode steps, bit for bit
+            return torch.cat([self.block(i, x[r:r + 1], cache, pos0 + r) for r in range(x.shape[0])])
         L, eps = self.layers[i], self.config.rms_eps
         h, post, comb = self.hc_pre(L.hc_attn, x)
         x = self.hc_post(self.attention(i, L, rms_norm(h, L.attn_norm, eps), cache, pos0), x, post, comb)
@@ -294,7 +296,13 @@ class Model(llama.Model):
         def run(e: int, ws: tuple, xs: torch.Tensor) -> torch.Tensor:
             gate, up, down = ws
             return down(swiglu_clamp(gate(xs), up(xs), limit))
-        out = moe.mix(x, chosen, w, L.experts, None, run)
+        if x.shape[0] == 1 and L.experts.on_use is None:   # decode: mix's sum (ascending experts), no regrouping
+            out = torch.zeros(1, c.n_embd)
+            ids = chosen[0].tolist()
+            for j in sorted(range(len(ids)), key=ids.__getitem__):
+                out = out + run(ids[j], L.experts.expert(ids[j]), x) * w[0, j]
+        else:
+            out = moe.mix(x, chosen, w, L.experts, None, run)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
         return out + L.sh_down(swiglu_clamp(g, u, c.clamp_shexp[i]))
 
@@ -319,15 +327,14 @@ class Model(llama.Model):
             mem.put("lid_sc", pos0, ys[5] + L.idx_ape[pos % CSA])
             self._compress(mem, L, pos0, m, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
         chosen = self._indexer(L, ys[6], qr, mem, pos0) if L.ratio == CSA else None
-        if m <= ROWWISE_MAX:   # each row over exactly its own keys: a verify step is its decode steps
-            out = torch.stack([self._attend_row(L, q[r], mem, pos0 + r, None if chosen is None else chosen[r])
-                               for r in range(m)])                           # [m, H, hd]
+        if m == 1:
+            out = self._attend_row(L, q[0], mem, pos0, None if chosen is None else chosen[0])[None]
         else:
             out = self._attend_rows(L, q, mem, pos0, chosen)
         out = rope_tail(rope, out, pos, inverse=True)
         g = c.o_groups
-        oa = torch.einsum("mgi,gri->mgr", out.reshape(m, g, -1), L.wo_a)
-        return L.wo_b(oa.reshape(m, -1))
+        oa = torch.bmm(out.reshape(m, g, -1).transpose(0, 1), L.wo_a.transpose(1, 2))   # [groups, m, rank]
+        return L.wo_b(oa.transpose(0, 1).reshape(m, -1))
 
     def _attend_row(self, L: Layer, q: torch.Tensor, mem: DSV4Memory, p: int,
                     blocks: torch.Tensor | None) -> torch.Tensor:
