@@ -47,6 +47,13 @@ def test_sinkhorn_is_nearly_doubly_stochastic():
     assert torch.allclose(comb.sum(2), torch.ones(5, 4), atol=2e-2)
 
 
+def test_sinkhorn_one_row_equals_the_batched_form():
+    comb = torch.randn(3, 4, 4)
+    whole = d4.sinkhorn(comb, 20, 1e-6)
+    for r in range(3):
+        torch.testing.assert_close(d4.sinkhorn(comb[r:r + 1], 20, 1e-6), whole[r:r + 1], atol=1e-6, rtol=1e-5)
+
+
 def test_hadamard_is_orthonormal_and_its_own_inverse():
     h = d4.sylvester(64)
     torch.testing.assert_close(h @ h, torch.eye(64), atol=1e-6, rtol=0)
