@@ -29,13 +29,13 @@ def write_deepseek4(path, *, ratios=(0, 4, 128, 4), hidden: int = 64, heads: int
                     norm_topk: bool = True, yarn: tuple[float, int] | None = None, vocab: str | None = None,
                     qtype=gguf.GGMLQuantizationType.F32, expert_qtype=gguf.GGMLQuantizationType.F32,
                     seed: int = 0, ctx: int = 4096, router_scale: float = 4.0, gating: int = 4,
-                    extra: dict | None = None, drop: str | tuple = ()) -> str:
+                    extra: dict | None = None, drop: str | tuple = (), chat_template: bool = True) -> str:
     """`ratios`: one compress ratio per layer (its length is the block count); `yarn` =
     (factor, original context) for the compressed layers' RoPE; `drop`: tensor names left out."""
     arch = "deepseek4"
     layers = len(ratios)
     w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
+    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
     w.add_name("synthetic-deepseek4")
     w.add_context_length(ctx)
     w.add_embedding_length(hidden)

@@ -126,6 +126,15 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def weigh_streams(streams: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_s w[:, s] * streams[:, s] added in stream order (ggml's build_hc_pre; a row's
+    value does not depend on the rows beside it, as a reduction over dim 1 may)."""
+    y = streams[:, 0] * w[:, :1]
+    for s in range(1, streams.shape[1]):
+        y = y + streams[:, s] * w[:, s:s + 1]
+    return y
+
+
 def rope_tail(rope: Rope, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """RoPE on the last n_rot dims of x [m, heads, d] (ggml_rope_set_offset(d - n_rot)), row r
     at positions[r]; `inverse`: the rotation back (ggml_rope_ext_back)."""
@@ -201,6 +210,7 @@ def _heap_select(v: list[float], k: int) -> list[int]:
 class Model(llama.Model):
     schema = Schema
     supports_batch = False
+    cache_types = ("f16",)   # the dsv4 memory keeps f16 rows (and f32 compressor state) only
 
     def __init__(self, f: GGUFFile, checked: Tensors | None = None):
         t = self.check_and_embed(f, checked)
@@ -245,11 +255,13 @@ class Model(llama.Model):
         return x.repeat(1, self.config.hc)                 # [m, hc * n_embd]: every stream the embedding
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
+        if 1 < x.shape[0] <= ROWWISE_MAX:   # as the blocks: a short step's rows are its decode steps
+            return torch.cat([self.head(x[r:r + 1]) for r in range(x.shape[0])])
         c = self.config
         fn, base, scale = self.hc_head
         mixes = fn(rms_norm(x, None, c.rms_eps))
         pre = torch.sigmoid(mixes * scale + base) + c.hc_eps
-        y = (x.view(-1, c.hc, c.n_embd) * pre[..., None]).sum(1)
+        y = weigh_streams(x.view(-1, c.hc, c.n_embd), pre)
         return self.output.linear(rms_norm(y, self.output_norm, c.rms_eps))
 
     def hc_pre(self, hc: HC, x: torch.Tensor):
@@ -259,8 +271,7 @@ class Model(llama.Model):
         pre = torch.sigmoid(mixes[:, :n] * s[0] + b[:n]) + c.hc_eps
         post = 2.0 * torch.sigmoid(mixes[:, n:2 * n] * s[1] + b[n:2 * n])
         comb = sinkhorn((mixes[:, 2 * n:] * s[2] + b[2 * n:]).view(-1, n, n), c.sinkhorn_iters, c.hc_eps)
-        streams = x.view(-1, n, c.n_embd)
-        return (streams * pre[..., None]).sum(1), post, comb
+        return weigh_streams(x.view(-1, n, c.n_embd), pre), post, comb
 
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -438,5 +449,7 @@ class Model(llama.Model):
         """N caches one token each: each row its own step (no batched route yet)."""
         if len(caches) != len(tokens) or not caches:
             raise FucinaError(f"forward_step_batch: {len(caches)} caches for {len(tokens)} tokens")
+        if len({id(c) for c in caches}) != len(caches):
+            raise KVCacheError("forward_step_batch: the same cache appears twice")
         return torch.stack([self.forward_step(c, [t], c.len) for c, t in zip(caches, tokens)])
 
