@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
-from fucina.models.base import ROWWISE_MAX, Rope, Tensors, as_ids, layer_tensors, linear, rms_norm, vector
+from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, linear, rms_norm, vector
 from fucina.models.cache import KVCache
 from fucina.models.cache.dsv4 import DSV4Memory
 from fucina.models.mla import yarn_rope
@@ -280,9 +280,11 @@ class Model(llama.Model):
         return out.reshape(x.shape[0], -1)
 
     # -- the block -----------------------------------------------------------------------
-    def _hidden(self, cache: KVCache, tokens, pos0: int) -> torch.Tensor:
-        self._ids = (pos0, as_ids(tokens, self.config.n_vocab))   # the hash-routed layers read them
-        return super()._hidden(cache, tokens, pos0)
+    def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        if ids is None and self.config.n_hash:
+            raise FucinaError("deepseek4 routes its first layers by token id: run_layers needs the rows' ids")
+        self._ids = (pos0, ids if ids is not None else torch.zeros(x.shape[0], dtype=torch.long))
+        return super().run_layers(cache, x, pos0, ids)
 
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         if 1 < x.shape[0] <= ROWWISE_MAX:   # a short step (a speculative verify) is its decode steps, bit for bit
@@ -292,6 +294,8 @@ class Model(llama.Model):
         x = self.hc_post(self.attention(i, L, rms_norm(h, L.attn_norm, eps), cache, pos0), x, post, comb)
         h, post, comb = self.hc_pre(L.hc_ffn, x)
         start, ids = self._ids
+        if not 0 <= pos0 - start <= ids.numel() - x.shape[0]:
+            raise FucinaError(f"deepseek4 layer {i}: no token ids for positions {pos0}..{pos0 + x.shape[0] - 1}")
         rows = ids[pos0 - start:pos0 - start + x.shape[0]]
         return self.hc_post(self.ffn(i, L, rms_norm(h, L.ffn_norm, eps), rows), x, post, comb)
 
