@@ -135,6 +135,19 @@ def test_rewind_recomputes_blocks(model):
     torch.testing.assert_close(got, want[130:], atol=1e-4, rtol=0)   # a 150-row prefill rounds apart from 130
 
 
+def test_cache_persists_and_reopens_bit_exactly(model, tmp_path):
+    """kv_persist's records carry every part of the dsv4 memory (raw rows, compressor state,
+    compressed keys): a reopened cache continues exactly as the live one."""
+    from fucina.models.kv_persist import KVPersist
+    live = model.init_cache(80)
+    model.forward_step(live, IDS[:45], 0)
+    KVPersist(tmp_path / "kv.bin").sync(live, IDS[:45])
+    reopened = model.init_cache(80)
+    assert KVPersist(tmp_path / "kv.bin").load(reopened) == IDS[:45] and reopened.len == 45
+    assert torch.equal(model.forward_step_all_logits(live, IDS[45:50], 45),
+                       model.forward_step_all_logits(reopened, IDS[45:50], 45))
+
+
 def _llm(tmp_path, **kw):
     from fucina.text.api import load
     return load(write_deepseek4(tmp_path / "chat.gguf", seed=5), n_ctx=512, **kw)
