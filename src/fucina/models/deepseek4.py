@@ -29,7 +29,8 @@ experts (clamped at swiglu_clamp_shexp).
 
 The cache is models/cache/dsv4.py's memory (per position: raw rows, compressor state,
 compressed keys), so turns, prefix reuse and speculation rewind like a plain cache.
-Not built: the MTP block (a file that carries one is refused), the vision routing bias,
+Not built: the MTP block (a file that carries one runs its trunk; the block is not read,
+so it does not draft), the vision routing bias,
 a native layer step (every call runs these torch blocks), LoRA training (refused).
 """
 from __future__ import annotations
