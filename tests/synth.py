@@ -124,6 +124,11 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         return write_gemma4(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, ffn=ffn, vocab=vocab, qtype=qtype, window=sliding_window,
                             seed=seed, ctx=ctx, chat_template=chat_template, extra=extra)
+    if arch == "deepseek4":   # hyper-connections, compressed KV: its own writer (tests/synth_deepseek4.py)
+        from synth_deepseek4 import write_deepseek4
+        ratios = tuple(([0, 4, 128, 4] * layers)[:layers]) if layers > 1 else (4,)   # llama.cpp needs a CSA layer
+        return write_deepseek4(path, ratios=ratios, hidden=hidden, vocab=vocab, qtype=qtype, seed=seed, ctx=ctx,
+                               chat_template=chat_template, experts=experts, used=experts_used)
     if arch == "gpt-oss":   # sinks, biased experts, YaRN: its own writer (tests/synth_gptoss.py)
         from synth_gptoss import write_gptoss
         return write_gptoss(path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

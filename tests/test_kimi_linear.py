@@ -222,8 +222,11 @@ def test_speculation_is_lossless(tmp_path, monkeypatch):
     drafts are accepted up to a changed token and rejected there, the KDA states rewind to
     a snapshot, and the stream is the plain one token for token. (A byte-vocabulary random
     model's replies are not text a reference could be written in: the reference is ids.)"""
+    check_speculation_on_own_stream(_llm(tmp_path), monkeypatch)
+
+
+def check_speculation_on_own_stream(llm, monkeypatch):
     import fucina.text.speculative as spec_mod
-    llm = _llm(tmp_path)
 
     def turns(spec, refs=()):
         conv = llm.chat(max_tokens=16, temperature=0, speculative=spec, references=refs)

@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "qwen35": "fucina.models.qwen35",
     "qwen35moe": "fucina.models.qwen35moe",
     "deepseek2": "fucina.models.deepseek2",
+    "deepseek4": "fucina.models.deepseek4",
     "kimi-linear": "fucina.models.kimi_linear",
     "kimi-k3": "fucina.models.kimi_k3",
     "gemma4": "fucina.models.gemma4",
