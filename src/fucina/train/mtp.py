@@ -1,16 +1,17 @@
 """`fucina mtp train`: a multi-token-prediction head for a model that ships none, trained by
 self-distillation on a CPU (no dataset needed).
 
-1. Data: the frozen model's own greedy continuations of a set of varied prompts (chat-
-   templated on an instruct model; `--data`: one prompt a line instead), so the head
-   learns what this model will say, which is what a draft must guess.
-2. Targets: one trunk pass over each sequence gives every position's last hidden row; the
-   head's entry q reads the token x_q and the trunk's state at q - 1 and is trained to give
-   x_{q+1} (cross-entropy over the draft vocabulary: the continuations' most frequent
-   tokens) and to reproduce the trunk's own state at q (smooth L1: the state it hands the
-   next draft step when drafts chain, EAGLE's feature loss). One sequence in HELD_OUT is
-   held out; the head written is the one most accurate on those (a few thousand
-   self-distilled tokens are memorised long before the loss stops falling).
+1. Data: the frozen model's own greedy continuations of varied prompts (chat-templated on an
+   instruct model): the built-in set, then requests made of a form and a topic, hundreds of
+   distinct openings (`--data`: one prompt a line instead), so the head learns what this
+   model will say, which is what a draft must guess.
+2. Targets: one trunk pass over each sequence gives every position's last hidden row and
+   greedy token; the head's entry q reads the token x_q and the trunk's state at q - 1 and
+   is trained to give the trunk's greedy token after q (x_{q+1} in the reply, what the
+   model would have said on the prompt; cross-entropy over the draft vocabulary: the most
+   frequent of those tokens) and to reproduce the trunk's own state at q (smooth L1: the
+   state it hands the next draft step when drafts chain, EAGLE's feature loss). One
+   sequence in HELD_OUT is held out; the head written is the one most accurate on those.
 3. The head: the NextN shape (models/mtp.py), its block the family's own layer code run
    through the training stand-in cache (train/forward.py), initialised from the trunk's
    last layer with eh_proj passing the state through, so it starts as "one more layer".
@@ -74,6 +75,30 @@ PROMPTS = (
     "Explain why we have seasons on Earth.",
     "Write a short essay about friendship.",
     "Describe how to plant a tree.",
+)
+# beyond PROMPTS, requests made of a form and a topic: hundreds of distinct openings, so a head
+# sees replies to prompts it was not trained on the way it will when serving
+FORMS = (
+    "Explain {t} in simple terms.", "Write a short story that involves {t}.", "Give me three facts about {t}.",
+    "What should a beginner know about {t}?", "Write a short poem about {t}.", "Describe {t} in a few paragraphs.",
+    "What are the pros and cons of {t}?", "Write a blog post introduction about {t}.",
+    "How would you teach a child about {t}?", "Summarize the history of {t}.",
+    "Write a list of questions people often ask about {t}, with short answers.",
+    "Compare {t} with something similar and explain the differences.",
+)
+TOPICS = (
+    "volcanoes", "the moon landing", "honey bees", "compound interest", "the Roman empire", "rainbows",
+    "electric cars", "coffee", "the human heart", "glaciers", "chess openings", "public libraries", "bread baking",
+    "solar panels", "the stock market", "octopuses", "sleep", "the French revolution", "climate change",
+    "video games", "the immune system", "bicycles", "recycling", "jazz music", "earthquakes", "the internet of things",
+    "dinosaurs", "meditation", "airplanes", "the Great Wall of China", "tea ceremonies", "gardening", "money",
+    "electricity", "the Olympic games", "deserts", "sorting algorithms", "a dragon", "a time traveller",
+    "a lost dog", "a small village", "a haunted house", "a pirate ship", "a space station", "a detective",
+    "a music teacher", "a mountain climber", "databases", "the piano", "photography", "rivers", "birds migrating",
+    "the printing of books", "friendship", "remote work", "museums", "the water in the ocean", "trains", "cheese",
+    "the brain", "a football match", "a wedding", "winter holidays", "the rain forest", "Python decorators",
+    "HTTP requests", "unit testing", "spreadsheets", "a bakery", "the postal service", "languages", "whales",
+    "mathematics", "gravity", "magnets", "a market in the morning", "cooking pasta", "running a marathon",
 )
 # the layer tensors a llama-shaped layer holds, by schema key: the Layer attribute, or the
 # fused weight and the part it is (qkv: q, k, v rows; gate_up: halves)
@@ -191,6 +216,10 @@ def self_distill(llm, opts: TrainOptions) -> list[list[int]]:
     rng = random.Random(opts.seed)
     prompts = list(opts.prompts)
     rng.shuffle(prompts)
+    if opts.prompts is PROMPTS:
+        made = [f.format(t=t) for f in FORMS for t in TOPICS]
+        rng.shuffle(made)
+        prompts += made
     starts = []
     for n in range(opts.sequences):
         p = prompts[n % len(prompts)]
@@ -222,7 +251,8 @@ class HeadTrainer:
         check_family(model)
         self.model, self.opts = model, opts
         c = model.config
-        counts = Counter(t for s in seqs for t in s[1:])
+        traced = [self._trace(s) for s in seqs if len(s) >= 3]
+        counts = Counter(int(t) for _, _, greedy in traced for t in greedy)
         vocab = [t for t, _ in counts.most_common(opts.draft_vocab)]
         self.vocab = torch.tensor(sorted(vocab), dtype=torch.long)
         self.remap = torch.full((c.n_vocab,), -100, dtype=torch.long)
@@ -252,20 +282,25 @@ class HeadTrainer:
         self.enorm, self.hnorm = torch.nn.Parameter(self.head.enorm.clone()), torch.nn.Parameter(self.head.hnorm.clone())
         self.params += [self.eh.w, self.enorm, self.hnorm]
         self.draft_w = self.head.draft_w          # frozen [n_draft, n_embd]
-        data = [self._prepare(s) for s in seqs if len(s) >= 3]
+        data = [self._prepare(*t) for t in traced]
         n_val = len(data) // HELD_OUT if len(data) >= 2 * HELD_OUT else 0
         self.data, self.val = data[:len(data) - n_val], data[len(data) - n_val:]
 
     @torch.no_grad()
-    def _prepare(self, ids: list[int]):
-        """Inputs x_1..x_{T-2} with the trunk's states at 0..T-3; targets x_2..x_{T-1} and
-        the states at 1..T-2."""
+    def _trace(self, ids: list[int]):
+        """One trunk pass: the token ids, the normed states and the trunk's greedy token after
+        every position (its own prediction: the reply's next token, and on the prompt what the
+        model would have said, a cleaner target than the user's text)."""
         m = self.model
         cache = m.init_cache(len(ids))
         hidden = m._hidden(cache, ids, 0)
         states = rms_norm(hidden.float(), m.output_norm, m.config.rms_eps)
-        t = torch.tensor(ids)
-        return t[1:-1], states[:-2].clone(), self.remap[t[2:]], states[1:-1].clone()
+        return torch.tensor(ids), states, m.head(hidden).argmax(-1)
+
+    def _prepare(self, ids: torch.Tensor, states: torch.Tensor, greedy: torch.Tensor):
+        """Inputs x_1..x_{T-2} with the trunk's states at 0..T-3; targets the trunk's greedy
+        tokens after 1..T-2 and its states at 1..T-2."""
+        return ids[1:-1], states[:-2].clone(), self.remap[greedy[1:-1]], states[1:-1].clone()
 
     def forward(self, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         from fucina.train.forward import TrainCache
