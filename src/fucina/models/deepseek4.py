@@ -114,13 +114,15 @@ def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb [m, src, dst]: softmax over dst, + eps, columns (over src) normalised, then
     (iters - 1) times rows then columns (llama.cpp build_hc_sinkhorn)."""
-    if comb.shape[0] == 1:   # decode: the same steps on one small array (a torch op costs ~4x more here)
-        c = torch.softmax(comb, dim=-1).numpy() + np.float32(eps)
-        c /= c.sum(1, keepdims=True) + np.float32(eps)
+    if comb.shape[0] == 1:   # decode: the same steps on one small array (a torch op costs ~4x more here),
+        e = np.float32(eps)  # as bare ufunc calls in place (the sums in the order ndarray.sum adds them)
+        c = torch.softmax(comb, dim=-1).numpy()[0] + e
+        add, div = np.add, np.divide
+        div(c, add(add.reduce(c, 0), e), out=c)
         for _ in range(iters - 1):
-            c /= c.sum(2, keepdims=True) + np.float32(eps)
-            c /= c.sum(1, keepdims=True) + np.float32(eps)
-        return torch.from_numpy(c)
+            div(c, add(add.reduce(c, 1, keepdims=True), e), out=c)
+            div(c, add(add.reduce(c, 0), e), out=c)
+        return torch.from_numpy(c[None])
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(1, keepdim=True) + eps)
     for _ in range(iters - 1):
