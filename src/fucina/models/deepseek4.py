@@ -134,9 +134,10 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def weigh_streams(streams: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum_s w[:, s] * streams[:, s] added in stream order (ggml's build_hc_pre; a row's
     value does not depend on the rows beside it, as a reduction over dim 1 may)."""
-    y = streams[:, 0] * w[:, :1]
-    for s in range(1, streams.shape[1]):
-        y = y + streams[:, s] * w[:, s:s + 1]
+    p = (streams * w[..., None]).unbind(1)      # every product in one op, then the sums in order
+    y = p[0] + p[1]
+    for s in range(2, len(p)):
+        y = y + p[s]
     return y
 
 
@@ -328,9 +329,9 @@ class Model(llama.Model):
             return down(swiglu_clamp(gate(xs), up(xs), limit))
         if x.shape[0] == 1 and L.experts.on_use is None:   # decode: mix's sum (ascending experts), no regrouping
             out = torch.zeros(1, c.n_embd)
-            ids = chosen[0].tolist()
+            ids, ws = chosen[0].tolist(), w[0].tolist()      # (an f32 weight as a Python float: the same product)
             for j in sorted(range(len(ids)), key=ids.__getitem__):
-                out = out + run(ids[j], L.experts.expert(ids[j]), x) * w[0, j]
+                out = out + run(ids[j], L.experts.expert(ids[j]), x) * ws[j]
         else:
             out = moe.mix(x, chosen, w, L.experts, None, run)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
@@ -433,9 +434,9 @@ class Model(llama.Model):
         """The blocks whose last position is in [pos0, pos0 + m): pooled from the state rows,
         RMS-normed, RoPE'd at the block's first position; stored at their last position."""
         r = L.ratio
-        blocks = list(range(pos0 // r, (pos0 + m) // r))
-        if not blocks:
+        if (pos0 + m) // r == pos0 // r:   # no block ends in this step (most decode steps)
             return
+        blocks = list(range(pos0 // r, (pos0 + m) // r))
         kv_all, sc_all = getattr(mem, kv_name), getattr(mem, sc_name)
         bs = torch.tensor(blocks)
         cur = (bs[:, None] * r + torch.arange(r)[None, :])                  # [nb, r]
