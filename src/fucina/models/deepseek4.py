@@ -352,11 +352,11 @@ class Model(llama.Model):
         mem.put("raw", pos0, kv)
         if L.ratio:
             mem.put("st_kv", pos0, ys[2])
-            mem.put("st_sc", pos0, ys[3] + L.comp_ape[pos % L.ratio])
+            mem.put("st_sc", pos0, ys[3] + (L.comp_ape[pos0 % L.ratio] if m == 1 else L.comp_ape[pos % L.ratio]))
             self._compress(mem, L, pos0, m, "st_kv", "st_sc", "comp", c.head_dim, L.comp_norm)
         if L.ratio == CSA:
             mem.put("lid_kv", pos0, ys[4])
-            mem.put("lid_sc", pos0, ys[5] + L.idx_ape[pos % CSA])
+            mem.put("lid_sc", pos0, ys[5] + (L.idx_ape[pos0 % CSA] if m == 1 else L.idx_ape[pos % CSA]))
             self._compress(mem, L, pos0, m, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
         chosen = self._indexer(L, ys[6], qr, mem, pos0) if L.ratio == CSA else None
         if m == 1:
