@@ -53,10 +53,12 @@ from fucina.models.schema.deepseek4 import CSA, HCA, TENSORS, Config, Schema, la
 
 
 class HC:
-    """One hyper-connection mixer's weights: fn [24, 4 n_embd], base [24], scale [3]."""
+    """One hyper-connection mixer's weights: fn [24, 4 n_embd], base [24], scale [3] (n = 4 streams)."""
 
-    def __init__(self, t: dict, part: str):
+    def __init__(self, t: dict, part: str, n: int):
         self.fn, self.base, self.scale = t[f"hc_{part}_fn"], t[f"hc_{part}_base"], t[f"hc_{part}_scale"]
+        # the three scales spread over their mixes (pre, post, comb): one product for all 24
+        self.scales = torch.cat([self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)])
 
 
 class Layer:
@@ -64,7 +66,7 @@ class Layer:
         self.ratio = c.ratios[i]
         schema = tuple(s for s in layer_schema(c, i) if s.name != "ffn_gate_tid2eid")
         t = layer_tensors(tensors, i, schema)
-        self.hc_attn, self.hc_ffn = HC(t, "attn"), HC(t, "ffn")
+        self.hc_attn, self.hc_ffn = HC(t, "attn", c.hc), HC(t, "ffn", c.hc)
         self.attn_norm, self.ffn_norm, self.sinks = t["attn_norm"], t["ffn_norm"], t["attn_sinks"]
         self.q_a, self.q_a_norm, self.q_b = t["attn_q_a"], t["attn_q_a_norm"], t["attn_q_b"]
         self.wkv, self.kv_norm = t["attn_kv"], t["attn_kv_a_norm"]
@@ -112,13 +114,15 @@ def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb [m, src, dst]: softmax over dst, + eps, columns (over src) normalised, then
     (iters - 1) times rows then columns (llama.cpp build_hc_sinkhorn)."""
-    if comb.shape[0] == 1:   # decode: the same steps on one small array (a torch op costs ~4x more here)
-        c = torch.softmax(comb, dim=-1).numpy() + np.float32(eps)
-        c /= c.sum(1, keepdims=True) + np.float32(eps)
+    if comb.shape[0] == 1:   # decode: the same steps on one small array (a torch op costs ~4x more here),
+        e = np.float32(eps)  # as bare ufunc calls in place (the sums in the order ndarray.sum adds them)
+        c = torch.softmax(comb, dim=-1).numpy()[0] + e
+        add, div = np.add, np.divide
+        div(c, add(add.reduce(c, 0), e), out=c)
         for _ in range(iters - 1):
-            c /= c.sum(2, keepdims=True) + np.float32(eps)
-            c /= c.sum(1, keepdims=True) + np.float32(eps)
-        return torch.from_numpy(c)
+            div(c, add(add.reduce(c, 1, keepdims=True), e), out=c)
+            div(c, add(add.reduce(c, 0), e), out=c)
+        return torch.from_numpy(c[None])
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(1, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -130,20 +134,24 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def weigh_streams(streams: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum_s w[:, s] * streams[:, s] added in stream order (ggml's build_hc_pre; a row's
     value does not depend on the rows beside it, as a reduction over dim 1 may)."""
-    y = streams[:, 0] * w[:, :1]
-    for s in range(1, streams.shape[1]):
-        y = y + streams[:, s] * w[:, s:s + 1]
+    p = (streams * w[..., None]).unbind(1)      # every product in one op, then the sums in order
+    y = p[0] + p[1]
+    for s in range(2, len(p)):
+        y = y + p[s]
     return y
 
 
 def rope_tail(rope: Rope, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """RoPE on the last n_rot dims of x [m, heads, d] (ggml_rope_set_offset(d - n_rot)), row r
     at positions[r]; `inverse`: the rotation back (ggml_rope_ext_back)."""
-    r = rope.n_rot
-    cis = rope._table(int(positions.max()) + 1)[positions, None, :]
+    return rotate_tail(rope, x, rope._table(int(positions.max()) + 1)[positions, None, :], inverse)
+
+
+def rotate_tail(rope: Rope, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """rope_tail with the rows' rotations cis [m, 1, n_rot / 2] already looked up."""
     if inverse:
         cis = cis.conj()
-    return torch.cat([x[..., :-r], rope._rotate(x[..., -r:], cis)], dim=-1)
+    return torch.cat([x[..., :-rope.n_rot], rope._rotate(x[..., -rope.n_rot:], cis)], dim=-1)
 
 
 def sylvester(n: int) -> torch.Tensor:
@@ -267,11 +275,11 @@ class Model(llama.Model):
 
     def hc_pre(self, hc: HC, x: torch.Tensor):
         c, n = self.config, self.config.hc
-        mixes = hc.fn(rms_norm(x, None, c.rms_eps))
-        s, b = hc.scale, hc.base
-        pre = torch.sigmoid(mixes[:, :n] * s[0] + b[:n]) + c.hc_eps
-        post = 2.0 * torch.sigmoid(mixes[:, n:2 * n] * s[1] + b[n:2 * n])
-        comb = sinkhorn((mixes[:, 2 * n:] * s[2] + b[2 * n:]).view(-1, n, n), c.sinkhorn_iters, c.hc_eps)
+        z = hc.fn(rms_norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb
+        # each part contiguous on its own: a vectorised sigmoid rounds apart from the scalar one
+        pre = torch.sigmoid(z[:, :n].contiguous()) + c.hc_eps
+        post = 2.0 * torch.sigmoid(z[:, n:2 * n].contiguous())
+        comb = sinkhorn(z[:, 2 * n:].contiguous().view(-1, n, n), c.sinkhorn_iters, c.hc_eps)
         return weigh_streams(x.view(-1, n, c.n_embd), pre), post, comb
 
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -321,9 +329,9 @@ class Model(llama.Model):
             return down(swiglu_clamp(gate(xs), up(xs), limit))
         if x.shape[0] == 1 and L.experts.on_use is None:   # decode: mix's sum (ascending experts), no regrouping
             out = torch.zeros(1, c.n_embd)
-            ids = chosen[0].tolist()
+            ids, ws = chosen[0].tolist(), w[0].tolist()      # (an f32 weight as a Python float: the same product)
             for j in sorted(range(len(ids)), key=ids.__getitem__):
-                out = out + run(ids[j], L.experts.expert(ids[j]), x) * w[0, j]
+                out = out + run(ids[j], L.experts.expert(ids[j]), x) * ws[j]
         else:
             out = moe.mix(x, chosen, w, L.experts, None, run)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
@@ -335,26 +343,27 @@ class Model(llama.Model):
         mem: DSV4Memory = cache.memories[i]
         rope = self.rope_comp if L.ratio else self.rope
         pos = torch.arange(pos0, pos0 + m)
+        cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
         qr = rms_norm(ys[0], L.q_a_norm, c.rms_eps)
         q = rms_norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
-        q = rope_tail(rope, q, pos)
-        kv = rope_tail(rope, rms_norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), pos)
+        q = rotate_tail(rope, q, cis)
+        kv = rotate_tail(rope, rms_norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
         mem.put("raw", pos0, kv)
         if L.ratio:
             mem.put("st_kv", pos0, ys[2])
-            mem.put("st_sc", pos0, ys[3] + L.comp_ape[pos % L.ratio])
+            mem.put("st_sc", pos0, ys[3] + (L.comp_ape[pos0 % L.ratio] if m == 1 else L.comp_ape[pos % L.ratio]))
             self._compress(mem, L, pos0, m, "st_kv", "st_sc", "comp", c.head_dim, L.comp_norm)
         if L.ratio == CSA:
             mem.put("lid_kv", pos0, ys[4])
-            mem.put("lid_sc", pos0, ys[5] + L.idx_ape[pos % CSA])
+            mem.put("lid_sc", pos0, ys[5] + (L.idx_ape[pos0 % CSA] if m == 1 else L.idx_ape[pos % CSA]))
             self._compress(mem, L, pos0, m, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
         chosen = self._indexer(L, ys[6], qr, mem, pos0) if L.ratio == CSA else None
         if m == 1:
             out = self._attend_row(L, q[0], mem, pos0, None if chosen is None else chosen[0])[None]
         else:
             out = self._attend_rows(L, q, mem, pos0, chosen)
-        out = rope_tail(rope, out, pos, inverse=True)
+        out = rotate_tail(rope, out, cis, inverse=True)
         g = c.o_groups
         oa = torch.bmm(out.reshape(m, g, -1).transpose(0, 1), L.wo_a.transpose(1, 2))   # [groups, m, rank]
         return L.wo_b(oa.transpose(0, 1).reshape(m, -1))
@@ -367,9 +376,9 @@ class Model(llama.Model):
         keys = [mem.raw[max(0, p - c.window + 1):p + 1]]
         if L.ratio:
             n_vis = (p + 1) // L.ratio
-            if blocks is None:
-                blocks = torch.arange(n_vis)
-            if blocks.numel():
+            if blocks is None:   # every visible block: block b's key sits at row (b + 1) ratio - 1
+                keys.append(mem.comp[L.ratio - 1:n_vis * L.ratio:L.ratio])
+            elif blocks.numel():
                 keys.append(mem.comp[blocks * L.ratio + L.ratio - 1])
         k = torch.cat(keys).float()                                          # [n, hd]; V = K
         s = (q @ k.T) * self.scale                                           # [H, n]
@@ -387,13 +396,12 @@ class Model(llama.Model):
         if L.ratio:
             nb = (pos0 + m) // L.ratio
             keys.append(mem.comp[torch.arange(nb) * L.ratio + L.ratio - 1])
-            if chosen is None:
-                allow.append(torch.arange(nb)[None, :] < (pos + 1) // L.ratio)
-            else:
-                sel = torch.zeros(m, nb, dtype=torch.bool)
-                for r, b in enumerate(chosen):
+            sel = torch.arange(nb)[None, :] < (pos + 1) // L.ratio     # every visible block
+            for r, b in enumerate(chosen or ()):   # the indexer's choice where it made one
+                if b is not None:
+                    sel[r] = False
                     sel[r, b] = True
-                allow.append(sel)
+            allow.append(sel)
         k = torch.cat(keys).float()
         s = torch.einsum("mhd,nd->hmn", q, k) * self.scale
         s = s.masked_fill(~torch.cat(allow, dim=1)[None], float("-inf"))
@@ -405,8 +413,8 @@ class Model(llama.Model):
         sum_h w_h relu(q_h . k_b), w = indexer.proj(x) = proj), ascending."""
         c, m = self.config, proj.shape[0]
         n_vis_last = (pos0 + m) // CSA
-        if n_vis_last == 0:
-            return [torch.zeros(0, dtype=torch.long)] * m
+        if n_vis_last <= c.idx_top_k:   # every row keeps all its visible blocks: nothing to score
+            return [None] * m
         iq = L.idx_q_b(qr).view(m, c.idx_heads, c.idx_dim)
         iq = hadamard(rope_tail(self.rope_comp, iq, torch.arange(pos0, pos0 + m)), self.lid_rot)
         w = proj * (1.0 / math.sqrt(c.idx_dim * c.idx_heads))             # [m, heads]
@@ -416,7 +424,7 @@ class Model(llama.Model):
         for r in range(m):
             n_vis = (pos0 + r + 1) // CSA
             if n_vis <= c.idx_top_k:
-                out.append(torch.arange(n_vis))
+                out.append(None)
             else:
                 out.append(top_k_set(score[r, :n_vis], c.idx_top_k))
         return out
@@ -426,9 +434,9 @@ class Model(llama.Model):
         """The blocks whose last position is in [pos0, pos0 + m): pooled from the state rows,
         RMS-normed, RoPE'd at the block's first position; stored at their last position."""
         r = L.ratio
-        blocks = list(range(pos0 // r, (pos0 + m) // r))
-        if not blocks:
+        if (pos0 + m) // r == pos0 // r:   # no block ends in this step (most decode steps)
             return
+        blocks = list(range(pos0 // r, (pos0 + m) // r))
         kv_all, sc_all = getattr(mem, kv_name), getattr(mem, sc_name)
         bs = torch.tensor(blocks)
         cur = (bs[:, None] * r + torch.arange(r)[None, :])                  # [nb, r]
