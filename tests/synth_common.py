@@ -4,6 +4,8 @@ Each piece draws from the caller's generator in the order the writers always did
 writer's file is the same byte for byte whichever of these it uses."""
 from __future__ import annotations
 
+import argparse
+
 import gguf
 import numpy as np
 
@@ -71,3 +73,14 @@ def write_out(w: gguf.GGUFWriter, path) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def bench_args(out: str, *, layers: int, hidden: int, experts: int):
+    """The command line of a bench file maker (benchmarks/make_*_bench.py):
+    [OUT.gguf] [--layers N] [--hidden N] [--experts N], with these defaults."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", default=out)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--experts", type=int, default=experts)
+    return ap.parse_args()
