@@ -84,3 +84,26 @@ def bench_args(out: str, *, layers: int, hidden: int, experts: int):
     ap.add_argument("--hidden", type=int, default=hidden)
     ap.add_argument("--experts", type=int, default=experts)
     return ap.parse_args()
+
+
+def mla_tensors(add, mat, norm, b: str, *, hidden: int, heads: int, q_lora: int, kv_lora: int, nope: int,
+                rope: int, v_head: int, split: bool = True) -> None:
+    """Block `b`'s MLA projections up to (not including) its output: attn_q, or the low-rank
+    attn_q_a / attn_q_a_norm / attn_q_b when `q_lora`; attn_kv_a_mqa and its norm; then the
+    per-head key and value up-projections, split as the current converter writes them
+    (attn_k_b transposed per head, attn_v_b) or, with `split` False, one attn_kv_b."""
+    if q_lora:
+        add(b + "attn_q_a.weight", mat(q_lora, hidden))
+        add(b + "attn_q_a_norm.weight", norm(q_lora))
+        add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
+    else:
+        add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
+    add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
+    add(b + "attn_kv_a_norm.weight", norm(kv_lora))
+    kv_b = mat(heads * (nope + v_head), kv_lora)
+    if not split:
+        add(b + "attn_kv_b.weight", kv_b)
+        return
+    per = kv_b.reshape(heads, nope + v_head, kv_lora)
+    add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
+    add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))

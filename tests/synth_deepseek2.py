@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 
 from synth import quantized_adder
-from synth_common import begin, dense_ffn, expert_stack, random_makers, router, shared_experts, write_out
+from synth_common import begin, dense_ffn, expert_stack, mla_tensors, random_makers, router, shared_experts, write_out
 
 
 def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, q_lora: int = 64,
@@ -75,21 +75,8 @@ def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, 
     for i in range(layers):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", norm(hidden))
-        if q_lora:
-            add(b + "attn_q_a.weight", mat(q_lora, hidden))
-            add(b + "attn_q_a_norm.weight", norm(q_lora))
-            add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
-        else:
-            add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
-        add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
-        add(b + "attn_kv_a_norm.weight", norm(kv_lora))
-        kv_b = mat(heads * (nope + v_head), kv_lora)
-        if generation == "split":   # the converter's split: k_b transposed per head
-            per = kv_b.reshape(heads, nope + v_head, kv_lora)
-            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
-            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
-        else:
-            add(b + "attn_kv_b.weight", kv_b)
+        mla_tensors(add, mat, norm, b, hidden=hidden, heads=heads, q_lora=q_lora, kv_lora=kv_lora, nope=nope,
+                    rope=rope, v_head=v_head, split=generation == "split")
         add(b + "attn_output.weight", mat(hidden, heads * v_head))
         add(b + "ffn_norm.weight", norm(hidden))
         if i < dense_lead:

@@ -15,7 +15,8 @@ import gguf
 import numpy as np
 
 from synth import quantized_adder
-from synth_common import begin, dense_ffn, dropping, expert_stack, random_makers, router, shared_experts, write_out
+from synth_common import (begin, dense_ffn, dropping, expert_stack, mla_tensors, random_makers, router,
+                          shared_experts, write_out)
 
 
 def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, heads: int = 2, kda_dim: int = 32,
@@ -62,12 +63,8 @@ def write_kimi(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, he
         b = f"blk.{i}."
         add(b + "attn_norm.weight", norm(hidden))
         if i in mla_layers:
-            add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
-            add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
-            add(b + "attn_kv_a_norm.weight", norm(kv_lora))
-            per = mat(heads * (nope + v_head), kv_lora).reshape(heads, nope + v_head, kv_lora)
-            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
-            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
+            mla_tensors(add, mat, norm, b, hidden=hidden, heads=heads, q_lora=0, kv_lora=kv_lora, nope=nope,
+                        rope=rope, v_head=v_head)
             add(b + "attn_output.weight", mat(hidden, heads * v_head) * mla_out_scale)
         else:
             if fused_qkv:

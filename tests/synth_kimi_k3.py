@@ -16,7 +16,8 @@ import gguf
 import numpy as np
 
 from synth import quantized_adder
-from synth_common import begin, dense_ffn, dropping, expert_stack, random_makers, router, shared_experts, write_out
+from synth_common import (begin, dense_ffn, dropping, expert_stack, mla_tensors, random_makers, router,
+                          shared_experts, write_out)
 
 
 def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, heads: int = 2, kda_dim: int = 32,
@@ -84,17 +85,8 @@ def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64,
             add(b + "attn_res_score.weight", score())
             add(b + "ffn_res_score.weight", score())
         if i in mla_layers:
-            if q_lora:
-                add(b + "attn_q_a.weight", mat(q_lora, hidden))
-                add(b + "attn_q_a_norm.weight", norm(q_lora))
-                add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
-            else:
-                add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
-            add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
-            add(b + "attn_kv_a_norm.weight", norm(kv_lora))
-            per = mat(heads * (nope + v_head), kv_lora).reshape(heads, nope + v_head, kv_lora)
-            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
-            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
+            mla_tensors(add, mat, norm, b, hidden=hidden, heads=heads, q_lora=q_lora, kv_lora=kv_lora, nope=nope,
+                        rope=rope, v_head=v_head)
             if mla_gate:
                 add(b + "attn_gate.weight", mat(heads * v_head, hidden))
             add(b + "attn_output.weight", mat(hidden, heads * v_head) * mla_out_scale)
