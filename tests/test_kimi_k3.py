@@ -30,12 +30,8 @@ IDS = [(7 * i + 3) % 250 + 4 for i in range(72)]
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory):
     """F32 weights on the reference path: the schedules must agree to float precision."""
-    path = write_kimi_k3(tmp_path_factory.mktemp("k3") / "k.gguf", seed=3)
-    K.set_enabled(False)     # the weights pick their route at load: the model stays on it
-    try:
-        return load_model(path)
-    finally:
-        K.set_enabled(True)
+    from test_kimi_linear import load_reference
+    return load_reference(write_kimi_k3(tmp_path_factory.mktemp("k3") / "k.gguf", seed=3))
 
 
 def test_layer_pattern_and_caches(ref_model):

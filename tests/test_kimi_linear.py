@@ -67,8 +67,13 @@ def test_kda_decays_each_key_channel():
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory):
     """F32 weights on the reference path: the schedules must agree to float precision."""
-    path = write_kimi(tmp_path_factory.mktemp("kimi") / "k.gguf", seed=3)
-    K.set_enabled(False)     # the weights pick their route at load: the model stays on it
+    return load_reference(write_kimi(tmp_path_factory.mktemp("kimi") / "k.gguf", seed=3))
+
+
+def load_reference(path):
+    """The model at `path` on the torch reference path (the weights pick their route at
+    load: the model stays on it)."""
+    K.set_enabled(False)
     try:
         return load_model(path)
     finally:
