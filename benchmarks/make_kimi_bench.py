@@ -4,21 +4,16 @@ MLA without RoPE over a 256-wide latent, one dense layer then 32 routed experts 
 used plus one shared, sigmoid routing), every matrix Q8_0, byte vocabulary.
 usage: python benchmarks/make_kimi_bench.py OUT.gguf [--layers 8] [--hidden 1024] [--experts 32]
 then: python vs_llamacpp.py OUT.gguf (the paired pp/tg script beside the llama.cpp oracle)."""
-import argparse
 import sys
 from pathlib import Path
 
 import gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synth_common import bench_args  # noqa: E402
 from synth_kimi import write_kimi  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("out", nargs="?", default="kimi-linear-bench.gguf")
-ap.add_argument("--layers", type=int, default=8)
-ap.add_argument("--hidden", type=int, default=1024)
-ap.add_argument("--experts", type=int, default=32)
-a = ap.parse_args()
+a = bench_args("kimi-linear-bench.gguf", layers=8, hidden=1024, experts=32)
 heads = a.hidden // 128
 write_kimi(a.out, layers=a.layers, mla_layers=tuple(range(3, a.layers, 4)), hidden=a.hidden, heads=heads,
            kda_dim=128, kv_lora=256, nope=128, rope=64, v_head=128, ffn=a.hidden * 3, ffn_exp=a.hidden // 2,

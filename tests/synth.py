@@ -68,6 +68,16 @@ def _byte_vocab(w: gguf.GGUFWriter, chat_template: bool = True, mask: bool = Fal
     return len(tokens)
 
 
+def shape_keys(w: gguf.GGUFWriter, arch: str, ctx: int, hidden: int, layers: int, ffn: int, heads: int) -> None:
+    """The name and the first shape keys every writer adds, in the order they add them."""
+    w.add_name(f"synthetic-{arch}")
+    w.add_context_length(ctx)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+
+
 def quantized_adder(w: gguf.GGUFWriter, qtype: gguf.GGMLQuantizationType):
     """add(name, array, quantize=True): matrices in `qtype`, vectors (and quantize=False) F32."""
     def add(name, a, quantize=True):
@@ -142,12 +152,7 @@ def write_model(path, arch: str = "llama", *, layers: int = 2, hidden: int = 64,
         w.add_causal_attention(False)
     for key, v in (extra or {}).items():
         (w.add_float32 if isinstance(v, float) else w.add_int32)(key, v)
-    w.add_name(f"synthetic-{arch}")
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
+    shape_keys(w, arch, ctx, hidden, layers, ffn, heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
     if arch in ("llama", "phi3", "llada"):

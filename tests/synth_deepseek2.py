@@ -13,7 +13,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from synth import _byte_vocab, _copy_tokenizer, quantized_adder
+from synth import quantized_adder
+from synth_common import begin, dense_ffn, expert_stack, mla_tensors, random_makers, router, shared_experts, write_out
 
 
 def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, q_lora: int = 64,
@@ -27,14 +28,8 @@ def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, 
     """`yarn` = (factor, mscale_all_dim, original context); `gating` 1 softmax, 2 sigmoid."""
     assert generation in ("split", "kv_b")
     arch = "deepseek2"
-    w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w)
-    w.add_name("synthetic-deepseek2")
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
+    w, n_vocab = begin(path, arch, vocab=vocab, ctx=ctx,
+                       hidden=hidden, layers=layers, ffn=ffn, heads=heads)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(rope)
@@ -73,55 +68,24 @@ def write_deepseek2(path, *, layers: int = 3, hidden: int = 64, heads: int = 4, 
 
     rng = np.random.default_rng(seed)
     add = quantized_adder(w, qtype)
-
-    def mat(*shape, scale=None):
-        return rng.standard_normal(shape, dtype=np.float32) * (scale if scale is not None else 1.0 / np.sqrt(shape[-1]))
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+    mat, norm = random_makers(rng)
 
     add("token_embd.weight", mat(n_vocab, hidden, scale=0.5))
     add("output_norm.weight", norm(hidden))
     for i in range(layers):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", norm(hidden))
-        if q_lora:
-            add(b + "attn_q_a.weight", mat(q_lora, hidden))
-            add(b + "attn_q_a_norm.weight", norm(q_lora))
-            add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
-        else:
-            add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
-        add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
-        add(b + "attn_kv_a_norm.weight", norm(kv_lora))
-        kv_b = mat(heads * (nope + v_head), kv_lora)
-        if generation == "split":   # the converter's split: k_b transposed per head
-            per = kv_b.reshape(heads, nope + v_head, kv_lora)
-            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
-            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
-        else:
-            add(b + "attn_kv_b.weight", kv_b)
+        mla_tensors(add, mat, norm, b, hidden=hidden, heads=heads, q_lora=q_lora, kv_lora=kv_lora, nope=nope,
+                    rope=rope, v_head=v_head, split=generation == "split")
         add(b + "attn_output.weight", mat(hidden, heads * v_head))
         add(b + "ffn_norm.weight", norm(hidden))
         if i < dense_lead:
-            add(b + "ffn_gate.weight", mat(ffn, hidden))
-            add(b + "ffn_up.weight", mat(ffn, hidden))
-            add(b + "ffn_down.weight", mat(hidden, ffn))
+            dense_ffn(add, mat, b, hidden, ffn)
             continue
-        add(b + "ffn_gate_inp.weight", mat(experts, hidden, scale=router_scale / np.sqrt(hidden)), quantize=False)
+        router(add, mat, b, experts, hidden, router_scale)
         if probs_bias:
             add(b + "exp_probs_b.bias", 0.3 * rng.standard_normal(experts, dtype=np.float32))
-        if fused_gate_up:
-            add(b + "ffn_gate_up_exps.weight", mat(experts, 2 * ffn_exp, hidden))
-        else:
-            add(b + "ffn_gate_exps.weight", mat(experts, ffn_exp, hidden))
-            add(b + "ffn_up_exps.weight", mat(experts, ffn_exp, hidden))
-        add(b + "ffn_down_exps.weight", mat(experts, hidden, ffn_exp))
+        expert_stack(add, mat, b, experts, ffn_exp, hidden, fused_gate_up)
         if shared:
-            add(b + "ffn_gate_shexp.weight", mat(ffn_exp * shared, hidden))
-            add(b + "ffn_up_shexp.weight", mat(ffn_exp * shared, hidden))
-            add(b + "ffn_down_shexp.weight", mat(hidden, ffn_exp * shared))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+            shared_experts(add, mat, b, hidden, ffn_exp * shared)
+    return write_out(w, path)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from synth import _byte_vocab, _copy_tokenizer, quantized_adder
+from synth import quantized_adder
+from synth_common import begin, dropping, expert_stack, random_makers, router, shared_experts, write_out
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
@@ -34,14 +35,8 @@ def write_deepseek4(path, *, ratios=(0, 4, 128, 4), hidden: int = 64, heads: int
     (factor, original context) for the compressed layers' RoPE; `drop`: tensor names left out."""
     arch = "deepseek4"
     layers = len(ratios)
-    w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
-    w.add_name("synthetic-deepseek4")
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn_exp)
-    w.add_head_count(heads)
+    w, n_vocab = begin(path, arch, vocab=vocab, ctx=ctx,
+                       hidden=hidden, layers=layers, ffn=ffn_exp, heads=heads, chat_template=chat_template)
     w.add_head_count_kv(1)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -81,17 +76,9 @@ def write_deepseek4(path, *, ratios=(0, 4, 128, 4), hidden: int = 64, heads: int
 
     rng = np.random.default_rng(seed)
     drop = (drop,) if isinstance(drop, str) else tuple(drop)
-
-    def skipping(adder):
-        return lambda name, a, quantize=True: None if name in drop else adder(name, a, quantize)
-    add, add_exp = skipping(quantized_adder(w, qtype)), skipping(quantized_adder(w, expert_qtype))
+    add, add_exp = dropping(quantized_adder(w, qtype), drop), dropping(quantized_adder(w, expert_qtype), drop)
     hc_dim, mix = hc * hidden, (2 + hc) * hc
-
-    def mat(*shape, scale=None):
-        return rng.standard_normal(shape, dtype=np.float32) * (scale if scale is not None else 1.0 / np.sqrt(shape[-1]))
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+    mat, norm = random_makers(rng)
 
     def vec(n, s):
         return s * rng.standard_normal(n, dtype=np.float32)
@@ -131,20 +118,12 @@ def write_deepseek4(path, *, ratios=(0, 4, 128, 4), hidden: int = 64, heads: int
                 add(b + "indexer_compressor_ape.weight", mat(ratio, 2 * idx_dim, scale=0.5), quantize=False)
                 add(b + "indexer_compressor_norm.weight", norm(idx_dim))
         add(b + "ffn_norm.weight", norm(hidden))
-        add(b + "ffn_gate_inp.weight", mat(experts, hidden, scale=router_scale / np.sqrt(hidden)), quantize=False)
+        router(add, mat, b, experts, hidden, router_scale)
         if i < hash_layers:
             table = np.stack([rng.permutation(experts)[:used] for _ in range(n_vocab)]).astype(np.int32)
             w.add_tensor(b + "ffn_gate_tid2eid.weight", table)
         else:
             add(b + "exp_probs_b.bias", vec(experts, 0.3))
-        add_exp(b + "ffn_gate_exps.weight", mat(experts, ffn_exp, hidden))
-        add_exp(b + "ffn_up_exps.weight", mat(experts, ffn_exp, hidden))
-        add_exp(b + "ffn_down_exps.weight", mat(experts, hidden, ffn_exp))
-        add(b + "ffn_gate_shexp.weight", mat(ffn_exp * shared, hidden))
-        add(b + "ffn_up_shexp.weight", mat(ffn_exp * shared, hidden))
-        add(b + "ffn_down_shexp.weight", mat(hidden, ffn_exp * shared))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+        expert_stack(add_exp, mat, b, experts, ffn_exp, hidden)
+        shared_experts(add, mat, b, hidden, ffn_exp * shared)
+    return write_out(w, path)

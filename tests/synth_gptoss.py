@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 
 from fucina.models.schema.gpt_oss import TENSORS
-from synth import _byte_vocab, _copy_tokenizer, quantized_adder
+from synth import quantized_adder
+from synth_common import begin, write_out
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
@@ -23,14 +24,8 @@ def write_gptoss(path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_
     """`yarn` = (factor, original context) or None (no scaling); `window`: the sliding
     layers' span (128 in the published files; small here so short prompts pass it)."""
     arch = "gpt-oss"
-    w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
-    w.add_name("synthetic-gpt-oss")
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(moe_ffn)
-    w.add_head_count(heads)
+    w, n_vocab = begin(path, arch, vocab=vocab, ctx=ctx,
+                       hidden=hidden, layers=layers, ffn=moe_ffn, heads=heads, chat_template=chat_template)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -71,8 +66,4 @@ def write_gptoss(path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_
                 add_exp(t.gguf_name(i), mat(*shape))
             else:
                 add(t.gguf_name(i), mat(*shape))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return write_out(w, path)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from synth import _byte_vocab, _copy_tokenizer, quantized_adder
+from synth import quantized_adder
+from synth_common import (begin, dense_ffn, dropping, expert_stack, mla_tensors, random_makers, router,
+                          shared_experts, write_out)
 
 
 def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64, heads: int = 2, kda_dim: int = 32,
@@ -32,14 +34,8 @@ def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64,
     `logit_scale` the output matrix (> 1: peaked next-token distributions); `score_scale`
     the residual attention's score vectors (larger: peakier mixes)."""
     arch = "kimi-k3"
-    w = gguf.GGUFWriter(str(path), arch)
-    n_vocab = _copy_tokenizer(vocab, w) if vocab else _byte_vocab(w, chat_template)
-    w.add_name("synthetic-kimi-k3")
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
+    w, n_vocab = begin(path, arch, vocab=vocab, ctx=ctx,
+                       hidden=hidden, layers=layers, ffn=ffn, heads=heads, chat_template=chat_template)
     w.add_head_count_kv([0 if i not in mla_layers else 1 for i in range(layers)])
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(n_vocab)
@@ -70,17 +66,8 @@ def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64,
         w.add_float32(f"{arch}.kda.gate_lower_bound", gate_lower_bound)
 
     rng = np.random.default_rng(seed)
-    add_q = quantized_adder(w, qtype)
-
-    def add(name, a, quantize=True):
-        if name not in drop:
-            add_q(name, a, quantize)
-
-    def mat(*shape, scale=None):
-        return rng.standard_normal(shape, dtype=np.float32) * (scale if scale is not None else 1.0 / np.sqrt(shape[-1]))
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+    add = dropping(quantized_adder(w, qtype), drop)
+    mat, norm = random_makers(rng)
 
     def score():   # the residual attention's scores: rms-normed rows dotted with these
         return score_scale * rng.standard_normal(hidden, dtype=np.float32)
@@ -98,17 +85,8 @@ def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64,
             add(b + "attn_res_score.weight", score())
             add(b + "ffn_res_score.weight", score())
         if i in mla_layers:
-            if q_lora:
-                add(b + "attn_q_a.weight", mat(q_lora, hidden))
-                add(b + "attn_q_a_norm.weight", norm(q_lora))
-                add(b + "attn_q_b.weight", mat(heads * (nope + rope), q_lora))
-            else:
-                add(b + "attn_q.weight", mat(heads * (nope + rope), hidden))
-            add(b + "attn_kv_a_mqa.weight", mat(kv_lora + rope, hidden))
-            add(b + "attn_kv_a_norm.weight", norm(kv_lora))
-            per = mat(heads * (nope + v_head), kv_lora).reshape(heads, nope + v_head, kv_lora)
-            add(b + "attn_k_b.weight", np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)))
-            add(b + "attn_v_b.weight", np.ascontiguousarray(per[:, nope:]))
+            mla_tensors(add, mat, norm, b, hidden=hidden, heads=heads, q_lora=q_lora, kv_lora=kv_lora, nope=nope,
+                        rope=rope, v_head=v_head)
             if mla_gate:
                 add(b + "attn_gate.weight", mat(heads * v_head, hidden))
             add(b + "attn_output.weight", mat(hidden, heads * v_head) * mla_out_scale)
@@ -134,25 +112,15 @@ def write_kimi_k3(path, *, layers: int = 4, mla_layers=(1, 3), hidden: int = 64,
             add(b + "attn_output.weight", mat(hidden, di))
         add(b + "ffn_norm.weight", norm(hidden))
         if i < dense_lead:
-            add(b + "ffn_gate.weight", mat(ffn, hidden))
-            add(b + "ffn_up.weight", mat(ffn, hidden))
-            add(b + "ffn_down.weight", mat(hidden, ffn))
+            dense_ffn(add, mat, b, hidden, ffn)
             continue
-        add(b + "ffn_gate_inp.weight", mat(experts, hidden, scale=router_scale / np.sqrt(hidden)), quantize=False)
+        router(add, mat, b, experts, hidden, router_scale)
         add(b + "exp_probs_b.bias", 0.3 * rng.standard_normal(experts, dtype=np.float32))
-        add(b + "ffn_gate_exps.weight", mat(experts, ffn_exp, lat))
-        add(b + "ffn_up_exps.weight", mat(experts, ffn_exp, lat))
-        add(b + "ffn_down_exps.weight", mat(experts, lat, ffn_exp))
+        expert_stack(add, mat, b, experts, ffn_exp, lat)
         if latent:
             add(b + "ffn_routed_down.weight", mat(latent, hidden))
             add(b + "ffn_routed_up.weight", mat(hidden, latent))
             if routed_norm:
                 add(b + "ffn_routed_norm.weight", norm(latent))
-        add(b + "ffn_gate_shexp.weight", mat(ffn_exp * shared, hidden))
-        add(b + "ffn_up_shexp.weight", mat(ffn_exp * shared, hidden))
-        add(b + "ffn_down_shexp.weight", mat(hidden, ffn_exp * shared))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+        shared_experts(add, mat, b, hidden, ffn_exp * shared)
+    return write_out(w, path)

@@ -8,12 +8,10 @@ clone without the oracle, and live the oracle's logits and greedy run are compar
 
 Regenerate the golden (with the oracle): python tests/test_kimi_k3.py --write-golden
 """
-import json
 import sys
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -32,12 +30,8 @@ IDS = [(7 * i + 3) % 250 + 4 for i in range(72)]
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory):
     """F32 weights on the reference path: the schedules must agree to float precision."""
-    path = write_kimi_k3(tmp_path_factory.mktemp("k3") / "k.gguf", seed=3)
-    K.set_enabled(False)     # the weights pick their route at load: the model stays on it
-    try:
-        return load_model(path)
-    finally:
-        K.set_enabled(True)
+    from test_kimi_linear import load_reference
+    return load_reference(write_kimi_k3(tmp_path_factory.mktemp("k3") / "k.gguf", seed=3))
 
 
 def test_layer_pattern_and_caches(ref_model):
@@ -119,21 +113,8 @@ def test_speculation_is_lossless(tmp_path, monkeypatch):
     """Greedy replies drafted from the plain stream's own tokens with every 7th one changed:
     drafts are accepted up to a changed token and rejected there, the KDA states rewind to
     a snapshot, and the stream is the plain one token for token."""
-    import fucina.text.speculative as spec_mod
-    llm = _llm(tmp_path)
-
-    def turns(spec, refs=()):
-        conv = llm.chat(max_tokens=16, temperature=0, speculative=spec, references=refs)
-        out = [conv.send("Repeat: the cat sat on the mat"), conv.send("Again")]
-        return out, list(conv.tokens), conv
-
-    want, want_ids, _ = turns(False)
-    n = llm.config.n_vocab
-    ref = [t if i % 7 else (t + 1) % n for i, t in enumerate(want_ids)]
-    monkeypatch.setattr(spec_mod, "reference_ids", lambda tokenizer, ids: ids)
-    got, got_ids, conv = turns(True, [ref])
-    assert got == want and got_ids == want_ids
-    assert conv.spec_stats.accepted > 0 and conv.spec_stats.rejected_steps > 0
+    from test_kimi_linear import check_speculation_on_own_stream
+    check_speculation_on_own_stream(_llm(tmp_path), monkeypatch)
 
 
 @pytest.mark.parametrize("drop,match", [("blk.0.ssm_g.weight", "ssm_g"), ("blk.2.ssm_a", "ssm_a"),
@@ -198,21 +179,15 @@ GOLDEN_N = 16
 def test_golden_greedy(tmp_path):
     """llama.cpp's greedy continuation (committed) equals ours, and its top logits at the
     last prompt position agree with ours."""
-    g = json.loads(GOLDEN.read_text())
-    m = load_model(_golden_model(tmp_path / "g.gguf"))
-    from fucina.text.evaluate import greedy
-    assert g["prompt"] == GOLDEN_PROMPT
-    assert greedy(m, GOLDEN_PROMPT, GOLDEN_N) == g["greedy"]
-    last = m.forward_step(m.init_cache(len(GOLDEN_PROMPT)), GOLDEN_PROMPT, 0).numpy()
-    np.testing.assert_allclose(last[g["top_ids"]], g["top_logits"], atol=2e-2)
+    from test_kimi_linear import check_golden
+    check_golden(load_model(_golden_model(tmp_path / "g.gguf")), GOLDEN, GOLDEN_PROMPT, GOLDEN_N)
 
 
 @pytest.mark.slow
 @pytest.mark.oracle
 def test_live_golden_is_llama_cpp(oracle, tmp_path):
-    import oracle as oracle_mod
-    g = json.loads(GOLDEN.read_text())
-    assert oracle_mod.greedy_tokens(_golden_model(tmp_path / "g.gguf"), GOLDEN_PROMPT, GOLDEN_N, tmp_path) == g["greedy"]
+    from test_kimi_linear import check_live_golden
+    check_live_golden(_golden_model(tmp_path / "g.gguf"), GOLDEN, GOLDEN_PROMPT, GOLDEN_N, tmp_path)
 
 
 @pytest.mark.slow
@@ -246,22 +221,6 @@ def test_live_quantized_as_close_to_exact_as_llama_cpp(oracle, tmp_path):
         assert sum(ours) <= 1.05 * sum(ref), (dense_lead, ours, ref)
 
 
-def _write_golden():
-    import tempfile
-
-    import oracle as oracle_mod
-    assert oracle_mod.oracle_dir(), "set FUCINA_LLAMA_CPP"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _golden_model(Path(tmp) / "g.gguf")
-        out = Path(tmp) / "last.f32"
-        oracle_mod.run("llama-logits", path, ",".join(map(str, GOLDEN_PROMPT)), str(out), "--last", "1")
-        last = np.fromfile(out, dtype="<f4")
-        top = np.argsort(-last)[:8]
-        rec = {"prompt": GOLDEN_PROMPT, "greedy": oracle_mod.greedy_tokens(path, GOLDEN_PROMPT, GOLDEN_N, Path(tmp)),
-               "top_ids": top.tolist(), "top_logits": last[top].round(4).tolist()}
-    GOLDEN.write_text(json.dumps(rec) + "\n")
-    print(rec["greedy"])
-
-
 if __name__ == "__main__" and "--write-golden" in sys.argv:
-    _write_golden()
+    from test_kimi_linear import write_golden
+    write_golden(_golden_model, GOLDEN, GOLDEN_PROMPT, GOLDEN_N)

@@ -67,8 +67,13 @@ def test_kda_decays_each_key_channel():
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory):
     """F32 weights on the reference path: the schedules must agree to float precision."""
-    path = write_kimi(tmp_path_factory.mktemp("kimi") / "k.gguf", seed=3)
-    K.set_enabled(False)     # the weights pick their route at load: the model stays on it
+    return load_reference(write_kimi(tmp_path_factory.mktemp("kimi") / "k.gguf", seed=3))
+
+
+def load_reference(path):
+    """The model at `path` on the torch reference path (the weights pick their route at
+    load: the model stays on it)."""
+    K.set_enabled(False)
     try:
         return load_model(path)
     finally:
@@ -310,21 +315,31 @@ GOLDEN_N = 16
 def test_golden_greedy(tmp_path):
     """llama.cpp's greedy continuation (committed) equals ours, and its top logits at the
     last prompt position agree with ours."""
-    g = json.loads(GOLDEN.read_text())
-    m = load_model(_golden_model(tmp_path / "g.gguf"))
+    check_golden(load_model(_golden_model(tmp_path / "g.gguf")), GOLDEN, GOLDEN_PROMPT, GOLDEN_N)
+
+
+def check_golden(m, golden: Path, prompt: list[int], n: int) -> None:
+    """m's greedy continuation of `prompt` is the committed one (`golden`, llama.cpp's) and
+    its top logits at the last prompt position agree with the committed ones."""
+    g = json.loads(golden.read_text())
     from fucina.text.evaluate import greedy
-    assert g["prompt"] == GOLDEN_PROMPT
-    assert greedy(m, GOLDEN_PROMPT, GOLDEN_N) == g["greedy"]
-    last = m.forward_step(m.init_cache(len(GOLDEN_PROMPT)), GOLDEN_PROMPT, 0).numpy()
+    assert g["prompt"] == prompt
+    assert greedy(m, prompt, n) == g["greedy"]
+    last = m.forward_step(m.init_cache(len(prompt)), prompt, 0).numpy()
     np.testing.assert_allclose(last[g["top_ids"]], g["top_logits"], atol=2e-2)
 
 
 @pytest.mark.slow
 @pytest.mark.oracle
 def test_live_golden_is_llama_cpp(oracle, tmp_path):
+    check_live_golden(_golden_model(tmp_path / "g.gguf"), GOLDEN, GOLDEN_PROMPT, GOLDEN_N, tmp_path)
+
+
+def check_live_golden(path, golden: Path, prompt: list[int], n: int, tmp_path) -> None:
+    """llama.cpp's greedy continuation of `prompt` on the file at `path` is the committed one."""
     import oracle as oracle_mod
-    g = json.loads(GOLDEN.read_text())
-    assert oracle_mod.greedy_tokens(_golden_model(tmp_path / "g.gguf"), GOLDEN_PROMPT, GOLDEN_N, tmp_path) == g["greedy"]
+    g = json.loads(golden.read_text())
+    assert oracle_mod.greedy_tokens(path, prompt, n, tmp_path) == g["greedy"]
 
 
 def _versus_exact(path, ids, tmp_path):
@@ -367,22 +382,24 @@ def test_live_quantized_closer_to_exact_than_llama_cpp(oracle, tmp_path):
     assert d_ours.mean() <= 1.05 * d_ref.mean(), (d_ours.mean(), d_ref.mean())
 
 
-def _write_golden():
+def write_golden(make, golden: Path, prompt: list[int], n: int) -> None:
+    """Record llama.cpp's greedy continuation of `prompt` and its top logits at the last
+    position on the file make(path) writes, into `golden`."""
     import tempfile
 
     import oracle as oracle_mod
     assert oracle_mod.oracle_dir(), "set FUCINA_LLAMA_CPP"
     with tempfile.TemporaryDirectory() as tmp:
-        path = _golden_model(Path(tmp) / "g.gguf")
+        path = make(Path(tmp) / "g.gguf")
         out = Path(tmp) / "last.f32"
-        oracle_mod.run("llama-logits", path, ",".join(map(str, GOLDEN_PROMPT)), str(out), "--last", "1")
+        oracle_mod.run("llama-logits", path, ",".join(map(str, prompt)), str(out), "--last", "1")
         last = np.fromfile(out, dtype="<f4")
         top = np.argsort(-last)[:8]
-        rec = {"prompt": GOLDEN_PROMPT, "greedy": oracle_mod.greedy_tokens(path, GOLDEN_PROMPT, GOLDEN_N, Path(tmp)),
+        rec = {"prompt": prompt, "greedy": oracle_mod.greedy_tokens(path, prompt, n, Path(tmp)),
                "top_ids": top.tolist(), "top_logits": last[top].round(4).tolist()}
-    GOLDEN.write_text(json.dumps(rec) + "\n")
+    golden.write_text(json.dumps(rec) + "\n")
     print(rec["greedy"])
 
 
 if __name__ == "__main__" and "--write-golden" in sys.argv:
-    _write_golden()
+    write_golden(_golden_model, GOLDEN, GOLDEN_PROMPT, GOLDEN_N)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fucina import kernels
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import TensorInfo
-from fucina.models.cache import KVCache, KVMemory, WindowKV
+from fucina.models.cache import KVCache, KVMemory, WindowKV, cache_capacity
 # the config reader and the tensor schemas are torch-free (models/schema/base.py): re-exported here
 from fucina.models.schema.base import (REQUIRED, BaseConfig, LayerSpec, Tensors, TensorSpec,  # noqa: F401
                                        meta_field, tensor_dims)
@@ -296,11 +296,7 @@ class DecoderBase:
         "f16" or "q8_0"; `rewindable`: every layer keeps every position, so any rewind
         works (benchmarks that rewind past a window)."""
         from fucina.models.cache import Q8Cache
-        if cache_type not in ("f16", "q8_0"):
-            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-        cap = capacity or min(self.config.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        cap = cache_capacity(capacity, self.config.n_ctx_train, cache_type)
         mems = []
         for s in self.config.layers:
             geo = (cap, s.n_head_kv, s.head_dim, s.v_dim, cache_type, dtype)

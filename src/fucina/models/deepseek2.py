@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from fucina import kernels
-from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
 from fucina.models.base import Ragged, Tensors, layer_tensors
-from fucina.models.cache import KVCache, LatentKV, Q8Cache
+from fucina.models.cache import KVCache, LatentKV, Q8Cache, cache_capacity
 from fucina.models.mla import MLAWeights, mla_attention, stacked_heads, yarn_rope, yarn_scales
 from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
@@ -79,11 +78,7 @@ class Model(llama.Model):
                    cache_type: str = "f16", rewindable: bool = False) -> KVCache:
         """One LatentKV per layer: (kv_lora_rank + n_rot) values per position."""
         c = self.config
-        if cache_type not in ("f16", "q8_0"):
-            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-        cap = capacity or min(c.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        cap = cache_capacity(capacity, c.n_ctx_train, cache_type)
         mems = [LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for _ in range(c.n_layer)]
         return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
 

@@ -45,7 +45,7 @@ from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import llama, moe
 from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, linear, rms_norm, vector
-from fucina.models.cache import KVCache
+from fucina.models.cache import KVCache, cache_capacity
 from fucina.models.cache.dsv4 import DSV4Memory
 from fucina.models.mla import yarn_rope
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
@@ -245,9 +245,7 @@ class Model(llama.Model):
         c = self.config
         if cache_type != "f16":
             raise KVCacheError(f"deepseek4 keeps an f16 cache only (asked for {cache_type!r})")
-        cap = capacity or min(c.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        cap = cache_capacity(capacity, c.n_ctx_train)
         return KVCache.of([DSV4Memory(cap, L.ratio, c.head_dim, c.idx_dim) for L in self.layers], cap)
 
     def kv_geometry(self) -> tuple[list[int], list[int]]:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from fucina.errors import KVCacheError
 from fucina.models import delta_net
 from fucina.models.base import Ragged, rowwise
-from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
+from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState, cache_capacity
 
 CHUNK = 16
 
@@ -107,19 +106,17 @@ def mixer(step, x, cache, layer: int, pos0: int, d_conv: int):
 
 # -- the hybrid cache: KDA layers' RecurrentStates beside the MLA layers' LatentKVs ---------
 
-def hybrid_cache(c, capacity: int | None, dtype: torch.dtype, cache_type: str, horizon: int) -> KVCache:
+def hybrid_cache(c, capacity: int | None, dtype: torch.dtype, cache_type: str, horizon: int,
+                 decode_stride: int = 1) -> KVCache:
     """A KDA + MLA hybrid's cache (c: its config, `recurrent` per layer): KDA layers a
     RecurrentState (the q/k/v conv windows side by side, [H, d, d] states) with a snapshot
-    at every length within `horizon` (decode_stride 1: without a native step a speculative
-    verify runs one row a step, and any of its lengths may be the rewind), MLA layers every
-    position's latent and key row (f16 or q8_0)."""
-    if cache_type not in ("f16", "q8_0"):
-        raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-    cap = capacity or min(c.n_ctx_train, 4096)
-    if cap <= 0:
-        raise KVCacheError(f"cache capacity must be positive, got {cap}")
+    at every `decode_stride`th length within `horizon` (1: without a native step a
+    speculative verify runs one row a step, and any of its lengths may be the rewind), MLA
+    layers every position's latent and key row (f16 or q8_0)."""
+    cap = cache_capacity(capacity, c.n_ctx_train, cache_type)
     d = c.kda_head_dim
-    mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=horizon, decode_stride=1) if r
+    mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=horizon,
+                           decode_stride=decode_stride) if r
             else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
     return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
 

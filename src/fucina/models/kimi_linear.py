@@ -31,26 +31,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
 from fucina import kernels
 from fucina.models import delta_net, kda, llama, moe
-from fucina.models.base import ROWWISE_MAX, Ragged, Rope, Tensors, layer_tensors, rms_norm, rowwise
-from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState
-from fucina.models.mla import MLAWeights, mla_attention, stacked_heads
+from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, rms_norm
+from fucina.models.cache import KVCache
+from fucina.models.mla import MLAWeights, NoRope, mla_attention, stacked_heads
 from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.kimi_linear import GATING, KDA, MLA, Config, Schema, layer_schema  # noqa: F401
 from fucina.weights import ExpertStack
-
-
-class NoRope:
-    """The MLA layers' key/query "rope" dims are not rotated (llama.cpp: rope type NONE)."""
-
-    mscale = 1.0
-
-    def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
-        return x
 
 
 class Layer:
@@ -113,7 +103,7 @@ class Model(llama.Model):
     def block(self, i: int, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
         L, eps = self.layers[i], self.config.rms_eps
         h = rms_norm(x, L.attn_norm, eps)
-        x = x + (self.kda_mixer(i, L, h, cache, pos0) if L.kda else
+        x = x + (kda.mixer(lambda *a: self._kda(L, *a), h, cache, i, pos0, self.config.d_conv) if L.kda else
                  mla_attention(L.attn, h, cache, i, pos0, self.rope, self.scale, eps))
         return x + self.ffn(i, L, rms_norm(x, L.ffn_norm, eps))
 
@@ -129,30 +119,6 @@ class Model(llama.Model):
         out = mix(x, ids, w, L.experts, F.silu)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
         return out + L.sh_down(F.silu(g) * u)
-
-    def kda_mixer(self, i: int, L: Layer, x: torch.Tensor, cache, pos0: int) -> torch.Tensor:
-        """The KDA mixer of the normed residual x [m, n_embd]; advances layer i's state."""
-        if isinstance(cache, Ragged):   # each stream's row alone: its own decode step
-            return torch.cat([self.kda_mixer(i, L, x[r:r + 1], c, p)
-                              for r, (c, p) in enumerate(zip(cache.caches, cache.pos0s))])
-        mem, m = cache.memories[i], x.shape[0]
-        window, state = mem.span(pos0, pos0)
-        keep = min(m, mem.horizon)
-        if rowwise(m, cache, x):
-            # inference: row by row with decode's ops (batch invariance: speculation is lossless)
-            outs, inner = [], []
-            for r in range(m):
-                o, full, state, _ = self._kda(L, x[r:r + 1], window, state, 0)
-                window = full[1:]
-                outs.append(o)
-                if r >= m - keep:
-                    inner.append((pos0 + r + 1, window, state))
-            mem.write(pos0, window, state, inner)
-            return torch.cat(outs)
-        out, full, final, kept = self._kda(L, x, window, state, keep)
-        tail, d = m - len(kept), self.config.d_conv - 1
-        mem.write(pos0, full[m:], final, [(pos0 + t + 1, full[t + 1:t + 1 + d], s) for t, s in zip(range(tail, m), kept)])
-        return out
 
     def _kda(self, L: Layer, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, keep: int):
         """m rows through KDA from (window, state): (out [m, n_embd], the padded conv input
@@ -182,26 +148,11 @@ class Model(llama.Model):
         speculative verify runs one row a step, and any of its lengths may be the rewind.
         On the native step (an f16 cache) every 4th, as qwen35's: a verify's rows all keep
         theirs, and a rewind between two decode lengths re-runs from the one below."""
-        if cache_type not in ("f16", "q8_0"):
-            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-        c = self.config
-        cap = capacity or min(c.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
-        d = c.kda_head_dim
         stride = 4 if self.native_plan is not None and self.use_native_step and cache_type == "f16" else 1
-        mems = [RecurrentState(c.d_conv - 1, 3 * c.n_head * d, c.n_head, d, d, horizon=self.state_horizon,
-                               decode_stride=stride) if r
-                else LatentKV(cap, c.kv_lora_rank, c.n_rot, cache_type, dtype) for r in c.recurrent]
-        return (Q8Cache if cache_type == "q8_0" else KVCache).of(mems, cap)
+        return kda.hybrid_cache(self.config, capacity, dtype, cache_type, self.state_horizon, stride)
 
     def kv_bytes(self, capacity: int, cache_type: str = "f16") -> int:
-        c = self.config
-        per_value = 2.0 if cache_type == "f16" else 34 / 32
-        latent = sum(not r for r in c.recurrent) * capacity * (c.kv_lora_rank + c.n_rot) * per_value
-        d = c.kda_head_dim
-        state = (c.d_conv - 1) * 3 * c.n_head * d + c.n_head * d * d
-        return int(latent + sum(c.recurrent) * state * 4 * (1 + self.state_horizon))
+        return kda.hybrid_cache_bytes(self.config, capacity, cache_type, self.state_horizon)
 
     def kv_geometry(self) -> tuple[list[int], list[int]]:
         # callers estimate 2 * heads * dim values per position: the latent row and the key row

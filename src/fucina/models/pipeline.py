@@ -45,7 +45,7 @@ import torch
 from fucina.errors import FucinaError, InvalidArgument, KVCacheError, PipelineError
 from fucina.gguf import GGUFFile
 from fucina.models.base import DecoderBase, Ragged, Tokens, as_ids
-from fucina.models.cache import KVCache, KVMemory, WindowKV
+from fucina.models.cache import KVCache, KVMemory, WindowKV, cache_capacity
 from fucina.models.schema.base import Tensors
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FUCINA_PIPELINE_TIMEOUT", "20"))
@@ -396,11 +396,7 @@ class PipelineDecoder:
     # -- the contract ------------------------------------------------------------------------
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
                    cache_type: str = "f16", rewindable: bool = False) -> PipelineCache:
-        if cache_type not in STORAGES:
-            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
-        cap = capacity or min(self.config.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        cap = cache_capacity(capacity, self.config.n_ctx_train, cache_type)   # a type of STORAGES
         own = self.stage.model.init_cache(cap, dtype, cache_type, rewindable).memories
         mems = list(own)
         for s in self.config.layers[len(own):]:

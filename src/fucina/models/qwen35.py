@@ -33,11 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from fucina import kernels
-from fucina.errors import KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.models import delta_net, llama
 from fucina.models.base import Ragged, Rope, Tensors, attend, attn_scale, layer_tensors, rms_norm, rowwise
-from fucina.models.cache import KVCache, KVMemory, Q8Cache, RecurrentState
+from fucina.models.cache import KVCache, KVMemory, Q8Cache, RecurrentState, cache_capacity
 # the config and tensor schemas (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.qwen35 import (ATTENTION, ATTENTION_MIXER, DELTA_MIXER, DELTA_NET, DENSE_FFN,  # noqa: F401
                                          NORMS, BareSpec, Config, Schema, layer_schema)
@@ -186,12 +185,8 @@ class Model(llama.Model):
         """Attention layers keep every position (f16 or q8_0 rows); DeltaNet layers a
         RecurrentState with `state_horizon` snapshots (`rewindable` changes nothing here:
         a state rewinds only within its horizon)."""
-        if cache_type not in ("f16", "q8_0"):
-            raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
         c = self.config
-        cap = capacity or min(c.n_ctx_train, 4096)
-        if cap <= 0:
-            raise KVCacheError(f"cache capacity must be positive, got {cap}")
+        cap = cache_capacity(capacity, c.n_ctx_train, cache_type)
         mems = [RecurrentState(c.d_conv - 1, c.dims()["conv_dim"], c.n_v_heads, c.d_state,
                                c.d_inner // c.n_v_heads, horizon=self.state_horizon) if r
                 else KVMemory(cap, c.n_head_kv, c.head_dim, c.head_dim, cache_type, dtype)

@@ -33,11 +33,23 @@ from fucina.models.cache.memory import AliasKV, KVMemory, LatentKV, RecurrentSta
 from fucina.models.cache.rows import dequantize_q8_0, quantize_q8_0
 
 __all__ = ["KVCache", "Q8Cache", "KVMemory", "WindowKV", "LatentKV", "AliasKV", "RecurrentState",
-           "quantize_q8_0", "dequantize_q8_0"]
+           "quantize_q8_0", "dequantize_q8_0", "cache_capacity"]
 
 
 def _per_layer(x: int | list[int], n: int) -> list[int]:
     return list(x) if isinstance(x, (list, tuple)) else [x] * n
+
+
+def cache_capacity(capacity: int | None, n_ctx_train: int, cache_type: str | None = None) -> int:
+    """The positions a model's new cache holds: `capacity`, or by default the training
+    context up to 4096; raises KVCacheError unless it is positive or unless `cache_type` is
+    f16 or q8_0 (None: the caller has checked the type itself)."""
+    if cache_type is not None and cache_type not in ("f16", "q8_0"):
+        raise KVCacheError(f"unknown cache type {cache_type!r} (f16 or q8_0)")
+    cap = capacity or min(n_ctx_train, 4096)
+    if cap <= 0:
+        raise KVCacheError(f"cache capacity must be positive, got {cap}")
+    return cap
 
 
 class KVCache:
