@@ -265,8 +265,14 @@ def test_passes_reuse_each_conversation_and_resume_bit_for_bit(tiny, tmp_path, m
         return real(self, indices)
     monkeypatch.setattr(SelfStudy, "_generate", counting)
     kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=4, epochs=2, batch=4)
-    whole = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "a.st"))
+    whole = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "a.safetensors"),
+                            save_passes=True)
     assert sorted(made) == [0, 1, 2, 3] and whole.meta["steps"] == 4 and whole.meta["conversations"] == 8
+    # --save-passes: the cartridge after each pass; the last is the run's result
+    first, last = (Cartridge.load(tmp_path / f"a.pass{k}.safetensors") for k in (1, 2))
+    assert first.meta["conversations"] == 4 and last.meta["conversations"] == 8
+    assert all(x is None or torch.equal(x, y) for x, y in zip(whole.k + whole.v, last.k + last.v))
+    assert any(x is not None and not torch.equal(x, y) for x, y in zip(first.k, last.k))
     from fucina.train.cartridge import visit
     second = [visit(SelfStudyConfig(**kw), v) for v in range(4, 8)]
     assert sorted(second) == [0, 1, 2, 3] and second != [0, 1, 2, 3]
@@ -284,6 +290,26 @@ def test_passes_reuse_each_conversation_and_resume_bit_for_bit(tiny, tmp_path, m
     with pytest.raises(CartridgeError, match="over 2 passes"):
         train_cartridge(model, tok, DOC, SelfStudyConfig(**dict(kw, conversations=6)), out=str(tmp_path / "b.st"),
                         resume=True)
+
+
+def test_a_second_turn_extends_the_first(tiny):
+    """--turns 2: after bot B's answer bot A asks again; the conversation's first turn is
+    the one-turn conversation (ids, rows and targets), the second one's rows follow it."""
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=10, batch=4)
+    probe = SelfStudy(model, tok, DOC, SelfStudyConfig(**kw)).samples([0])[0]
+    said = probe.ids[probe.rows[0] + 1:]
+    assert said   # the random model never ends a turn by itself: end bot B's turns at what it says
+    end = max(set(said), key=said.count)
+    one, two = (SelfStudy(model, tok, DOC, SelfStudyConfig(**kw, turns=t)) for t in (1, 2))
+    for st in (one, two):
+        st.stop = st.stop | {end}
+    for a, b in zip(one.samples([0, 1, 2]), two.samples([0, 1, 2])):
+        n = len(a.rows)
+        assert b.ids[:len(a.ids)] == a.ids and len(b.ids) > len(a.ids) + 2
+        assert b.rows[:n] == a.rows and len(b.rows) > n and min(b.rows[n:]) >= len(a.ids)
+        assert all(torch.equal(x, y) for x, y in zip(a.tokens + a.logprobs, b.tokens[:n] + b.logprobs[:n]))
+        assert b.kind == a.kind + " x2"
 
 
 def test_chunks_cover_the_ends_of_the_corpus():

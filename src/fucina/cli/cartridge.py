@@ -53,7 +53,8 @@ def cmd_train(args) -> int:
     text = read_corpus(args.corpus)
     cfg = _config(args, p=args.p, init=args.init, embed_corpus=not args.no_corpus)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
-    cart = train_cartridge(model, tok, text, cfg, out=args.out, resume=args.resume, log=log)
+    cart = train_cartridge(model, tok, text, cfg, out=args.out, resume=args.resume, log=log,
+                           save_passes=args.save_passes)
     print(f"wrote {args.out}: p {cart.p}, {cart.nbytes() / 1e6:.2f} MB of f16 KV")
     return 0
 
@@ -77,6 +78,9 @@ def _training_args(s) -> None:
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
     s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
+    s.add_argument("--turns", type=positive, default=1,
+                   help="question-answer exchanges per conversation: bot A asks again, about something else, "
+                        "after each answer (default 1)")
 
 
 def _config(args, **kw):
@@ -85,7 +89,7 @@ def _config(args, **kw):
     return SelfStudyConfig(conversations=args.conversations, seed=getattr(args, "seed", 0), lr=args.lr,
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                            max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
-                           scaled=args.channel_lr, **kw)
+                           scaled=args.channel_lr, turns=args.turns, **kw)
 
 
 def cmd_fleet_add(args) -> int:
@@ -167,6 +171,8 @@ def add_parser(sub) -> None:
     s.add_argument("--no-corpus", action="store_true",
                    help="do not embed the corpus token ids (the speculation reference) in the file")
     s.add_argument("--resume", action="store_true", help="continue from OUT's checkpoint (OUT.ckpt)")
+    s.add_argument("--save-passes", action="store_true",
+                   help="also write the cartridge after every pass, as OUT.passK.safetensors (to pick --epochs)")
     s.add_argument("--threads", "-t", type=positive)
     s.set_defaults(func=cmd_train)
 

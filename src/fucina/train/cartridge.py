@@ -65,6 +65,8 @@ SEED_PROMPTS = {
 SYSTEM = "Here is an excerpt of a document:\n\n{chunk}"
 #: bot B's user message: the question, then how to answer (the student sees the question alone)
 ANSWER = "{question}\n\nAnswer from the excerpt, briefly and exactly."
+#: bot A's message on later turns, before the seed prompt again
+AGAIN = "Now another one, about something else in the excerpt. "
 
 
 @dataclass
@@ -87,11 +89,12 @@ class SelfStudyConfig:
     batch: int = 8                # conversations generated together (the result does not depend on it)
     epochs: int = 1               # passes over the conversations (each made once, kept for the later passes)
     scaled: bool = False          # Adam in units of each (head, channel)'s size (CartridgeParams)
+    turns: int = 1                # question-answer exchanges per conversation (the paper's k)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
-                "mass", "temperature", "init", "frozen", "epochs", "scaled")
+                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns")
 
 
 @dataclass
@@ -347,71 +350,141 @@ class SelfStudy:
             out += self._generate(idx[at:at + n])
         return out
 
+    def _follow(self, msgs: list[dict], ids: list[int], said: list[int], nxt: dict) -> tuple[list, list] | None:
+        """The conversation `msgs` (prompted as `ids`) after the reply `said` and the next
+        message `nxt`, as ids that keep `ids + said` as they are: the template's text after
+        the reply is tokenized alone. None where the template does not render the reply
+        verbatim after the prompt (the conversation then ends)."""
+        text = self.tok.decode(said, skip_special=True)
+        head = self.template.render(msgs, add_generation_prompt=True, enable_thinking=False) + text
+        longer = msgs + [{"role": "assistant", "content": text}, nxt]
+        full = self.template.render(longer, add_generation_prompt=True, enable_thinking=False)
+        if not full.startswith(head):
+            return None
+        tail = self.tok.encode(full[len(head):], add_special=False, parse_special=True)
+        return longer, ids + list(said) + tail
+
     @torch.inference_mode()
     def _generate(self, indices: list[int]) -> list[Sample]:
+        """Conversations `indices` in lockstep: per turn, bot A's message (sampled, the
+        chunk in context) then bot B's answer (greedy, the chunk in context; its rows are
+        the teacher's targets); the student reads the turns without the chunk."""
         from fucina.text.generate import prefill
         from fucina.text.sampler import Sampler, SamplingConfig
 
         cfg, model = self.cfg, self.model
         n_ctx = model.config.n_ctx_train
-        setups = []
+        turns = max(1, cfg.turns)
+        convs = []
         for i in indices:
             rng = random.Random(mix64(cfg.seed, 0xCA57, i))
             chunk = self.chunk(rng)
             kind = rng.choice(sorted(SEED_PROMPTS))
             sampler = Sampler(SamplingConfig(temperature=cfg.temperature, seed=rng.getrandbits(32)))
             system = {"role": "system", "content": SYSTEM.format(chunk=chunk)}
-            a_ids = self._prompt([system, {"role": "user", "content": SEED_PROMPTS[kind]}])
-            setups.append((kind, sampler, system, a_ids))
-        # bot A: the message; one cache per conversation, sized for bot B's turn too
-        caches, histories, logits = [], [], []
-        for _, _, _, a_ids in setups:
-            cap = min(n_ctx, len(a_ids) + cfg.max_question + cfg.max_answer + 64)
-            if len(a_ids) + cfg.max_question + 1 > cap:
-                raise CartridgeError(f"a self-study prompt of {len(a_ids)} tokens does not fit the model's "
+            a_msgs = [system, {"role": "user", "content": SEED_PROMPTS[kind]}]
+            convs.append(_Conversation(kind, sampler, system, a_msgs, self._prompt(a_msgs)))
+        # one cache per conversation, sized for its turns; bot A and bot B share the system rows
+        caches, histories = [], []
+        for c in convs:
+            cap = min(n_ctx, len(c.a_ids) + turns * (cfg.max_question + cfg.max_answer + 64))
+            if len(c.a_ids) + cfg.max_question + 1 > cap:
+                raise CartridgeError(f"a self-study prompt of {len(c.a_ids)} tokens does not fit the model's "
                                      f"context of {n_ctx} (a smaller --chunk)")
-            cache = model.init_cache(cap)
-            hist: list[int] = []
-            lg, _ = prefill(model, cache, hist, a_ids)
-            caches.append(cache)
-            histories.append(hist)
-            logits.append(lg)
-        picks = [(lambda sm: (lambda lg, out: sm.next(lg, out)))(s[1]) for s in setups]
-        q_out = _lockstep(model, caches, logits, picks, self.stop, cfg.max_question)
-        # bot B: the same system message (its rows reused from bot A's cache), greedy
-        questions, b_prompts = [], []
-        for s, (setup, q_ids) in enumerate(zip(setups, q_out)):
-            question = self.tok.decode(q_ids, skip_special=True).strip() or "What does the document say?"
-            b_ids = self._prompt([setup[2], {"role": "user", "content": ANSWER.format(question=question)}])
-            histories[s].extend(q_ids[:max(0, caches[s].len - len(histories[s]))])
-            if len(b_ids) + cfg.max_answer + 1 > caches[s].capacity:
-                caches[s] = model.init_cache(min(n_ctx, len(b_ids) + cfg.max_answer + 1))
-                histories[s] = []
-                if len(b_ids) + 1 > caches[s].capacity:
-                    raise CartridgeError(f"bot B's prompt of {len(b_ids)} tokens does not fit the model's "
-                                         f"context of {n_ctx} (a smaller --chunk or --max-question)")
-            logits[s], _ = prefill(model, caches[s], histories[s], b_ids)
-            questions.append(question)
-            b_prompts.append(b_ids)
-        toks: list[list] = [[] for _ in setups]
-        lps: list[list] = [[] for _ in setups]
+            caches.append(model.init_cache(cap))
+            histories.append([])
+        live = list(range(len(convs)))
+        for turn in range(turns):
+            # bot A: the message
+            later = (turns - 1 - turn) * (cfg.max_question + cfg.max_answer + 64)   # what later turns add
 
-        def recorder(s):
-            def record(lg):
-                t, lp = teacher_topk(lg, cfg.top_k, cfg.mass)
-                toks[s].append(t)
-                lps[s].append(lp)
-            return record
-        greedy = [(lambda lg, out: int(lg.argmax())) for _ in setups]
-        answers = _lockstep(model, caches, logits, greedy, self.stop, cfg.max_answer,
-                            [recorder(s) for s in range(len(setups))])
-        out = []
-        for s, (setup, question, answer) in enumerate(zip(setups, questions, answers)):
-            s_ids = self._prompt([{"role": "user", "content": question}])
-            rows = [len(s_ids) - 1 + j for j in range(len(toks[s]))]
-            out.append(Sample(s_ids + answer, rows, toks[s], lps[s], question=question,
-                              answer=self.tok.decode(answer, skip_special=True), kind=setup[0]))
-        return out
+            def fits(s: int, n: int) -> bool:
+                """Make conversation s's cache hold n tokens (a bigger one if need be)."""
+                if n > caches[s].capacity:
+                    caches[s] = model.init_cache(min(n_ctx, n + later))
+                    histories[s] = []
+                return n <= caches[s].capacity
+            live = [s for s in live if fits(s, len(convs[s].a_ids) + cfg.max_question + 1)]
+            logits = [prefill(model, caches[s], histories[s], convs[s].a_ids)[0] for s in live]
+            picks = [(lambda sm: (lambda lg, out: sm.next(lg, out)))(convs[s].sampler) for s in live]
+            q_out = _lockstep(model, [caches[s] for s in live], logits, picks, self.stop, cfg.max_question)
+            # bot B: the answer, greedy; the student's turn without the chunk
+            answering = []
+            for s, q_ids in zip(live, q_out):
+                c = convs[s]
+                question = self.tok.decode(q_ids, skip_special=True).strip() or "What does the document say?"
+                ask_b = {"role": "user", "content": ANSWER.format(question=question)}
+                ask = {"role": "user", "content": question}
+                if turn == 0:
+                    c.b_msgs, c.s_msgs = [c.system, ask_b], [ask]
+                    c.b_ids, c.s_ids = self._prompt(c.b_msgs), self._prompt(c.s_msgs)
+                    c.question = question
+                else:
+                    b, st = self._follow(c.b_msgs, c.b_ids, c.said, ask_b), self._follow(c.s_msgs, c.s_ids, c.said, ask)
+                    if b is None or st is None:
+                        continue
+                    (c.b_msgs, c.b_ids), (c.s_msgs, c.s_ids) = b, st
+                if not fits(s, len(c.b_ids) + cfg.max_answer + 1) and (turn or len(c.b_ids) + 1 > caches[s].capacity):
+                    if turn:
+                        continue
+                    raise CartridgeError(f"bot B's prompt of {len(c.b_ids)} tokens does not fit the model's "
+                                         f"context of {n_ctx} (a smaller --chunk or --max-question)")
+                c.q_ids = q_ids
+                answering.append(s)
+            logits = [prefill(model, caches[s], histories[s], convs[s].b_ids)[0] for s in answering]
+            toks: list[list] = [[] for _ in answering]
+            lps: list[list] = [[] for _ in answering]
+
+            def recorder(r):
+                def record(lg):
+                    t, lp = teacher_topk(lg, cfg.top_k, cfg.mass)
+                    toks[r].append(t)
+                    lps[r].append(lp)
+                return record
+            greedy = [(lambda lg, out: int(lg.argmax())) for _ in answering]
+            answers = _lockstep(model, [caches[s] for s in answering], logits, greedy, self.stop, cfg.max_answer,
+                                [recorder(r) for r in range(len(answering))])
+            live = []
+            for r, (s, answer) in enumerate(zip(answering, answers)):
+                c = convs[s]
+                c.rows += [len(c.s_ids) - 1 + j for j in range(len(toks[r]))]
+                c.tokens += toks[r]
+                c.logprobs += lps[r]
+                c.ids = c.s_ids + answer
+                c.answers.append(self.tok.decode(answer, skip_special=True))
+                c.turns += 1
+                c.said = answer   # bot B's and the student's next turn follow it
+                if turn + 1 < turns and len(toks[r]) > len(answer):   # answered within max_answer: ask again
+                    nxt = self._follow(c.a_msgs, c.a_ids, c.q_ids, {"role": "user", "content": AGAIN + SEED_PROMPTS[c.kind]})
+                    # bot A's next message: its own questions so far, never bot B's answers
+                    if nxt is not None:
+                        c.a_msgs, c.a_ids = nxt
+                        live.append(s)
+        return [Sample(c.ids, c.rows, c.tokens, c.logprobs, question=c.question, answer=c.answers[0],
+                       kind=c.kind if c.turns == 1 else f"{c.kind} x{c.turns}") for c in convs]
+
+
+@dataclass
+class _Conversation:
+    """One self-study conversation while it is made."""
+    kind: str
+    sampler: object
+    system: dict
+    a_msgs: list
+    a_ids: list
+    b_msgs: list = field(default_factory=list)
+    b_ids: list = field(default_factory=list)
+    s_msgs: list = field(default_factory=list)
+    s_ids: list = field(default_factory=list)
+    q_ids: list = field(default_factory=list)
+    said: list = field(default_factory=list)     # bot B's last answer
+    question: str = ""
+    answers: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    turns: int = 0
 
 
 def init_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig) -> Cartridge:
@@ -559,10 +632,12 @@ class CartridgeRun:
     must be wrapped in a Trainable)."""
 
     def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
-                 resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None):
+                 resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None,
+                 save_passes: bool = False):
         if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
             raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
         self.model, self.cfg, self.out, self.log = model, cfg, out, log
+        self.save_passes = save_passes and out is not None   # OUT.passK.safetensors after each pass too
         self.cart = start if start is not None else init_cartridge(model, tokenizer, corpus, cfg)
         self.study = SelfStudy(model, tokenizer, corpus, cfg)
         self.params = CartridgeParams(self.cart, cfg.scaled)
@@ -591,22 +666,35 @@ class CartridgeRun:
         """The run's visits: every conversation once per pass."""
         return self.cfg.conversations * max(1, self.cfg.epochs)
 
+    def pass_path(self, k: int) -> str:
+        """Where `save_passes` writes the cartridge after pass k: OUT.passK.safetensors."""
+        stem = self.out[:-len(".safetensors")] if self.out.endswith(".safetensors") else self.out
+        return f"{stem}.pass{k}.safetensors"
+
+    def _saved(self, prog: Progress) -> None:
+        cart = self.result()
+        cart.save(self.out)
+        if self.save_passes and prog.done % self.cfg.conversations == 0:
+            cart.save(self.pass_path(prog.done // self.cfg.conversations))
+
     def advance(self, until: int) -> Progress:
         until = min(until, self.total())
         if self.prog.done < until:
             # OUT after every step too: an interrupted run leaves a usable cartridge
             self.prog = optimize(self.model, self.params, self.study.sample, self.cfg,
                                  opt=self.opt, prog=self.prog, state_path=self.state_path, log=self.log,
-                                 on_step=(lambda pr: self.result().save(self.out)) if self.out else None,
+                                 on_step=self._saved if self.out else None,
                                  many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum),
                                  until=until, pool=self.pool)
         return self.prog
 
 
 def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
-                    resume: bool = False, log: Callable[[str], None] = lambda s: None) -> Cartridge:
-    """Initialise, self-study, save (OUT, with OUT.ckpt holding what a resume needs)."""
-    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log)
+                    resume: bool = False, log: Callable[[str], None] = lambda s: None,
+                    save_passes: bool = False) -> Cartridge:
+    """Initialise, self-study, save (OUT, with OUT.ckpt holding what a resume needs;
+    `save_passes`: also OUT.passK.safetensors after every pass K)."""
+    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log, save_passes=save_passes)
     if resume:
         log(f"resuming after {run.prog.done} conversations ({run.prog.steps} steps)")
     trainable = Trainable(model)
