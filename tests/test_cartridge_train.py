@@ -336,7 +336,7 @@ def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_pat
     out = str(tmp_path / "a.st")
     train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=out)
     state = torch.load(out + ".ckpt", weights_only=False)
-    for k in ("epochs", "scaled"):
+    for k in ("epochs", "scaled", "turns", "decay"):
         del state["config"][k]
     del state["scales"]
     torch.save(state, out + ".ckpt")
@@ -344,3 +344,37 @@ def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_pat
     assert again.meta["steps"] == 2
     with pytest.raises(CartridgeError, match="scaled"):
         train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, scaled=True, **kw), out=out, resume=True)
+
+
+def test_decay_takes_the_rate_down_linearly_and_resumes(tiny, tmp_path):
+    """--decay: step t of T moves at lr (1 - t/T), the last at lr / T; a run stopped midway
+    resumes onto the same schedule, bit for bit."""
+    from fucina.train.cartridge import CartridgeRun
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=4, epochs=2, batch=4,
+              decay=True, lr=4e-3)
+    run = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "a.st"))
+    seen = []
+    real = run.opt.step
+
+    def step(*a, **k):
+        seen.append(run.opt.param_groups[0]["lr"])
+        return real(*a, **k)
+    run.opt.step = step
+    t = Trainable(model)
+    try:
+        run.advance(run.total())
+    finally:
+        t.close()
+    assert seen == pytest.approx([4e-3, 3e-3, 2e-3, 1e-3])
+    whole = run.result()
+    flat = train_cartridge(model, tok, DOC, SelfStudyConfig(**dict(kw, decay=False)), out=str(tmp_path / "c.st"))
+    assert any(x is not None and not torch.equal(x, y) for x, y in zip(whole.k, flat.k))
+    half = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"))
+    t = Trainable(model)
+    try:
+        half.advance(4)
+    finally:
+        t.close()
+    resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"), resume=True)
+    assert all(x is None or torch.equal(x, y) for x, y in zip(whole.k + whole.v, resumed.k + resumed.v))

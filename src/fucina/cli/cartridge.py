@@ -78,6 +78,7 @@ def _training_args(s) -> None:
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
     s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
+    s.add_argument("--decay", action="store_true", help="the learning rate falls linearly to zero over the run")
     s.add_argument("--turns", type=positive, default=1,
                    help="question-answer exchanges per conversation: bot A asks again, about something else, "
                         "after each answer (default 1)")
@@ -89,7 +90,7 @@ def _config(args, **kw):
     return SelfStudyConfig(conversations=args.conversations, seed=getattr(args, "seed", 0), lr=args.lr,
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                            max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
-                           scaled=args.channel_lr, turns=args.turns, **kw)
+                           scaled=args.channel_lr, turns=args.turns, decay=args.decay, **kw)
 
 
 def cmd_fleet_add(args) -> int:

@@ -90,11 +90,14 @@ class SelfStudyConfig:
     epochs: int = 1               # passes over the conversations (each made once, kept for the later passes)
     scaled: bool = False          # Adam in units of each (head, channel)'s size (CartridgeParams)
     turns: int = 1                # question-answer exchanges per conversation (the paper's k)
+    decay: bool = False           # the learning rate falls linearly to zero over the run
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
-                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns")
+                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay")
+# the settings of the runs that wrote checkpoints before each key existed
+_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False}
 
 
 @dataclass
@@ -531,9 +534,8 @@ def _load_state(path: str, params: CartridgeParams, opt, cfg: SelfStudyConfig) -
         rows, saved = s["rows"], s["config"]
     except Exception as e:   # torch raises many types for a damaged file
         raise CartridgeError(f"cannot resume from {path}: {e}") from None
-    base = SelfStudyConfig()   # a key an older checkpoint lacks had its default
-    diff = [f"{k} {saved.get(k, getattr(base, k))!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS
-            if saved.get(k, getattr(base, k)) != getattr(cfg, k)]
+    saved = {**_BEFORE, **saved}   # a key an older checkpoint lacks had the value it had then
+    diff = [f"{k} {saved.get(k)!r} vs {getattr(cfg, k)!r}" for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
     if cfg.epochs > 1 and saved.get("conversations") != cfg.conversations:
         # later passes permute the conversations: a run of several passes cannot grow
         diff.append(f"conversations {saved.get('conversations')!r} vs {cfg.conversations!r} over {cfg.epochs} passes")
@@ -603,6 +605,9 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
             loss = sample_loss(model, params, s, cfg.checkpoint)
             (loss / len(got)).backward()
             total_loss += float(loss.detach())
+        if cfg.decay:   # linear to zero over the run's steps: the last steps move the rows least
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * (1 - prog.steps / -(-total // cfg.accum))
         opt.step()
         prog.done += len(got)
         prog.steps += 1
