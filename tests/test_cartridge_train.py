@@ -253,6 +253,18 @@ def test_adam_moves_each_channel_by_its_own_size(tiny, scaled):
         assert big == pytest.approx(1e-2, rel=1e-3) and small == pytest.approx(1e-2, rel=1e-3)
 
 
+def stopped_after(visits, model, tok, cfg, out):
+    """A run interrupted after `visits` conversations (OUT and OUT.ckpt written)."""
+    from fucina.train.cartridge import CartridgeRun
+    run = CartridgeRun(model, tok, DOC, cfg, out=out)
+    t = Trainable(model)
+    try:
+        run.advance(visits)
+    finally:
+        t.close()
+    return run
+
+
 def test_passes_reuse_each_conversation_and_resume_bit_for_bit(tiny, tmp_path, monkeypatch):
     """--epochs 2: every conversation is made once and trained on twice (the second pass
     in another order); a run stopped inside the second pass resumes bit for bit."""
@@ -277,13 +289,7 @@ def test_passes_reuse_each_conversation_and_resume_bit_for_bit(tiny, tmp_path, m
     second = [visit(SelfStudyConfig(**kw), v) for v in range(4, 8)]
     assert sorted(second) == [0, 1, 2, 3] and second != [0, 1, 2, 3]
     # stopped after 3 steps (inside pass 2), resumed: the same rows; a longer run is refused
-    from fucina.train.cartridge import CartridgeRun
-    run = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"))
-    t = Trainable(model)
-    try:
-        run.advance(6)
-    finally:
-        t.close()
+    stopped_after(6, model, tok, SelfStudyConfig(**kw), str(tmp_path / "b.st"))
     resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"), resume=True)
     for x, y in zip(whole.k + whole.v, resumed.k + resumed.v):
         assert x is None or torch.equal(x, y)
@@ -346,35 +352,25 @@ def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_pat
         train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=6, scaled=True, **kw), out=out, resume=True)
 
 
-def test_decay_takes_the_rate_down_linearly_and_resumes(tiny, tmp_path):
+def test_decay_takes_the_rate_down_linearly_and_resumes(tiny, tmp_path, monkeypatch):
     """--decay: step t of T moves at lr (1 - t/T), the last at lr / T; a run stopped midway
     resumes onto the same schedule, bit for bit."""
-    from fucina.train.cartridge import CartridgeRun
     model, tok = tiny
     kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=4, epochs=2, batch=4,
               decay=True, lr=4e-3)
-    run = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "a.st"))
     seen = []
-    real = run.opt.step
+    real = torch.optim.Adam.step
 
-    def step(*a, **k):
-        seen.append(run.opt.param_groups[0]["lr"])
-        return real(*a, **k)
-    run.opt.step = step
-    t = Trainable(model)
-    try:
-        run.advance(run.total())
-    finally:
-        t.close()
+    def step(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    run = stopped_after(8, model, tok, SelfStudyConfig(**kw), str(tmp_path / "a.st"))
+    monkeypatch.undo()
     assert seen == pytest.approx([4e-3, 3e-3, 2e-3, 1e-3])
     whole = run.result()
     flat = train_cartridge(model, tok, DOC, SelfStudyConfig(**dict(kw, decay=False)), out=str(tmp_path / "c.st"))
     assert any(x is not None and not torch.equal(x, y) for x, y in zip(whole.k, flat.k))
-    half = CartridgeRun(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"))
-    t = Trainable(model)
-    try:
-        half.advance(4)
-    finally:
-        t.close()
+    stopped_after(4, model, tok, SelfStudyConfig(**kw), str(tmp_path / "b.st"))
     resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"), resume=True)
     assert all(x is None or torch.equal(x, y) for x, y in zip(whole.k + whole.v, resumed.k + resumed.v))
