@@ -7,7 +7,9 @@ pre = sigmoid(.) + eps weighs the streams into the sublayer's input, post = 2 si
 spreads its output back, and a 4x4 comb (softmax over destinations, then Sinkhorn
 normalisation of columns and rows, `sinkhorn_iterations` in all) mixes the old streams:
     out[d] = post[d] * f(sum_s pre[s] x[s]) + sum_s comb[s, d] x[s].
-The head collapses the streams with its own pre weights before the output norm.
+The head collapses the streams with its own pre weights before the output norm. With the
+native kernels, each mixer after its projection is one call for all rows (csrc/fk_hc.cpp,
+in the order of ggml's fused dsv4_hc_* ops); the torch spelling below is the path without.
 
 Attention: a low-rank query (q_a, norm, q_b, then an unweighted RMS norm per head), one
 K=V row per position (attn_kv, norm), RoPE (GGML NORM mode) on the last n_rot dims, one
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
+from fucina.kernels import hc as hc_native
 from fucina.models import llama, moe
 from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, linear, rms_norm, vector
 from fucina.models.cache import KVCache, cache_capacity
@@ -57,6 +60,7 @@ class HC:
 
     def __init__(self, t: dict, part: str, n: int):
         self.fn, self.base, self.scale = t[f"hc_{part}_fn"], t[f"hc_{part}_base"], t[f"hc_{part}_scale"]
+        self.base, self.scale = self.base.float().contiguous(), self.scale.float().contiguous()
         # the three scales spread over their mixes (pre, post, comb): one product for all 24
         self.scales = torch.cat([self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)])
 
@@ -238,6 +242,7 @@ class Model(llama.Model):
             n *= 2
         self.lid_rot = sylvester(n)
         self._ids: tuple[int, torch.Tensor] = (0, torch.zeros(0, dtype=torch.long))
+        self.hc_native = hc_native.available()   # the mixers as native calls (csrc/fk_hc.cpp)
 
     # -- the cache -----------------------------------------------------------------------
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
@@ -273,6 +278,9 @@ class Model(llama.Model):
 
     def hc_pre(self, hc: HC, x: torch.Tensor):
         c, n = self.config, self.config.hc
+        if self.hc_native:   # one call for all rows, in ggml's order
+            return hc_native.pre(hc.fn(rms_norm(x, None, c.rms_eps)), x, hc.scale, hc.base, c.sinkhorn_iters,
+                                 c.hc_eps)
         z = hc.fn(rms_norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb
         # each part contiguous on its own: a vectorised sigmoid rounds apart from the scalar one
         pre = torch.sigmoid(z[:, :n].contiguous()) + c.hc_eps
@@ -281,6 +289,8 @@ class Model(llama.Model):
         return weigh_streams(x.view(-1, n, c.n_embd), pre), post, comb
 
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if self.hc_native:
+            return hc_native.post(y, x, post, comb)
         c = self.config
         streams = x.view(-1, c.hc, c.n_embd)
         out = y[:, None, :] * post[..., None] + torch.bmm(comb.transpose(1, 2), streams)
