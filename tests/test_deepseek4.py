@@ -21,7 +21,7 @@ import torch
 from fucina.errors import GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.kernels import KernelError
-from fucina.kernels import hc as hc_native
+from fucina.kernels import dsv4 as hc_native
 from fucina.models import deepseek4 as d4
 from fucina.models import load_model
 from synth_deepseek4 import write_deepseek4
@@ -107,6 +107,26 @@ def test_native_mixers_equal_their_reference():
         hc_native.pre(mix[:, :20].contiguous(), x, scale, base, 20, 1e-6)
     with pytest.raises(KernelError):
         hc_native.post(y, x[:, :-1].contiguous(), post, comb)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built")
+def test_native_norm_and_swiglu_equal_their_reference():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 5, 200, generator=g) * 4, torch.randn(200, generator=g)
+    xs = x.numpy().astype(np.float64)
+    scale = (1 / np.sqrt(((xs * xs).sum(-1) / 200).astype(np.float32) + np.float32(1e-6))).astype(np.float32)
+    want = x.numpy() * scale[..., None]      # ggml: the squares summed in double, one f32 scale
+    assert np.array_equal(hc_native.rms_norm(x, None, 1e-6).numpy(), want)
+    assert np.array_equal(hc_native.rms_norm(x, w, 1e-6).numpy(), want * w.numpy())
+    torch.testing.assert_close(hc_native.rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (200,), w, 1e-6))
+    gate, up = torch.randn(2, 300, generator=g) * 8, torch.randn(2, 300, generator=g) * 8
+    for limit in (0.0, 3.0):
+        want = d4.swiglu_clamp(gate, up, limit)
+        torch.testing.assert_close(hc_native.swiglu_clamp(gate, up, limit), want, rtol=2e-6, atol=1e-6)
+    with pytest.raises(KernelError):
+        hc_native.rms_norm(x, w[:10], 1e-6)
+    with pytest.raises(KernelError):
+        hc_native.swiglu_clamp(gate, up[:, :10], 1.0)
 
 
 def test_hadamard_is_orthonormal_and_its_own_inverse():

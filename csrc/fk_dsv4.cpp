@@ -1,10 +1,10 @@
-/* The hyper-connection mixers (fk_hc.h). Plain loops over contiguous rows the compiler
+/* DeepSeek-V4's small per-row ops (fk_dsv4.h). Plain loops over contiguous rows the compiler
  * vectorizes, cloned per x86-64 level; no contraction to FMA and no reassociation, so
  * every clone (and the numpy reference in tests/test_deepseek4.py) gives the same bits. */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
 
-#include "fk_hc.h"
+#include "fk_dsv4.h"
 
 #if defined(FK_X86) && defined(__GNUC__) && !defined(__clang__)
 #define FK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -97,4 +97,34 @@ void fk_hc_post(const float *y, const float *x, const float *post, const float *
                 float *out) {
     for (int64_t r = 0; r < m; r++)
         mix_row(y + r * n, x + r * HC * n, post + r * HC, comb + r * HC * HC, n, out + r * HC * n);
+}
+
+FK_CLONES static void scale_row(const float *x, const float *w, int64_t n, float scale, float *out) {
+    if (w) {
+        for (int64_t i = 0; i < n; i++) out[i] = (x[i] * scale) * w[i];
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
+    }
+}
+
+void fk_rms_norm(const float *x, const float *w, int64_t m, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        const float mean = (float)(sum / (double)n);
+        scale_row(xr, w, n, 1.0f / sqrtf(mean + eps), out + r * n);
+    }
+}
+
+FK_CLONES void fk_swiglu_clamp(const float *g, const float *u, int64_t n, float limit, float *out) {
+    if (limit <= 1e-6f) {
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float gv = g[i] < limit ? g[i] : limit;
+        const float uv = u[i] < -limit ? -limit : (u[i] > limit ? limit : u[i]);
+        out[i] = gv / (1.0f + expf(-gv)) * uv;
+    }
 }

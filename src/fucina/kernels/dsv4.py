@@ -1,11 +1,13 @@
-"""DeepSeek-V4's hyper-connection mixers as native calls (csrc/fk_hc.cpp).
+"""DeepSeek-V4's small per-row ops as native calls (csrc/fk_dsv4.cpp): the hyper-connection
+mixers, the RMS norm and the clamped SwiGLU.
 
 `pre` takes a step's 24 mixes per row (hc_fn of the RMS-normed streams) and the four
 streams, and returns the sublayer's input (the streams weighed by sigmoid(.) + eps), the
 post weights (2 sigmoid(.)) and the Sinkhorn-normalised 4x4 comb; `post` spreads the
 sublayer's output back over the streams and mixes the old ones by the comb. Each is one
 call for all rows in the order of ggml's fused CPU ops (llama.cpp's dsv4_hc_pre /
-dsv4_hc_comb / dsv4_hc_post); `fucina.models.deepseek4` keeps the torch spelling as the
+dsv4_hc_comb / dsv4_hc_post). `rms_norm` and `swiglu_clamp` compute as ggml's CPU ops do
+(the squares summed in double). `fucina.models.deepseek4` keeps the torch spelling as the
 path without native kernels.
 """
 from __future__ import annotations
@@ -55,4 +57,31 @@ def post(y: torch.Tensor, x: torch.Tensor, post_w: torch.Tensor, comb: torch.Ten
         raise KernelError("hc.post: y [m, n], x [m, 4 n], post [m, 4], comb [m, 4, 4], f32 and contiguous")
     out = torch.empty(m, HC * n)
     _native.hc_post(y.data_ptr(), x.data_ptr(), post_w.data_ptr(), comb.data_ptr(), out.data_ptr(), m, n)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., n] / sqrt(mean(x^2) + eps) over the last dim, times w [n] when given."""
+    n = x.shape[-1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if w is not None and not w.is_contiguous():
+        w = w.contiguous()
+    if not _f32(x) or n == 0 or (w is not None and (not _f32(w) or w.numel() != n)):
+        raise KernelError("dsv4.rms_norm: x [..., n] and w [n] (or None), f32")
+    out = torch.empty(x.shape)
+    _native.rms_norm(x.data_ptr(), 0 if w is None else w.data_ptr(), out.data_ptr(), x.numel() // n, n, float(eps))
+    return out
+
+
+def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) * clamp(u, -limit, limit); silu(g) * u when limit <= 1e-6."""
+    if not g.is_contiguous():
+        g = g.contiguous()
+    if not u.is_contiguous():
+        u = u.contiguous()
+    if not _f32(g, u) or g.shape != u.shape:
+        raise KernelError("dsv4.swiglu_clamp: g and u of one shape, f32")
+    out = torch.empty(g.shape)
+    _native.swiglu_clamp(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.numel(), float(limit))
     return out
