@@ -31,7 +31,10 @@ def available() -> bool:
 
 
 def _f32(*ts: torch.Tensor) -> bool:
-    return all(t.dtype is torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in ts)
+    for t in ts:   # a loop, not all(generator): these checks run ~200 times a decode token
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return True
 
 
 def pre(mix: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
