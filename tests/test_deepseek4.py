@@ -83,7 +83,7 @@ def _hc_reference(mix, x, scale, base, iters, eps):
     return h, post, comb
 
 
-@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built")
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
 def test_native_mixers_equal_their_reference():
     g = torch.Generator().manual_seed(0)
     mix, x = torch.randn(5, 24, generator=g) * 3, torch.randn(5, 4 * 96, generator=g)
@@ -109,7 +109,7 @@ def test_native_mixers_equal_their_reference():
         hc_native.post(y, x[:, :-1].contiguous(), post, comb)
 
 
-@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built")
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
 def test_native_norm_and_swiglu_equal_their_reference():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 5, 200, generator=g) * 4, torch.randn(200, generator=g)
