@@ -14,7 +14,7 @@ from setuptools import Extension, setup
 # csrc/: units compiled once at the top (module.cpp: the Python module; fk_delta.cpp), one
 # unit per ISA in isa/ (its matmul, attention and step, exported as one fk_isa table), the
 # ISA-generic templates those units include in generic/
-sources = ["csrc/module.cpp", "csrc/fk_delta.cpp", "csrc/fk_kda.cpp", "csrc/isa/scalar.cpp"]
+sources = ["csrc/module.cpp", "csrc/fk_delta.cpp", "csrc/fk_kda.cpp", "csrc/fk_dsv4.cpp", "csrc/isa/scalar.cpp"]
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 if x86:
     sources += ["csrc/isa/avx2.cpp", "csrc/isa/avx2vnni.cpp", "csrc/isa/avx512.cpp"]
@@ -22,7 +22,7 @@ if x86:
 ext = Extension(
     "fucina.kernels._native",
     sources=sources,
-    depends=["csrc/fk_common.h", "csrc/isa/avx2.cpp", "csrc/fk_plan.h", "csrc/fk_delta.h", "csrc/fk_kda.h", *sorted(glob.glob("csrc/generic/*.inc")),
+    depends=["csrc/fk_common.h", "csrc/isa/avx2.cpp", "csrc/fk_plan.h", "csrc/fk_delta.h", "csrc/fk_kda.h", "csrc/fk_dsv4.h", *sorted(glob.glob("csrc/generic/*.inc")),
              *sorted(glob.glob("csrc/isa/*.inc"))],
     include_dirs=["csrc"],
     define_macros=[("FK_X86", "1")] if x86 else [],

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fk_delta.h"
+#include "fk_dsv4.h"
 #include "fk_kda.h"
 #include "fk_common.h"
 
@@ -202,6 +203,73 @@ static PyObject *py_delta_step(PyObject *self, PyObject *const *args, Py_ssize_t
                        (const float *)(uintptr_t)v[9], (float *)(uintptr_t)v[10], (int)v[11], (int)v[12], (int)v[13],
                        (int)v[14], (int)v[15], g_threads, (float)eps};
     fk_delta_step(&a);
+    Py_RETURN_NONE;
+}
+
+/* hc_pre(mix, x, scale, base, h, post, comb, m, n, iters, eps) and hc_post(y, x, post, comb,
+ * out, m, n): DeepSeek-V4's hyper-connection mixers (fk_dsv4.cpp) */
+static PyObject *py_hc_pre(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[10];
+    if (!int_args("hc_pre", args, nargs, 11, 0, 10, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[10]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    for (int i = 0; i < 7; i++)
+        if (!v[i]) { PyErr_SetString(PyExc_ValueError, "hc_pre: null pointer"); return NULL; }
+    if (v[7] < 0 || v[8] < 1 || v[9] < 1 || v[9] > 1000) {
+        PyErr_SetString(PyExc_ValueError, "hc_pre: bad row count, width or iteration count");
+        return NULL;
+    }
+    fk_hc_pre((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[2],
+              (const float *)(uintptr_t)v[3], v[7], v[8], (int)v[9], (float)eps, (float *)(uintptr_t)v[4],
+              (float *)(uintptr_t)v[5], (float *)(uintptr_t)v[6]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_hc_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[7];
+    if (!int_args("hc_post", args, nargs, 7, 0, 7, v)) return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!v[i]) { PyErr_SetString(PyExc_ValueError, "hc_post: null pointer"); return NULL; }
+    if (v[5] < 0 || v[6] < 1) {
+        PyErr_SetString(PyExc_ValueError, "hc_post: bad row count or width");
+        return NULL;
+    }
+    fk_hc_post((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[2],
+               (const float *)(uintptr_t)v[3], v[5], v[6], (float *)(uintptr_t)v[4]);
+    Py_RETURN_NONE;
+}
+
+/* rms_norm(x, w, out, m, n, eps) (w may be 0) and swiglu_clamp(g, u, out, n, limit): the
+ * same file's norm and activation */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[5];
+    if (!int_args("rms_norm", args, nargs, 6, 0, 5, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[5]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    if (!v[0] || !v[2] || v[3] < 0 || v[4] < 1) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: null pointer, bad row count or width");
+        return NULL;
+    }
+    fk_rms_norm((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[3], v[4], (float)eps,
+                (float *)(uintptr_t)v[2]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_swiglu_clamp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[4];
+    if (!int_args("swiglu_clamp", args, nargs, 5, 0, 4, v)) return NULL;
+    const double limit = PyFloat_AsDouble(args[4]);
+    if (limit == -1.0 && PyErr_Occurred()) return NULL;
+    if (!v[0] || !v[1] || !v[2] || v[3] < 0) {
+        PyErr_SetString(PyExc_ValueError, "swiglu_clamp: null pointer or bad length");
+        return NULL;
+    }
+    fk_swiglu_clamp((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[3], (float)limit,
+                    (float *)(uintptr_t)v[2]);
     Py_RETURN_NONE;
 }
 
@@ -828,6 +896,14 @@ static PyMethodDef methods[] = {
      "attn_decode(q, k, v, out, n, row_stride, n_head, kv_heads, d, scale): one-row attention over f16 K/V"},
     {"delta_step", (PyCFunction)(void (*)(void))py_delta_step, METH_FASTCALL,
      "delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv, d_conv, eps)"},
+    {"hc_pre", (PyCFunction)(void (*)(void))py_hc_pre, METH_FASTCALL,
+     "hc_pre(mix, x, scale, base, h, post, comb, m, n, iters, eps): DeepSeek-V4's hyper-connection pre-mix"},
+    {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_FASTCALL,
+     "hc_post(y, x, post, comb, out, m, n): DeepSeek-V4's hyper-connection post-mix"},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
+     "rms_norm(x, w, out, m, n, eps): ggml's RMS norm of m rows of n (w: 0 or n weights)"},
+    {"swiglu_clamp", (PyCFunction)(void (*)(void))py_swiglu_clamp, METH_FASTCALL,
+     "swiglu_clamp(g, u, out, n, limit): silu(min(g, limit)) * clamp(u, -limit, limit)"},
     {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},
     {"plan_new", py_plan_new, METH_VARARGS, "plan_new(desc): a validated decoder plan from int64 slots"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,

@@ -20,6 +20,8 @@ import torch
 
 from fucina.errors import GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
+from fucina.kernels import KernelError
+from fucina.kernels import dsv4 as hc_native
 from fucina.models import deepseek4 as d4
 from fucina.models import load_model
 from synth_deepseek4 import write_deepseek4
@@ -52,6 +54,79 @@ def test_sinkhorn_one_row_equals_the_batched_form():
     whole = d4.sinkhorn(comb, 20, 1e-6)
     for r in range(3):
         torch.testing.assert_close(d4.sinkhorn(comb[r:r + 1], 20, 1e-6), whole[r:r + 1], atol=1e-6, rtol=1e-5)
+
+
+def _hc_reference(mix, x, scale, base, iters, eps):
+    """The mixers in numpy f32, one rounding per op in ggml's fused order (the exponentials
+    in f64, rounded once)."""
+    f, e = np.float32, np.float32(eps)
+    m, n = mix.shape[0], x.shape[1] // 4
+
+    def sig(v):
+        return (f(1) / (f(1) + np.exp(-v.astype(np.float64)).astype(f))).astype(f)
+    h, post, comb = np.zeros((m, n), f), np.zeros((m, 4), f), np.zeros((m, 4, 4), f)
+    for r in range(m):
+        z = mix[r]
+        pre = sig(z[:4] * scale[0] + base[:4]) + e
+        post[r] = f(2) * sig(z[4:8] * scale[1] + base[4:8])
+        c = (z[8:] * scale[2] + base[8:]).reshape(4, 4)
+        c = np.exp((c - c.max(1, keepdims=True)).astype(np.float64)).astype(f)
+        inv = f(1) / (((c[:, 0] + c[:, 1]) + c[:, 2]) + c[:, 3])
+        c = c * inv[:, None] + e
+        for it in range(iters):
+            if it:
+                c = c * (f(1) / ((((e + c[:, 0]) + c[:, 1]) + c[:, 2]) + c[:, 3]))[:, None]
+            c = c * (f(1) / ((((e + c[0]) + c[1]) + c[2]) + c[3]))[None, :]
+        comb[r] = c
+        s = x[r].reshape(4, n)
+        h[r] = ((s[0] * pre[0] + s[1] * pre[1]) + s[2] * pre[2]) + s[3] * pre[3]
+    return h, post, comb
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_native_mixers_equal_their_reference():
+    g = torch.Generator().manual_seed(0)
+    mix, x = torch.randn(5, 24, generator=g) * 3, torch.randn(5, 4 * 96, generator=g)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+    h, post, comb = hc_native.pre(mix, x, scale, base, 20, 1e-6)
+    rh, rpost, rcomb = _hc_reference(mix.numpy(), x.numpy(), scale.numpy(), base.numpy(), 20, 1e-6)
+    # the exponentials are libm's expf: within an ulp of the reference's, the rest exact
+    np.testing.assert_allclose(post.numpy(), rpost, rtol=3e-7, atol=0)
+    np.testing.assert_allclose(comb.numpy(), rcomb, rtol=2e-6, atol=0)
+    np.testing.assert_allclose(h.numpy(), rh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, d4.sinkhorn((mix[:, 8:] * scale[2] + base[8:]).view(-1, 4, 4), 20, 1e-6))
+    y = torch.randn(5, 96, generator=g)
+    out = hc_native.post(y, x, post, comb).numpy()
+    xs, c, p = x.numpy().reshape(5, 4, 96), comb.numpy(), post.numpy()
+    for d in range(4):   # exactly: products and sums in the kernel's order
+        want = y.numpy() * p[:, d:d + 1]
+        for s_ in range(4):
+            want = want + xs[:, s_] * c[:, s_, d:d + 1]
+        assert np.array_equal(out.reshape(5, 4, 96)[:, d], want)
+    with pytest.raises(KernelError):
+        hc_native.pre(mix[:, :20].contiguous(), x, scale, base, 20, 1e-6)
+    with pytest.raises(KernelError):
+        hc_native.post(y, x[:, :-1].contiguous(), post, comb)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_native_norm_and_swiglu_equal_their_reference():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 5, 200, generator=g) * 4, torch.randn(200, generator=g)
+    xs = x.numpy().astype(np.float64)
+    scale = (1 / np.sqrt(((xs * xs).sum(-1) / 200).astype(np.float32) + np.float32(1e-6))).astype(np.float32)
+    want = x.numpy() * scale[..., None]      # ggml: the squares summed in double, one f32 scale
+    assert np.array_equal(hc_native.rms_norm(x, None, 1e-6).numpy(), want)
+    assert np.array_equal(hc_native.rms_norm(x, w, 1e-6).numpy(), want * w.numpy())
+    torch.testing.assert_close(hc_native.rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (200,), w, 1e-6))
+    gate, up = torch.randn(2, 300, generator=g) * 8, torch.randn(2, 300, generator=g) * 8
+    for limit in (0.0, 3.0):
+        want = d4.swiglu_clamp(gate, up, limit)
+        torch.testing.assert_close(hc_native.swiglu_clamp(gate, up, limit), want, rtol=2e-6, atol=1e-6)
+    with pytest.raises(KernelError):
+        hc_native.rms_norm(x, w[:10], 1e-6)
+    with pytest.raises(KernelError):
+        hc_native.swiglu_clamp(gate, up[:, :10], 1.0)
 
 
 def test_hadamard_is_orthonormal_and_its_own_inverse():

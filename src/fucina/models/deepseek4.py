@@ -7,7 +7,9 @@ pre = sigmoid(.) + eps weighs the streams into the sublayer's input, post = 2 si
 spreads its output back, and a 4x4 comb (softmax over destinations, then Sinkhorn
 normalisation of columns and rows, `sinkhorn_iterations` in all) mixes the old streams:
     out[d] = post[d] * f(sum_s pre[s] x[s]) + sum_s comb[s, d] x[s].
-The head collapses the streams with its own pre weights before the output norm.
+The head collapses the streams with its own pre weights before the output norm. With the
+native kernels, each mixer after its projection is one call for all rows (csrc/fk_dsv4.cpp,
+in the order of ggml's fused dsv4_hc_* ops); the torch spelling below is the path without.
 
 Attention: a low-rank query (q_a, norm, q_b, then an unweighted RMS norm per head), one
 K=V row per position (attn_kv, norm), RoPE (GGML NORM mode) on the last n_rot dims, one
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
+from fucina.kernels import dsv4 as hc_native
 from fucina.models import llama, moe
 from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, linear, rms_norm, vector
 from fucina.models.cache import KVCache, cache_capacity
@@ -57,6 +60,7 @@ class HC:
 
     def __init__(self, t: dict, part: str, n: int):
         self.fn, self.base, self.scale = t[f"hc_{part}_fn"], t[f"hc_{part}_base"], t[f"hc_{part}_scale"]
+        self.base, self.scale = self.base.float().contiguous(), self.scale.float().contiguous()
         # the three scales spread over their mixes (pre, post, comb): one product for all 24
         self.scales = torch.cat([self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)])
 
@@ -238,6 +242,7 @@ class Model(llama.Model):
             n *= 2
         self.lid_rot = sylvester(n)
         self._ids: tuple[int, torch.Tensor] = (0, torch.zeros(0, dtype=torch.long))
+        self.hc_native = hc_native.available()   # mixers, norms, SwiGLU as native calls (csrc/fk_dsv4.cpp)
 
     # -- the cache -----------------------------------------------------------------------
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
@@ -266,14 +271,24 @@ class Model(llama.Model):
             return torch.cat([self.head(x[r:r + 1]) for r in range(x.shape[0])])
         c = self.config
         fn, base, scale = self.hc_head
-        mixes = fn(rms_norm(x, None, c.rms_eps))
+        mixes = fn(self.norm(x, None, c.rms_eps))
         pre = torch.sigmoid(mixes * scale + base) + c.hc_eps
         y = weigh_streams(x.view(-1, c.hc, c.n_embd), pre)
-        return self.output.linear(rms_norm(y, self.output_norm, c.rms_eps))
+        return self.output.linear(self.norm(y, self.output_norm, c.rms_eps))
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The RMS norm: ggml's arithmetic in one native call, or torch's without kernels."""
+        return hc_native.rms_norm(x, w, eps) if self.hc_native else rms_norm(x, w, eps)
+
+    def swiglu(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+        return hc_native.swiglu_clamp(g, u, limit) if self.hc_native else swiglu_clamp(g, u, limit)
 
     def hc_pre(self, hc: HC, x: torch.Tensor):
         c, n = self.config, self.config.hc
-        z = hc.fn(rms_norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb
+        if self.hc_native:   # one call for all rows, in ggml's order
+            return hc_native.pre(hc.fn(self.norm(x, None, c.rms_eps)), x, hc.scale, hc.base, c.sinkhorn_iters,
+                                 c.hc_eps)
+        z = hc.fn(self.norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb
         # each part contiguous on its own: a vectorised sigmoid rounds apart from the scalar one
         pre = torch.sigmoid(z[:, :n].contiguous()) + c.hc_eps
         post = 2.0 * torch.sigmoid(z[:, n:2 * n].contiguous())
@@ -281,6 +296,8 @@ class Model(llama.Model):
         return weigh_streams(x.view(-1, n, c.n_embd), pre), post, comb
 
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if self.hc_native:
+            return hc_native.post(y, x, post, comb)
         c = self.config
         streams = x.view(-1, c.hc, c.n_embd)
         out = y[:, None, :] * post[..., None] + torch.bmm(comb.transpose(1, 2), streams)
@@ -298,13 +315,13 @@ class Model(llama.Model):
             return torch.cat([self.block(i, x[r:r + 1], cache, pos0 + r) for r in range(x.shape[0])])
         L, eps = self.layers[i], self.config.rms_eps
         h, post, comb = self.hc_pre(L.hc_attn, x)
-        x = self.hc_post(self.attention(i, L, rms_norm(h, L.attn_norm, eps), cache, pos0), x, post, comb)
+        x = self.hc_post(self.attention(i, L, self.norm(h, L.attn_norm, eps), cache, pos0), x, post, comb)
         h, post, comb = self.hc_pre(L.hc_ffn, x)
         start, ids = self._ids
         if not 0 <= pos0 - start <= ids.numel() - x.shape[0]:
             raise FucinaError(f"deepseek4 layer {i}: no token ids for positions {pos0}..{pos0 + x.shape[0] - 1}")
         rows = ids[pos0 - start:pos0 - start + x.shape[0]]
-        return self.hc_post(self.ffn(i, L, rms_norm(h, L.ffn_norm, eps), rows), x, post, comb)
+        return self.hc_post(self.ffn(i, L, self.norm(h, L.ffn_norm, eps), rows), x, post, comb)
 
     def ffn(self, i: int, L: Layer, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
@@ -324,7 +341,7 @@ class Model(llama.Model):
 
         def run(e: int, ws: tuple, xs: torch.Tensor) -> torch.Tensor:
             gate, up, down = ws
-            return down(swiglu_clamp(gate(xs), up(xs), limit))
+            return down(self.swiglu(gate(xs), up(xs), limit))
         if x.shape[0] == 1 and L.experts.on_use is None:   # decode: mix's sum (ascending experts), no regrouping
             out = torch.zeros(1, c.n_embd)
             ids, ws = chosen[0].tolist(), w[0].tolist()      # (an f32 weight as a Python float: the same product)
@@ -333,7 +350,7 @@ class Model(llama.Model):
         else:
             out = moe.mix(x, chosen, w, L.experts, None, run)
         g, u = L.sh_gate_up(x).chunk(2, dim=-1) if L.sh_gate_up is not None else (L.sh_gate(x), L.sh_up(x))
-        return out + L.sh_down(swiglu_clamp(g, u, c.clamp_shexp[i]))
+        return out + L.sh_down(self.swiglu(g, u, c.clamp_shexp[i]))
 
     # -- attention -----------------------------------------------------------------------
     def attention(self, i: int, L: Layer, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
@@ -343,10 +360,10 @@ class Model(llama.Model):
         pos = torch.arange(pos0, pos0 + m)
         cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
-        qr = rms_norm(ys[0], L.q_a_norm, c.rms_eps)
-        q = rms_norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
+        qr = self.norm(ys[0], L.q_a_norm, c.rms_eps)
+        q = self.norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
         q = rotate_tail(rope, q, cis)
-        kv = rotate_tail(rope, rms_norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
+        kv = rotate_tail(rope, self.norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
         mem.put("raw", pos0, kv)
         if L.ratio:
             mem.put("st_kv", pos0, ys[2])
@@ -448,7 +465,7 @@ class Model(llama.Model):
         else:
             kv, sc = kv_all[cur], sc_all[cur]
         comp = (kv * torch.softmax(sc, dim=1)).sum(1)                       # [nb, dim]
-        comp = rms_norm(comp, norm, self.config.rms_eps)
+        comp = self.norm(comp, norm, self.config.rms_eps)
         comp = rope_tail(self.rope_comp, comp[:, None, :], bs * r)[:, 0]
         if rot is not None:
             comp = hadamard(comp, rot)
