@@ -261,7 +261,9 @@ class Model(llama.Model):
         if not L.moe:
             ffn = dict(gate_up=L.gate_up) if L.gate_up is not None else dict(gate=L.gate, up=L.up)
             return dict(d, ffn="dense", down=L.down, layer_ff=c.n_ff, **ffn)
-        r, ex = self.routing, L.experts
+        r, ex, store = self.routing, L.experts, moe.store_fields(self, i)
+        if store and L.routed_down is not None:   # the step's expert store reads n_embd-wide experts only
+            return None
         if L.sh_down is None:
             shared = dict(layer_ff=c.n_ff)
         else:
@@ -271,4 +273,4 @@ class Model(llama.Model):
                     moe_scale=r.scale, moe_sigmoid=int(r.gating == "sigmoid"), exp_probs_b=L.exp_bias,
                     gate_inp=L.router, gate_exps=ex.gate.whole, up_exps=ex.up.whole, down_exps=ex.down.whole,
                     routed_down=L.routed_down, routed_up=L.routed_up, routed_norm=L.routed_norm,
-                    **shared, **moe.store_fields(self, i))
+                    **shared, **store)
