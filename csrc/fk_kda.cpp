@@ -15,6 +15,14 @@ static void fk_kda_gate(const fk_layer *L, float *f, int64_t m, int64_t ld, int 
         float *r = f + t * ld;
         for (int64_t h = 0; h < H; h++) {
             const float a = L->ssm_a[h];
+            if (L->kda_gate == FK_KDA_GATE_LOWER_BOUND) {   /* torch's order: -(pre * a), sigmoid, * bound */
+                const float lb = (float)L->kda_bound;
+                for (int64_t c = h * dk; c < (h + 1) * dk; c++) {
+                    const float z = -((r[c] + L->dt_bias[c]) * a), e = expf(-fabsf(z));
+                    r[c] = expf((z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * lb);
+                }
+                continue;
+            }
             for (int64_t c = h * dk; c < (h + 1) * dk; c++) r[c] = expf(kda_softplus(r[c] + L->dt_bias[c]) * a);
         }
     }

@@ -21,7 +21,10 @@
  * as the bound: one more F field in FK_KDA_FIELDS). A full-rank output gate in place of the
  * g_a/g_b pair is a layout where ssm_g_a is [H dk, n_embd] and writes the gate part directly
  * (fk_kda_layout and kda_impl.inc skip g_b when it is absent). */
-enum { FK_KDA_GATE_SOFTPLUS = 0 };
+/*   FK_KDA_GATE_LOWER_BOUND (kimi-k3): g = kda_bound * sigmoid(-ssm_a[h] (f + dt_bias)), kda_bound < 0.
+ * kimi-k3's full-rank output gate: ssm_g_b absent (rank 0), ssm_g_a [H dk, n_embd] writes the
+ * gate part itself, the fused projection then [qkv | f_a x | beta | gate] (the same row). */
+enum { FK_KDA_GATE_SOFTPLUS = 0, FK_KDA_GATE_LOWER_BOUND = 1 };
 
 /* the row layout's offsets (floats into a row) and width for layer L */
 static inline void fk_kda_layout(const fk_layer *L, int64_t *beta, int64_t *gate, int64_t *decay, int64_t *width) {

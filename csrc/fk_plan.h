@@ -47,6 +47,7 @@ typedef struct {
     FK_MOE_SIGMOID_FIELDS(X)                                                                      \
     FK_MLA_FIELDS(X)                                                                              \
     FK_KDA_FIELDS(X)                                                                              \
+    FK_K3_FIELDS(X)                                                                               \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -111,6 +112,21 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * log-decay (fk_kda.h FK_KDA_GATE_*). Its cache entry is a DeltaNet layer's. */
 #define FK_KDA_FIELDS(X) X(I, kda_gate) X(W, ssm_f_a) X(W, ssm_f_b) X(W, ssm_g_a) X(W, ssm_g_b)
 
+/* kimi-k3's pieces (0: absent): kda_bound (kda_gate FK_KDA_GATE_LOWER_BOUND) the decay's lower
+ * bound; mla_gate [n_head * mla_v, n_embd]: the MLA output times sigmoid(h mla_gate) before wo;
+ * a latent MoE: the routed experts read routed_down h [latent] (their stacks latent wide),
+ * their mix is RMS-normed by routed_norm (optional) and mapped back by routed_up [n_embd,
+ * latent]; situ_beta / situ_lbeta the SiTU activation's (act FK_ACT_SITU); the residual bank
+ * (step_impl.inc): with attn_res_score / ffn_res_score the rows entering the mixer and the
+ * ffn are the softmax-weighted mix of the banked raw layer inputs and the stream, res_bank 1
+ * banks this layer's input and restarts the stream from its mixer's output, out_res_score
+ * (the last layer) mixes the stream once more after its ffn. */
+#define FK_RES_MAX 256   /* the most banked layers a plan may hold */
+#define FK_K3_FIELDS(X)                                                                       \
+    X(F, kda_bound) X(W, mla_gate) X(W, routed_down) X(W, routed_up) X(V, routed_norm)        \
+    X(F, situ_beta) X(F, situ_lbeta) X(I, res_bank) X(V, attn_res_score) X(V, ffn_res_score)  \
+    X(V, out_res_score)
+
 /* gemma4's E-model layers: kv_from = 1 + the earlier layer whose K/V rows this layer reads
  * (shared KV: only wq, nothing written; 0: its own); layer_ff its FFN width (0: n_ff, the
  * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
@@ -135,8 +151,9 @@ typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_
 
 enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2, FK_MIXER_KDA = 3 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
-/* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1) */
-enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2 };
+/* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1);
+ * situ (kimi-k3): beta tanh(g / beta) sigmoid(g) * lb tanh(u / lb) (lb <= 0: u), per layer's betas */
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2, FK_ACT_SITU = 3 };
 
 #define FK_FIELD_I(name) int64_t name;
 #define FK_FIELD_F(name) double name;

@@ -366,11 +366,11 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
 
 /* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
-    const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = p->n_embd;
+    const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = y->routed_down.w ? y->routed_down.n : p->n_embd;
     const int64_t S = y->exps_stride ? y->exps_stride : M;   /* fk_plan.h exps_stride */
     return NE >= 1 && NE <= (1 << 20) && K >= 1 && K <= NE && M >= 1 && (y->moe_norm == 0 || y->moe_norm == 1) &&
            S >= M && S <= (1LL << 30) && (!y->exps_stride || !y->moe_table) &&
-           y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, E) &&
+           y->moe_scale >= 0.0 && y->moe_scale < 1e30 && lin_ok(&y->gate_inp, NE, p->n_embd) &&
            lin_ok(&y->gate_exps, (NE - 1) * S + M, E) && lin_ok(&y->up_exps, (NE - 1) * S + M, E) && lin_ok(&y->down_exps, NE * E, M) &&
            (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
            !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r &&   /* no LoRA on expert stacks */
@@ -402,20 +402,48 @@ static int delta_ok(const fk_plan *p, const fk_layer *y) {
  * DeltaNet layer's conv and norms; the gate form one fk_kda.h knows */
 static int kda_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->ssm_hv, dk = y->ssm_dk, di = H * dk, rf = y->ssm_f_b.k, rg = y->ssm_g_b.k, E = p->n_embd;
-    if (y->kda_gate != FK_KDA_GATE_SOFTPLUS || H < 1 || H > 4096 || y->ssm_hk != H || dk < 1 || dk > 1024 ||
+    const int full = !y->ssm_g_b.w;   /* kimi-k3's full-rank output gate (fk_kda.h) */
+    const int gate_ok = y->kda_gate == FK_KDA_GATE_SOFTPLUS ? y->kda_bound == 0.0
+                        : y->kda_gate == FK_KDA_GATE_LOWER_BOUND && y->kda_bound > -1e30 && y->kda_bound < 0.0;
+    if (!gate_ok || H < 1 || H > 4096 || y->ssm_hk != H || dk < 1 || dk > 1024 ||
         y->ssm_dv != dk || y->d_conv < 2 || y->d_conv > 64 || !y->conv_w || !y->dt_bias || !y->ssm_a ||
         !y->ssm_norm || !y->attn_norm || !y->ffn_norm || y->kv_from || y->ssm_z.w || y->ssm_alpha.w || rf < 1 ||
-        rf > di || rg < 1 || rg > di)
+        rf > di || (!full && (rg < 1 || rg > di)))
         return 0;
     const fk_lin *in[4] = {&y->ssm_qkv, &y->ssm_f_a, &y->ssm_g_a, &y->ssm_beta};
-    const int64_t n_in[4] = {3 * di, rf, rg, H};
-    return fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_f_b, di, rf) && lin_ok(&y->ssm_g_b, di, rg) &&
-           lin_ok(&y->ssm_out, E, di);
+    const fk_lin *in_full[4] = {&y->ssm_qkv, &y->ssm_f_a, &y->ssm_beta, &y->ssm_g_a};
+    const int64_t n_in[4] = {3 * di, rf, rg, H}, n_full[4] = {3 * di, rf, H, di};
+    return (full ? fused_or_parts(&y->ssm_in, in_full, n_full, 4, E) && (y->ssm_in.w || lin_ok(&y->ssm_g_a, di, E))
+                 : fused_or_parts(&y->ssm_in, in, n_in, 4, E) && lin_ok(&y->ssm_g_b, di, rg)) &&
+           lin_ok(&y->ssm_f_b, di, rf) && lin_ok(&y->ssm_out, E, di);
 }
 
 /* another mixer's layer leaves the KDA fields empty */
 static int kda_absent(const fk_layer *y) {
-    return y->mixer == FK_MIXER_KDA || (!y->kda_gate && !y->ssm_f_a.w && !y->ssm_f_b.w && !y->ssm_g_a.w && !y->ssm_g_b.w);
+    return y->mixer == FK_MIXER_KDA || (!y->kda_gate && y->kda_bound == 0.0 && !y->ssm_f_a.w && !y->ssm_f_b.w &&
+                                        !y->ssm_g_a.w && !y->ssm_g_b.w);
+}
+
+/* kimi-k3's fields (fk_plan.h FK_K3_FIELDS): the MLA gate on an MLA mixer, the latent experts
+ * (routed_down and routed_up together, the norm only with them) on a MoE ffn, SiTU's betas
+ * with act FK_ACT_SITU (beta nonzero), the residual scores in pairs and the bank flag 0 or 1
+ * (the vectors' lengths: kernels.DecoderPlan) */
+static int k3_ok(const fk_plan *p, const fk_layer *y) {
+    const int64_t E = p->n_embd;
+    if (y->mla_gate.w && (y->mixer != FK_MIXER_MLA || !lin_ok(&y->mla_gate, y->n_head * y->mla_v, E))) return 0;
+    if (y->routed_down.w || y->routed_up.w || y->routed_norm) {
+        const int64_t lat = y->routed_down.n;
+        if (y->ffn != FK_FFN_MOE || !y->routed_down.w || lat < 1 || lat > (1 << 20) || !lin_ok(&y->routed_down, lat, E) ||
+            !lin_ok(&y->routed_up, E, lat) || y->moe_table || y->moe_in_norm || y->exps_stride)
+            return 0;
+    }
+    const int situ = p->act == FK_ACT_SITU;
+    if (situ ? !(y->situ_beta != 0.0 && y->situ_beta > -1e30 && y->situ_beta < 1e30 && y->situ_lbeta > -1e30 &&
+                 y->situ_lbeta < 1e30)
+             : y->situ_beta != 0.0 || y->situ_lbeta != 0.0)
+        return 0;
+    return (y->res_bank == 0 || y->res_bank == 1) && (!y->attn_res_score) == (!y->ffn_res_score) &&
+           (!y->res_bank || y->attn_res_score) && (!y->out_res_score || y->attn_res_score);
 }
 
 /* an MLA mixer's settings and weights (mla_impl.inc): one q path, the stacked heads of k_b
@@ -541,7 +569,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     const long long L = head.n_layer;
     if (L < 1 || L > 4096 || il / 8 != kPlanSlots + L * kLayerSlots || head.n_embd < 1 || head.n_embd > (1 << 20) ||
         head.n_ff < 1 || head.n_ff > (1 << 22) || head.n_rot < 2 || head.n_rot % 2 || (head.neox != 0 && head.neox != 1) ||
-        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH && head.act != FK_ACT_SWIGLU_OAI) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
+        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH && head.act != FK_ACT_SWIGLU_OAI && head.act != FK_ACT_SITU) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
         head.n_ple < 0 || head.n_ple > (1 << 16)) {
         PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
         return NULL;
@@ -555,10 +583,11 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     }
     *p = head;
     p->layers = layers;
+    int64_t n_bank = 0;
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
-        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !mla_absent(y) || !kda_absent(y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
+        if (!layer_ok(p, y) || !gemma4_ok(p, layers, i) || !gptoss_ok(y) || !moe_sigmoid_ok(y) || !mla_absent(y) || !kda_absent(y) || !k3_ok(p, y) || !(1 FK_LAYER_FIELDS(FK_LORA_OK)) ||
             (y->res_hook == 0) != (y->res_hook_ctx == 0)) {
             free(layers);
             free(p);
@@ -566,6 +595,13 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
             return NULL;
         }
         int64_t nq, nqkv;
+        n_bank += y->res_bank;
+        if (n_bank > FK_RES_MAX) {
+            free(layers);
+            free(p);
+            PyErr_Format(PyExc_ValueError, "plan: more than %d banked layers", FK_RES_MAX);
+            return NULL;
+        }
         layer_widths(y, &nqkv, &nq);
         if (nq > p->max_q) p->max_q = nq;
         if (nqkv > p->max_qkv) p->max_qkv = nqkv;

@@ -160,6 +160,76 @@ def test_options_off_load_and_run(tmp_path):
     assert m.forward_step(m.init_cache(16), IDS[:5], 0).shape == (m.config.n_vocab,)
 
 
+# -- the native layer step (kimi-linear's plan with K3's fields) ------------------------
+
+OPTIONS_OFF = dict(res_block=0, latent=0, q_lora=32, mla_gate=False, gate_lower_bound=None, weights_norm=False)
+
+
+def _plan_model(path, **kw):
+    m = load_model(write_kimi_k3(path, seed=6, **kw))
+    if m.native_plan is None:
+        pytest.skip("native kernels not built")
+    return m
+
+
+@pytest.fixture(scope="module")
+def plan_model(tmp_path_factory):
+    return _plan_model(tmp_path_factory.mktemp("k3p") / "p.gguf", qtype=Q.Q8_0)
+
+
+@pytest.mark.parametrize("options", ["all", "off"])
+def test_native_plan_equals_torch_blocks(tmp_path, monkeypatch, options):
+    """A 40-row prefill, a 5-row step and 6 decode steps through the plan against the torch
+    blocks (FUCINA_NATIVE_STEP=0), every K3 part on (the residual bank, latent experts, SiTU,
+    the MLA gate, the full-rank KDA gate, the lower-bound decay) and every option off: logits,
+    the KDA states and snapshots, the MLA latent rows agree closely (F32 weights)."""
+    from test_kimi_linear import check_native_equals_torch
+    m = _plan_model(tmp_path / "f.gguf", qtype=Q.F32, **(OPTIONS_OFF if options == "off" else {}))
+    check_native_equals_torch(m, monkeypatch)
+
+
+def test_native_plan_rows_equal_single_rows(plan_model, isa):
+    """Batch invariance with the residual bank in the step: a prompt split any way gives the
+    same logits, KDA states and MLA rows, bit for bit."""
+    from test_batch_invariance import _prefill, _same_cache
+    m, ids = plan_model, IDS[:37]
+    whole, c0 = _prefill(m, ids, [37], capacity=64)
+    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17]):
+        got, c1 = _prefill(m, ids, chunks, capacity=64)
+        assert torch.equal(got, whole), f"{chunks} on {isa}"
+        _same_cache(c1, c0)
+
+
+def test_native_batch_rows_equal_streams_alone(plan_model, isa):
+    from test_batch_invariance import _same_cache, check_batch_rows_equal_alone
+    check_batch_rows_equal_alone(plan_model, IDS, isa, same_cache=_same_cache)
+
+
+def test_native_plan_checks_k3_fields(plan_model):
+    """K3's fields where they do not belong, or half of a pair, are refused when the plan is
+    built; a residual bank cannot be cut into layer ranges."""
+    m = plan_model
+    c = m.config
+    layers = [m.plan_layer(i, L) for i, L in enumerate(m.layers)]
+    layers[-1]["out_res_score"] = m.output_score
+    build = lambda ls, act="situ": K.DecoderPlan.build(  # noqa: E731
+        n_embd=c.n_embd, n_ff=m.native_plan._spec["n_ff"], n_rot=c.n_rot, neox=False, act=act, eps=c.rms_eps,
+        scale=m.scale, layers=ls)
+    assert build(layers) is not None
+    kda_, mla_, moe_ = layers[0], layers[1], layers[2]
+    bad = [(0, dict(kda_, kda_gate=2)), (0, dict(kda_, mla_gate=mla_["mla_gate"])),
+           (0, dict(kda_, situ_beta=0.0)), (0, dict(kda_, ffn_res_score=None)), (0, dict(kda_, res_bank=2)),
+           (2, dict(moe_, routed_up=None)), (0, dict(kda_, routed_down=moe_["routed_down"]))]
+    for i, L in bad:
+        with pytest.raises(K.KernelError):
+            build(layers[:i] + [L] + layers[i + 1:])
+    with pytest.raises(K.KernelError):
+        build(layers, act="silu")       # SiTU's betas on a plan of another activation
+    with pytest.raises(K.KernelError):
+        build(layers[:2] + [dict(moe_, routed_norm=torch.ones(c.n_embd + 1))] + layers[3:])
+    assert m.native_plan.layer_range(0, 2) is None
+
+
 # -- the golden and the live oracle ----------------------------------------------------
 
 # 6 layers (KDA KDA MLA KDA KDA MLA), residual banks every 2 layers, 64-wide latent experts

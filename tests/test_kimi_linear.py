@@ -141,8 +141,11 @@ def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
     the torch blocks (FUCINA_NATIVE_STEP=0): logits, the KDA states, every snapshot and the
     MLA latent rows agree closely (F32 weights: on a quantized file float noise can flip an
     activation's int8 rounding)."""
+    check_native_equals_torch(_plan_model(tmp_path_factory, Q.F32), monkeypatch)
+
+
+def check_native_equals_torch(m, monkeypatch):
     from test_qwen35 import _snapshots
-    m = _plan_model(tmp_path_factory, Q.F32)
 
     def run():
         c = m.init_cache(128)

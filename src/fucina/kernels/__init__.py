@@ -488,11 +488,13 @@ def interleave(weight) -> bool:
 
 # -- the decoder layer step ---------------------------------------------------------------
 
-_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
+_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "situ": 3}
 _MIXERS = {"attention": 0, "delta_net": 1, "mla": 2, "kda": 3}
 _FFNS = {"dense": 0, "moe": 1}
 # a MoE ffn's shared-expert and routed-norm vectors (fk_plan.h FK_MOE_SHARED_FIELDS)
 _MOE_SHARED_VECTORS = ("shexp_gate", "shexp_norm", "moe_in_norm", "router_norm", "moe_out_norm", "exp_scale")
+# kimi-k3's vectors (fk_plan.h FK_K3_FIELDS): the latent experts' norm, the residual scores
+_K3_VECTORS = ("routed_norm", "attn_res_score", "ffn_res_score", "out_res_score")
 _SLOTS = {"I": 1, "F": 1, "V": 1, "W": 8}
 
 
@@ -613,9 +615,11 @@ class DecoderPlan:
     def layer_range(self, lo: int, hi: int) -> "DecoderPlan | None":
         """A plan over layers lo..hi-1 alone (run it with `KVPointers.layer_range(lo, hi)`):
         running the ranges in turn over the same x is bitwise one run of every layer. None
-        when the layers cannot be cut (per-layer inputs, or KV shared across layers)."""
+        when the layers cannot be cut (per-layer inputs, KV shared across layers, or a
+        residual bank that spans the layers)."""
         spec = self._spec
-        if not 0 <= lo < hi <= self.n_layer or spec["n_ple"] or any(L.get("kv_from") for L in spec["layers"]):
+        if (not 0 <= lo < hi <= self.n_layer or spec["n_ple"]
+                or any(L.get("kv_from") or L.get("attn_res_score") is not None for L in spec["layers"])):
             return None
         return DecoderPlan.build(**dict(spec, layers=spec["layers"][lo:hi]))
 
@@ -637,11 +641,12 @@ class DecoderPlan:
         gptoss = _gptoss_sizes(L, n_embd)
         sizes = dict(q_norm=d, k_norm=d, v_norm=d, qkv_bias=nq + 2 * nkv, exp_scale=L.get("n_expert", 0),
                      exp_probs_b=L.get("n_expert", 0), kv_a_norm=L.get("mla_rank", 0),
-                     q_a_norm=getattr(L.get("q_a"), "out_features", 0), **_delta_sizes(L), **gptoss)
+                     q_a_norm=getattr(L.get("q_a"), "out_features", 0),
+                     routed_norm=getattr(L.get("routed_down"), "out_features", 0), **_delta_sizes(L), **gptoss)
         for name in ("attn_norm", "q_norm", "k_norm", "v_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm",
                      "qkv_bias", "conv_w", "dt_bias", "ssm_a", "ssm_norm", "ple_norm", "exp_probs_b", "kv_a_norm", "q_a_norm",
                      *gptoss,
-                     *_MOE_SHARED_VECTORS):
+                     *_MOE_SHARED_VECTORS, *_K3_VECTORS):
             v, size = L.get(name), sizes.get(name, n_embd)
             if v is not None and (v.dtype is not torch.float32 or v.dim() != 1 or not v.is_contiguous()
                                   or v.numel() != size):

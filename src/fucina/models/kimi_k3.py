@@ -21,8 +21,11 @@ KDA layers keep a `RecurrentState`, MLA layers a `LatentKV`, so prefix reuse, Co
 and speculation rewind within the snapshots' horizon; steps of up to ROWWISE_MAX rows run
 the KDA layers and the routing row by row (kda.mixer), so a verify block is bitwise its
 decode steps. The residual bank lives only inside one call's pass over the layers (every
-row's own rows of earlier layers: nothing to cache). No native layer step: the torch
-blocks serve every call.
+row's own rows of earlier layers: nothing to cache). The native layer step (`plan_layer`)
+runs every layer in one call, kimi-linear's with K3's fields: the lower-bound decay and the
+full-rank gate on the KDA mixer, the output gate on the MLA mixer, the latent experts,
+SiTU, and the bank as a per-call scratch of the step (csrc/generic/step_impl.inc); the
+torch blocks stay the reference (FUCINA_NATIVE_STEP=0).
 """
 from __future__ import annotations
 
@@ -32,9 +35,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from fucina import kernels
 from fucina.gguf import GGUFFile
-from fucina.models import delta_net, kda, llama
-from fucina.models.base import ROWWISE_MAX, Tensors, layer_tensors, rms_norm, vector
+from fucina.models import delta_net, kda, llama, mla, moe
+from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, rms_norm, vector
 from fucina.models.cache import KVCache
 from fucina.models.mla import MLAWeights, NoRope, mla_attention
 from fucina.models.moe import Experts, Routing, mix
@@ -73,6 +77,7 @@ class Layer:
             self.o_norm = t["ssm_norm"].float().contiguous()
         else:
             self.attn = MLAWeights(t, c.geometry())
+            self.k_b, self.v_b = t.get("attn_k_b"), t.get("attn_v_b")   # the native step reads the file's
         if not self.moe:
             self.gate, self.up, self.down = t["ffn_gate"], t["ffn_up"], t["ffn_down"]
             self.gate_up = llama.fuse(f, [self.gate, self.up])
@@ -107,8 +112,9 @@ class Model(llama.Model):
                                 c.expert_weights_scale) if c.n_dense_lead < c.n_layer else None)
         self.rope = NoRope()
         self.scale = 1.0 / math.sqrt(c.head_k_mla)
-        self.native_plan = None
         self._local = threading.local()   # the residual bank of the pass a thread is running
+        self._local.bank = []
+        self.native_plan = self.build_plan()
 
     # -- the block ---------------------------------------------------------------------
     def res_mix(self, cur: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
@@ -197,8 +203,10 @@ class Model(llama.Model):
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
                    cache_type: str = "f16", rewindable: bool = False) -> KVCache:
         """kda.hybrid_cache: RecurrentStates with `state_horizon` snapshots on the KDA layers,
-        LatentKVs on the MLA layers (`rewindable` changes nothing here)."""
-        return kda.hybrid_cache(self.config, capacity, dtype, cache_type, self.state_horizon)
+        LatentKVs on the MLA layers (`rewindable` changes nothing here); decode snapshots
+        every length on the torch blocks, every 4th on the native step (kimi-linear's)."""
+        stride = 4 if self.native_plan is not None and self.use_native_step and cache_type == "f16" else 1
+        return kda.hybrid_cache(self.config, capacity, dtype, cache_type, self.state_horizon, stride)
 
     def kv_bytes(self, capacity: int, cache_type: str = "f16") -> int:
         return kda.hybrid_cache_bytes(self.config, capacity, cache_type, self.state_horizon)
@@ -208,3 +216,61 @@ class Model(llama.Model):
         c = self.config
         return ([0 if r else 1 for r in c.recurrent],
                 [0 if r else (c.kv_lora_rank + c.n_rot) // 2 for r in c.recurrent])
+
+    # -- the native layer step: KDA, MLA, the ffns and the residual bank in one call ---------
+    def rope_tables(self, capacity: int = 0) -> list[Rope]:
+        """The MLA layers' "rope" dims are not rotated: the plan's table is the identity."""
+        if getattr(self, "_still", None) is None:
+            self._still = mla.still_rope(self.config.n_rot)
+        return [self._still]
+
+    def build_plan(self) -> "kernels.DecoderPlan | None":
+        """kimi-linear's plan (kimi_linear.Model.build_plan) with K3's fields (csrc/fk_plan.h
+        FK_K3_FIELDS): the lower-bound decay and the full-rank KDA gate, the MLA output gate,
+        the latent experts, SiTU, and the residual bank inside the step. None when a layer's
+        weights have no native route (the torch blocks serve the model)."""
+        c = self.config
+        if c.n_rot % 2 or (self.routing is not None and self.routing.groups > 1):
+            return None
+        layers = [self.plan_layer(i, L) for i, L in enumerate(self.layers)]
+        if any(L is None for L in layers):
+            return None
+        if c.res_block:
+            layers[-1]["out_res_score"] = self.output_score
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=max(c.n_ff, c.n_ff_exp * c.n_expert_shared), n_rot=c.n_rot, neox=False,
+            act="situ", eps=c.rms_eps, scale=self.scale, layers=layers)
+
+    def plan_layer(self, i: int, L: Layer) -> dict | None:
+        """Layer i's plan fields; None when its KDA projections are not one fused weight or
+        the decay's lower bound is not negative (the torch blocks serve the model)."""
+        c = self.config
+        res = dict(situ_beta=c.situ_beta, situ_lbeta=c.situ_linear_beta, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm)
+        if c.res_block:
+            res.update(res_bank=int(i % c.res_block == 0), attn_res_score=L.attn_score, ffn_res_score=L.ffn_score)
+        if L.kda:
+            bounded = c.gate_lower_bound > -math.inf
+            if L.w_in is None or (bounded and not c.gate_lower_bound < 0.0):   # the kernel's bound is negative
+                return None
+            d = dict(mixer="kda", kda_gate=int(bounded), kda_bound=c.gate_lower_bound if bounded else 0.0,
+                     n_head=0, n_kv=0, head_dim=0, ssm_hk=c.n_head, ssm_hv=c.n_head, ssm_dk=c.kda_head_dim,
+                     ssm_dv=c.kda_head_dim, d_conv=c.d_conv, conv_w=L.conv.reshape(-1), dt_bias=L.dt_bias.reshape(-1),
+                     ssm_a=L.a.reshape(-1), ssm_norm=L.o_norm, ssm_f_b=L.f_b, ssm_out=L.wo, ssm_in=L.w_in, **res)
+        else:
+            d = dict(mla.plan_fields(L.attn, L.k_b, L.v_b), **res)
+        if not L.moe:
+            ffn = dict(gate_up=L.gate_up) if L.gate_up is not None else dict(gate=L.gate, up=L.up)
+            return dict(d, ffn="dense", down=L.down, layer_ff=c.n_ff, **ffn)
+        r, ex, store = self.routing, L.experts, moe.store_fields(self, i)
+        if store and L.routed_down is not None:   # the step's expert store reads n_embd-wide experts only
+            return None
+        if L.sh_down is None:
+            shared = dict(layer_ff=c.n_ff)
+        else:
+            shared = dict(gate_up=L.sh_gate_up) if L.sh_gate_up is not None else dict(gate=L.sh_gate, up=L.sh_up)
+            shared.update(down=L.sh_down, layer_ff=L.sh_down.in_features)
+        return dict(d, ffn="moe", n_expert=r.n_expert, n_expert_used=r.k, n_ff_exp=c.n_ff_exp, moe_norm=int(r.norm),
+                    moe_scale=r.scale, moe_sigmoid=int(r.gating == "sigmoid"), exp_probs_b=L.exp_bias,
+                    gate_inp=L.router, gate_exps=ex.gate.whole, up_exps=ex.up.whole, down_exps=ex.down.whole,
+                    routed_down=L.routed_down, routed_up=L.routed_up, routed_norm=L.routed_norm,
+                    **shared, **store)

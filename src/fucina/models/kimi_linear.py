@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from fucina.gguf import GGUFFile
 from fucina import kernels
-from fucina.models import delta_net, kda, llama, moe
+from fucina.models import delta_net, kda, llama, mla, moe
 from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, rms_norm
 from fucina.models.cache import KVCache
-from fucina.models.mla import MLAWeights, NoRope, mla_attention, stacked_heads
+from fucina.models.mla import MLAWeights, NoRope, mla_attention
 from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.kimi_linear import GATING, KDA, MLA, Config, Schema, layer_schema  # noqa: F401
@@ -165,8 +165,7 @@ class Model(llama.Model):
         """The MLA layers' "rope" dims are not rotated: the plan's table is the identity
         (cos 1, sin 0 at every position, which rotates each pair to itself exactly)."""
         if getattr(self, "_still", None) is None:
-            self._still = Rope(self.config.n_rot, 10000.0, False)
-            self._still.inv_freq = torch.zeros_like(self._still.inv_freq)
+            self._still = mla.still_rope(self.config.n_rot)
         return [self._still]
 
     def build_plan(self) -> "kernels.DecoderPlan | None":
@@ -196,13 +195,7 @@ class Model(llama.Model):
                      dt_bias=L.dt_bias.reshape(-1), ssm_a=L.a.reshape(-1), ssm_norm=L.o_norm, ssm_f_b=L.f_b,
                      ssm_g_b=L.g_b, ssm_out=L.wo, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, **proj)
         else:
-            a = L.attn
-            g = a.g
-            d = dict(mixer="mla", n_head=g.n_head, n_kv=1, head_dim=0, mla_rank=g.kv_lora, mla_nope=g.nope,
-                     mla_rope=g.rope, mla_v=g.v_dim, attn_norm=L.attn_norm, ffn_norm=L.ffn_norm, wq=a.q, q_a=a.q_a,
-                     q_a_norm=a.q_a_norm, q_b=a.q_b, kv_a=a.kv_a, kv_a_norm=a.kv_a_norm, wo=a.wo,
-                     k_b=stacked_heads(L.k_b, a.k_b, "attn_k_b"),
-                     v_b=stacked_heads(L.v_b, a.v_b, "attn_v_b"))
+            d = dict(mla.plan_fields(L.attn, L.k_b, L.v_b), attn_norm=L.attn_norm, ffn_norm=L.ffn_norm)
         if not L.moe:
             ffn = dict(gate_up=L.gate_up) if L.gate_up is not None else dict(gate=L.gate, up=L.up)
             return dict(d, ffn="dense", down=L.down, layer_ff=c.n_ff, **ffn)

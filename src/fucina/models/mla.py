@@ -181,3 +181,22 @@ def stacked_heads(w: LinearWeight | None, t: torch.Tensor, name: str) -> LinearW
     w = LinearWeight(t.contiguous().view(torch.uint8).reshape(h * n, k * 4), GGMLType.F32, h * n, k, name)
     kernels.attach(w)
     return w
+
+
+def still_rope(n_rot: int) -> Rope:
+    """The native plan's table for "rope" dims that are not rotated: cos 1, sin 0 at every
+    position (each pair rotated to itself exactly)."""
+    rope = Rope(n_rot, 10000.0, False)
+    rope.inv_freq = torch.zeros_like(rope.inv_freq)
+    return rope
+
+
+def plan_fields(w: MLAWeights, k_b: LinearWeight | None, v_b: LinearWeight | None) -> dict:
+    """An MLA layer's mixer fields of the native plan (kernels.DecoderPlan; csrc mla_impl.inc):
+    k_b / v_b the file's attn_k_b / attn_v_b (None: the torch mixer's stacks), the output
+    gate (kimi-k3's attn_gate) when the layer has one."""
+    g = w.g
+    return dict(mixer="mla", n_head=g.n_head, n_kv=1, head_dim=0, mla_rank=g.kv_lora, mla_nope=g.nope,
+                mla_rope=g.rope, mla_v=g.v_dim, wq=w.q, q_a=w.q_a, q_a_norm=w.q_a_norm, q_b=w.q_b, kv_a=w.kv_a,
+                kv_a_norm=w.kv_a_norm, wo=w.wo, mla_gate=w.gate, k_b=stacked_heads(k_b, w.k_b, "attn_k_b"),
+                v_b=stacked_heads(v_b, w.v_b, "attn_v_b"))
