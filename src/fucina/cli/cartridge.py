@@ -62,26 +62,29 @@ def cmd_train(args) -> int:
 def _training_args(s) -> None:
     from fucina.cli.common import positive
 
+    # the defaults are the recipe measured on the quality benchmark (docs/CARTRIDGES.md):
+    # 64 two-turn conversations, five passes of one-conversation Adam steps in channel units
     s.add_argument("--conversations", type=positive, default=64,
                    help="self-study conversations (default 64)")
-    s.add_argument("--accum", type=positive, default=4, help="conversations per optimizer step (default 4)")
+    s.add_argument("--turns", type=positive, default=2,
+                   help="question-answer exchanges per conversation: bot A asks again, about something else, "
+                        "after each answer (default 2)")
+    s.add_argument("--accum", type=positive, default=1, help="conversations per optimizer step (default 1)")
     s.add_argument("--batch", type=positive, default=8,
                    help="self-study conversations generated together in lockstep (default 8; "
                         "the result does not depend on it)")
-    s.add_argument("--epochs", type=positive, default=1,
-                   help="passes over the conversations (each made once; default 1)")
-    s.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
-    s.add_argument("--channel-lr", action="store_true",
-                   help="Adam in units of each (head, channel)'s size: --lr is then the step as a fraction "
-                        "of a channel's size (default: one absolute step for every channel)")
+    s.add_argument("--epochs", type=positive, default=5,
+                   help="passes over the conversations (each made once; default 5)")
+    s.add_argument("--lr", type=float, default=1e-2,
+                   help="Adam learning rate (default 1e-2: a hundredth of a channel's size a step)")
+    s.add_argument("--channel-lr", action=argparse.BooleanOptionalAction, default=True,
+                   help="Adam in units of each (head, channel)'s size: --lr is the step as a fraction of a "
+                        "channel's size (default); --no-channel-lr: one absolute step for every channel")
+    s.add_argument("--decay", action="store_true", help="the learning rate falls linearly to zero over the run")
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
     s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
-    s.add_argument("--decay", action="store_true", help="the learning rate falls linearly to zero over the run")
-    s.add_argument("--turns", type=positive, default=1,
-                   help="question-answer exchanges per conversation: bot A asks again, about something else, "
-                        "after each answer (default 1)")
 
 
 def _config(args, **kw):
