@@ -704,8 +704,9 @@ def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out:
         log(f"resuming after {run.prog.done} conversations ({run.prog.steps} steps)")
     trainable = Trainable(model)
     try:
-        log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations, "
-            f"{cfg.accum} per step, lr {cfg.lr}, corpus {len(run.study.ids)} tokens, generated "
+        log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations "
+            f"of {cfg.turns} turn(s), {cfg.epochs} pass(es), {cfg.accum} per step, lr {cfg.lr}"
+            f"{' in channel units' if cfg.scaled else ''}{', decaying' if cfg.decay else ''}, corpus {len(run.study.ids)} tokens, generated "
             f"{cfg.batch if run.study.batch_invariant() else 1} at a time")
         run.advance(run.total())
     finally:
