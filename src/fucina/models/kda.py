@@ -128,3 +128,14 @@ def hybrid_cache_bytes(c, capacity: int, cache_type: str, horizon: int) -> int:
     d = c.kda_head_dim
     state = (c.d_conv - 1) * 3 * c.n_head * d + c.n_head * d * d
     return int(latent + sum(c.recurrent) * state * 4 * (1 + horizon))
+
+
+def plan_layers(model) -> list | None:
+    """A KDA hybrid's per-layer native plan entries (`model.plan_layer`), or None where the
+    model has no native route: an odd rope width, grouped expert routing, or a layer the
+    plan cannot hold."""
+    c = model.config
+    if c.n_rot % 2 or (model.routing is not None and model.routing.groups > 1):
+        return None
+    layers = [model.plan_layer(i, L) for i, L in enumerate(model.layers)]
+    return None if any(L is None for L in layers) else layers

@@ -230,10 +230,8 @@ class Model(llama.Model):
         the latent experts, SiTU, and the residual bank inside the step. None when a layer's
         weights have no native route (the torch blocks serve the model)."""
         c = self.config
-        if c.n_rot % 2 or (self.routing is not None and self.routing.groups > 1):
-            return None
-        layers = [self.plan_layer(i, L) for i, L in enumerate(self.layers)]
-        if any(L is None for L in layers):
+        layers = kda.plan_layers(self)
+        if layers is None:
             return None
         if c.res_block:
             layers[-1]["out_res_score"] = self.output_score

@@ -170,10 +170,8 @@ class Model(llama.Model):
 
     def build_plan(self) -> "kernels.DecoderPlan | None":
         c = self.config
-        if c.n_rot % 2 or (self.routing is not None and self.routing.groups > 1):
-            return None
-        layers = [self.plan_layer(i, L) for i, L in enumerate(self.layers)]
-        if any(L is None for L in layers):
+        layers = kda.plan_layers(self)
+        if layers is None:
             return None
         return kernels.DecoderPlan.build(
             n_embd=c.n_embd, n_ff=max(c.n_ff, c.n_ff_exp * c.n_expert_shared), n_rot=c.n_rot, neox=False,
