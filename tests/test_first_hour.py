@@ -258,8 +258,10 @@ class Pty:
 
 def test_repl_banner_commands_ctrl_c_and_history(models, tmp_path):
     env = env_for(models, FUCINA_CACHE=str(tmp_path))
+    # a fixed seed: the random model's reply runs its 3000 tokens (a fresh seed's may end
+    # before the Ctrl-C reaches it, which then lands at the prompt)
     t = Pty([sys.executable, "-m", "fucina", "chat", models["chat"], "--repl", "--gen", "3000",
-             "--ctx", "4096", "-t", "1"], env)
+             "--ctx", "4096", "-t", "1", "--seed", "1"], env)
     try:
         banner = t.read_until(b"> ")
         assert b"fucina chat: chat.gguf" in banner and b"/reset" in banner and b"Ctrl-C" in banner
