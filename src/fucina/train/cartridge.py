@@ -427,11 +427,12 @@ class SelfStudy:
                     if b is None or st is None:
                         continue
                     (c.b_msgs, c.b_ids), (c.s_msgs, c.s_ids) = b, st
-                if not fits(s, len(c.b_ids) + cfg.max_answer + 1) and (turn or len(c.b_ids) + 1 > caches[s].capacity):
+                if not fits(s, len(c.b_ids) + cfg.max_answer + 1):
                     if turn:
-                        continue
-                    raise CartridgeError(f"bot B's prompt of {len(c.b_ids)} tokens does not fit the model's "
-                                         f"context of {n_ctx} (a smaller --chunk or --max-question)")
+                        continue    # a later turn that does not fit ends the conversation
+                    if len(c.b_ids) + 1 > caches[s].capacity:
+                        raise CartridgeError(f"bot B's prompt of {len(c.b_ids)} tokens does not fit the "
+                                             f"model's context of {n_ctx} (a smaller --chunk or --max-question)")
                 c.q_ids = q_ids
                 answering.append(s)
             logits = [prefill(model, caches[s], histories[s], convs[s].b_ids)[0] for s in answering]
@@ -453,7 +454,6 @@ class SelfStudy:
                 c.rows += [len(c.s_ids) - 1 + j for j in range(len(toks[r]))]
                 c.tokens += toks[r]
                 c.logprobs += lps[r]
-                c.ids = c.s_ids + answer
                 c.answers.append(self.tok.decode(answer, skip_special=True))
                 c.turns += 1
                 c.said = answer   # bot B's and the student's next turn follow it
@@ -463,7 +463,7 @@ class SelfStudy:
                     if nxt is not None:
                         c.a_msgs, c.a_ids = nxt
                         live.append(s)
-        return [Sample(c.ids, c.rows, c.tokens, c.logprobs, question=c.question, answer=c.answers[0],
+        return [Sample(c.s_ids + c.said, c.rows, c.tokens, c.logprobs, question=c.question, answer=c.answers[0],
                        kind=c.kind if c.turns == 1 else f"{c.kind} x{c.turns}") for c in convs]
 
 
@@ -483,7 +483,6 @@ class _Conversation:
     said: list = field(default_factory=list)     # bot B's last answer
     question: str = ""
     answers: list = field(default_factory=list)
-    ids: list = field(default_factory=list)
     rows: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
