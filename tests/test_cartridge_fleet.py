@@ -170,3 +170,80 @@ def test_cli_trains_a_fleet_and_a_single_cartridge_alike(tiny, tmp_path, capsys)
     assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v) if x is not None)
     assert main(["cartridge", "fleet", "list", fleet.root]) == 0
     assert "plenn" in capsys.readouterr().out
+
+
+def test_retrieval_picks_composes_and_keeps_its_index(tiny, tmp_path, capsys):
+    """A request naming no cartridge runs behind the one its text is closest to (a
+    document's own text: that document, cosine 1), or the top two composed in manifest
+    order, exactly as the Python API behind those files; every choice of n > 1 goes
+    behind it; the saved index is reused, and rebuilt when a document changes."""
+    from starlette.testclient import TestClient
+
+    from fucina.cli.main import main
+    from fucina.serve import Server
+    from fucina.serve.app import create_app, query_text
+    from fucina.text.cartridge import FleetPrefixes
+    from fucina.text.retrieval import INDEX, FleetIndex, chunks_of, embed
+
+    path, _, _ = tiny
+    fleet = make_fleet(tmp_path, p=16)
+    llm = fucina.load(path, n_ctx=512)
+    for e in fleet.entries:
+        ids = llm.tokenize(fleet.corpus(e))[:e.p]
+        Cartridge.capture(llm.model, ids, corpus=ids).save(fleet.path(e.file))
+    files = {e.name: fleet.path(e.file) for e in fleet.entries}
+    prefixes = FleetPrefixes(fleet.root, llm.model, tokenizer=llm.tokenizer, top_k=1)
+    index = prefixes.build_index()
+    assert index.names == list(DOCS) and (tmp_path / "fleet" / INDEX).exists()
+    for name, text in DOCS.items():
+        chunk = chunks_of(llm.tokenizer.encode(text, add_special=False, parse_special=False), 128)[-1]
+        top = index.scores(embed(llm.model, chunk))        # one of its own chunks: cosine 1
+        assert top[0][0] == name and top[0][1] == pytest.approx(1.0, abs=1e-5)
+        assert index.pick(llm.model, llm.tokenizer, text, 1) == [name]
+    two = index.pick(llm.model, llm.tokenizer, DOCS["tarn"], 2)
+    assert "tarn" in two and two == [n for n in DOCS if n in two]       # manifest order
+    assert chunks_of(range(300), 128) == [list(range(128)), list(range(128, 256)), list(range(256, 300))]
+    assert chunks_of(range(270), 128) == [list(range(128)), list(range(128, 270))]   # a short tail joins
+
+    def api(names, text):
+        llm2 = fucina.load(path, n_ctx=512, cartridge=[files[n] for n in names])
+        return llm2.chat(max_tokens=6, temperature=0).send(text)
+
+    server = Server.from_llm(fucina.load(path, n_ctx=512), slots=1, fleet=prefixes)
+    with TestClient(create_app(server)) as c:
+        def ask(text, **kw):
+            r = c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 6, "temperature": 0, **kw,
+                                                      "messages": [{"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            return [ch["message"]["content"] for ch in r.json()["choices"]]
+        assert ask(DOCS["skerry"]) == [api(["skerry"], DOCS["skerry"])] != [api(["plenn"], DOCS["skerry"])]
+        assert ask(DOCS["plenn"], n=2) == [api(["plenn"], DOCS["plenn"])] * 2
+        assert ask("hello", cartridge=["tarn", "plenn"]) == [api(["plenn", "tarn"], "hello")]
+        prefixes.top_k = 2
+        assert ask(DOCS["tarn"]) == [api(two, DOCS["tarn"])]
+    assert query_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                                    {"role": "assistant", "content": "b"}]}) == "a"
+    assert query_text({"prompt": "c"}) == "c" and query_text({"input": "d"}) == "d"
+
+    # the saved index is reused; an edited document makes it stale, and it is rebuilt
+    mtime = (tmp_path / "fleet" / INDEX).stat().st_mtime_ns
+    again = FleetPrefixes(fleet.root, llm.model, tokenizer=llm.tokenizer, top_k=1).build_index()
+    assert (tmp_path / "fleet" / INDEX).stat().st_mtime_ns == mtime and torch.equal(again.vectors, index.vectors)
+    with open(fleet.path(fleet.get("tarn").corpus), "w") as fh:
+        fh.write("Tarn Hollow now grows only rye. " * 5)
+    log = []
+    FleetPrefixes(fleet.root, llm.model, tokenizer=llm.tokenizer, top_k=1).build_index(log=log.append)
+    assert any("stale" in s for s in log)
+    other = write_model(tmp_path / "other.gguf", "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32, layers=2,
+                        qtype=Q.F32, seed=7)
+    log.clear()
+    FleetPrefixes(fleet.root, load_model(other), tokenizer=llm.tokenizer, top_k=1).build_index(log=log.append)
+    assert any("stale" in s for s in log)       # same identity, other weights: the probe tells
+    (tmp_path / "fleet" / INDEX).write_bytes(b"junk")
+    with pytest.raises(CartridgeError, match="cannot read the fleet index"):
+        FleetIndex.load(str(tmp_path / "fleet" / INDEX))
+
+    assert main(["cartridge", "fleet", "query", str(path), fleet.root, DOCS["skerry"], "--json",
+                 "--top-k", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["scores"][0]["name"] == "skerry" and "skerry" in res["picked"] and len(res["picked"]) == 2

@@ -1,6 +1,6 @@
-"""`fucina cartridge equiv|train`: the equivalence gate and self-study training of a
-cartridge (a document compressed into a trained KV prefix), and the `--cartridge`
-option of run, chat and serve."""
+"""`fucina cartridge equiv|train|fleet`: the equivalence gate and self-study training of a
+cartridge (a document compressed into a trained KV prefix), fleets of them (add, list,
+train, query), and the `--cartridge` option of run, chat and serve."""
 from __future__ import annotations
 
 import argparse
@@ -144,6 +144,29 @@ def cmd_fleet_train(args) -> int:
     return 0
 
 
+def cmd_fleet_query(args) -> int:
+    from fucina.cli.main import _load, _tokenizer
+    from fucina.text.cartridge import FleetPrefixes
+    from fucina.text.retrieval import embed
+
+    model = _load(args)
+    fleet = FleetPrefixes(args.fleet, model, tokenizer=_tokenizer(model), top_k=args.top_k)
+    if not fleet.names():
+        raise FucinaError(f"the fleet {args.fleet} has no trained cartridge yet (fucina cartridge fleet train)")
+    index = fleet.build_index(log=lambda s: print(s, file=sys.stderr, flush=True))
+    ids = fleet.tokenizer.encode(args.text, add_special=False, parse_special=False)
+    if not ids:
+        raise FucinaError("the query is empty")
+    ranked = index.scores(embed(model, ids))
+    picked = fleet.index.pick(model, fleet.tokenizer, args.text, args.top_k)
+    if args.json:
+        print(json.dumps({"picked": picked, "scores": [{"name": n, "score": round(v, 4)} for n, v in ranked]}))
+        return 0
+    for n, v in ranked:
+        print(f"{v:7.4f}  {n}{'  <- picked' if n in picked else ''}")
+    return 0
+
+
 def add_parser(sub) -> None:
     from fucina.cli.common import count, positive
 
@@ -204,6 +227,16 @@ def add_parser(sub) -> None:
     f.add_argument("--only", action="append", metavar="NAME", help="train only these documents (repeatable)")
     f.add_argument("--threads", "-t", type=positive)
     f.set_defaults(func=cmd_fleet_train)
+
+    f = fs.add_parser("query", help="which trained cartridges retrieval picks for a text (what serve --fleet "
+                                    "does with a request that names none), with every document's score")
+    f.add_argument("model", help=model_help)
+    f.add_argument("fleet")
+    f.add_argument("text", help="the query (a request's last user message)")
+    f.add_argument("--top-k", type=positive, default=1, help="cartridges picked (default 1)")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--threads", "-t", type=positive)
+    f.set_defaults(func=cmd_fleet_query)
 
     def fleet_action(args):
         s.print_help()

@@ -1,6 +1,6 @@
 """`fucina serve [MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
 [--allow-host H ...] [--ctx N] [--slots N] [--batch N] [--chunk N] [--kv-budget N] [--queue N]
-[--cartridge C] [--fleet DIR [--fleet-ram MB]]`.
+[--cartridge C] [--fleet DIR [--fleet-ram MB] [--fleet-top-k K]]`.
 
 OpenAI- and Anthropic-compatible HTTP server (see fucina.serve). Binds to loopback
 unless --host says otherwise.
@@ -81,8 +81,13 @@ def add_parser(sub) -> None:
                         "'speculative': false opts out; an OpenAI 'prediction' turns it on)")
     s.add_argument("--spec-max", type=int, default=16, metavar="N", help="max draft tokens per pass (16)")
     s.add_argument("--fleet", metavar="DIR",
-                   help="serve a cartridge fleet: a request whose 'model' (or 'cartridge' field) names one "
-                        "of its trained cartridges runs behind it (fucina cartridge fleet)")
+                   help="serve a cartridge fleet (fucina cartridge fleet): a request whose 'model' names one of "
+                        "its trained cartridges, or whose 'cartridge' field names one or several, runs behind "
+                        "them; any other request runs behind the cartridges its last user message is closest "
+                        "to (retrieval over the documents' chunks, indexed at startup)")
+    s.add_argument("--fleet-top-k", type=int, default=1, metavar="K",
+                   help="cartridges retrieval composes for a request that names none (default 1; "
+                        "0: no retrieval, such requests run behind --cartridge or nothing)")
     s.add_argument("--fleet-ram", type=positive, default=1024, metavar="MB",
                    help="RAM for loaded fleet cartridges; the least recently used are dropped (default 1024)")
     s.add_argument("--threads", "-t", type=positive)
@@ -109,11 +114,16 @@ def cmd_serve(args) -> int:
     fleet = None
     if getattr(args, "fleet", None):
         from fucina.text.cartridge import FleetPrefixes
-        fleet = FleetPrefixes(args.fleet, llm.model, args.fleet_ram << 20)
+        if args.fleet_top_k < 0:
+            raise FucinaError(f"--fleet-top-k must be 0 or more, got {args.fleet_top_k}")
+        fleet = FleetPrefixes(args.fleet, llm.model, args.fleet_ram << 20, tokenizer=llm.tokenizer,
+                              top_k=args.fleet_top_k)
         for name in fleet.names():      # a file for another model or a corrupt one fails here, not per request
             fleet.prefix(name)
         if not fleet.names():
             raise FucinaError(f"the fleet {args.fleet} has no trained cartridge yet (fucina cartridge fleet train)")
+        if fleet.top_k:
+            fleet.build_index(log=lambda s: print(f"fucina: {s}", file=sys.stderr))
     server = Server.from_llm(llm, slots=args.slots, batch=args.batch, chunk=args.chunk,
                              kv_budget=args.kv_budget, spec=args.spec, spec_max=args.spec_max,
                              api_key=args.api_key,

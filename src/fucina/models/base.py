@@ -532,6 +532,12 @@ class DecoderBase:
     def forward_step_all_logits(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
         return self.head(self._hidden(cache, tokens, pos0))
 
+    @torch.inference_mode()
+    def forward_hidden(self, cache: KVCache, tokens: Tokens, pos0: int) -> torch.Tensor:
+        """As forward_step, returning every new position's last-layer row [m, n_embd]
+        (before the final norm): what embeddings pool (text.retrieval)."""
+        return self._hidden(cache, tokens, pos0)
+
     def forward_last_logits(self, tokens: Tokens) -> torch.Tensor:
         n = len(tokens)
         return self.forward_step(self.init_cache(max(n, 1)), tokens, 0)

@@ -16,7 +16,8 @@ Policy, in one place:
   responses carry its id (clients such as agent frameworks send their own default
   names; a server with one model has nothing else to route to); with a cartridge
   fleet (`fleet`), a `model` that names one of its cartridges, or a `cartridge` field
-  (which must name one), puts that request behind that cartridge;
+  (which must name one, or list several to compose), puts that request behind them; a
+  request naming none goes behind the cartridges retrieval picks for its text;
 - with an API key, every /v1 route needs `Authorization: Bearer KEY` or
   `x-api-key: KEY` (/health stays open); with `allow_hosts`, a request whose Host
   header names another host is refused with 403 (the DNS-rebinding guard).
@@ -50,11 +51,32 @@ MAX_DEPTH = 64            # JSON nesting levels a request may use (real ones nee
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
+def query_text(body: dict) -> str:
+    """What retrieval reads of a request: its last user message's text (chat, Responses,
+    Anthropic), else its prompt (completions)."""
+    def text(content) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "\n".join(text(c.get("text", c.get("content")) if isinstance(c, dict) else c) for c in content)
+        return ""
+
+    for key in ("messages", "input"):
+        msgs = body.get(key)
+        if isinstance(msgs, str):
+            return msgs
+        if isinstance(msgs, list):
+            for m in reversed(msgs):
+                if isinstance(m, dict) and m.get("role", "user") == "user":
+                    return text(m.get("content"))
+    return text(body.get("prompt"))
+
+
 class Server:
     def __init__(self, engine: Engine, *, api_key: str | None = None, allow_hosts: Iterable[str] = (),
                  max_queue: int = 64, model_id: str | None = None, fleet=None):
         self.engine = engine
-        self.fleet = fleet     # text.cartridge.FleetPrefixes: a cartridge per request, by name
+        self.fleet = fleet     # text.cartridge.FleetPrefixes: cartridges per request, named or retrieved
         self.scheduler = Scheduler(engine, max_queue)
         self.api_key = api_key or None
         self.allow_hosts = {h.lower().strip() for h in allow_hosts if h.strip()}
@@ -151,18 +173,37 @@ class Server:
         return body
 
     def pick_cartridge(self, body: Any, turn: Turn) -> None:
-        """With a fleet: the request's `cartridge` field, else a `model` naming one of its
-        cartridges, puts the request behind that cartridge (else the server's default)."""
+        """With a fleet: the request's `cartridge` field (a name or a list of names), else a
+        `model` naming one of its cartridges, puts the request behind it; a request naming
+        none is put behind the cartridges retrieval picks for its last user message (on the
+        engine's thread, which alone runs the model)."""
         if self.fleet is None or not isinstance(body, dict):
             return
-        name = body.get("cartridge")
-        if name is not None and (not isinstance(name, str) or name not in self.fleet):
-            raise ApiError(400, f"'cartridge': the fleet has no trained cartridge {name!r} "
-                                f"(it serves {', '.join(self.fleet.names()) or 'none'})", param="cartridge")
-        if name is None and body.get("model") in self.fleet:
-            name = body["model"]
-        if name is not None:
-            turn.req.cartridge = self.fleet.prefix(name)
+        named = body.get("cartridge")
+        if named is not None:
+            names = [named] if isinstance(named, str) else named
+            if not isinstance(names, list) or not names or \
+                    not all(isinstance(n, str) and n in self.fleet for n in names):
+                raise ApiError(400, f"'cartridge': the fleet has no trained cartridge {named!r} "
+                                    f"(it serves {', '.join(self.fleet.names()) or 'none'})", param="cartridge")
+        elif body.get("model") in self.fleet:
+            names = [body["model"]]
+        elif self.fleet.top_k == 0:      # no retrieval: the server's own cartridge, if any
+            return
+        else:
+            names = None
+        if names is not None:
+            prefix = self.fleet.prefix(names)
+            pick = lambda: prefix   # noqa: E731
+        else:
+            text, chosen = query_text(body), []
+
+            def pick():
+                if not chosen:
+                    chosen.append(self.fleet.retrieve(text))
+                return chosen[0]
+        for t in turns_of(turn):    # every choice of an n > 1 request, one retrieval for all
+            t.req.cartridge = pick
 
     def error_response(self, e: BaseException, dialect: str) -> JSONResponse:
         err = self.api_error(e)

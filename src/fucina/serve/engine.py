@@ -74,7 +74,8 @@ class GenRequest:
     references: list[list[int]] = field(default_factory=list)   # drafts may copy these (a prediction)
     prefix: int = 0                     # leading ids that stand for a cartridge's rows (not prompt tokens)
     diffusion: Any = None               # a diffusion model's text.diffusion.DiffusionConfig (serve.diffusion)
-    cartridge: Any = None               # a text.cartridge.Prefix this request starts behind (serve --fleet)
+    cartridge: Any = None               # a text.cartridge.Prefix this request starts behind (serve --fleet),
+                                        # or a callable that returns one on the engine's thread (retrieval)
 
 
 @dataclass
@@ -421,7 +422,10 @@ class Engine:
                 self.metrics.idle()
 
     def prefix_of(self, req: GenRequest):
-        """The cartridge a request starts behind: its own (a fleet's), else the server's."""
+        """The cartridge a request starts behind: its own (a fleet's), else the server's.
+        A callable one (a fleet retrieval) is called here: this thread alone runs the model."""
+        if callable(req.cartridge):
+            req.cartridge = req.cartridge()
         return req.cartridge or self.prefix
 
     def slot_speculation(self, slot: Slot, references: Sequence[Sequence[int]], prefix=None):
@@ -454,10 +458,10 @@ class Engine:
             job.sink(Finished(None))
             return None
         slot = None
-        prefix = self.prefix_of(job.req)
-        if prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
-            job.req.ids, job.req.prefix = prefix.add(job.req.ids), prefix.p
         try:
+            prefix = self.prefix_of(job.req)
+            if prefix is not None and not job.req.prefix:   # positions 0..p-1: the cartridge
+                job.req.ids, job.req.prefix = prefix.add(job.req.ids), prefix.p
             slot = self.pool.acquire(job.req.ids)
             s = _Stream(self, job, slot)
         except Exception as e:             # isolated: this request fails alone

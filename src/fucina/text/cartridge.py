@@ -75,11 +75,19 @@ class Prefix:
 class FleetPrefixes:
     """A fleet's trained cartridges as serving prefixes (`fucina serve --fleet`), loaded
     on first use and kept under `budget` bytes of RAM, the least recently used dropped
-    first (reloaded from its file when asked for again)."""
+    first (reloaded from its file when asked for again). A request names its cartridges,
+    or `retrieve` picks the `top_k` its text is closest to (text.retrieval, which needs
+    the model and its tokenizer; top_k 0: none is retrieved); several compose in
+    manifest order into one prefix."""
 
-    def __init__(self, fleet: "Fleet | str | os.PathLike", model=None, budget: int = 1 << 30):
+    def __init__(self, fleet: "Fleet | str | os.PathLike", model=None, budget: int = 1 << 30,
+                 tokenizer=None, top_k: int = 0):
         self.fleet = fleet if isinstance(fleet, Fleet) else Fleet.open(fleet)
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
+        if top_k < 0:
+            raise CartridgeError("top_k is the number of cartridges retrieval composes (0: no retrieval)")
+        self.top_k = top_k
+        self.index = None          # text.retrieval.FleetIndex, made by build_index()
         self.resident: Resident[Prefix] = Resident(budget, self._load, lambda pr: 4 * sum(
             t.numel() for t in pr.cart.k + pr.cart.v if t is not None))
 
@@ -90,19 +98,48 @@ class FleetPrefixes:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self.names()
 
-    def prefix(self, name: str) -> Prefix:
-        return self.resident.get(name)
+    def prefix(self, name: str | Sequence[str]) -> Prefix:
+        """The prefix of one cartridge, or of several composed in manifest order."""
+        names = [name] if isinstance(name, str) else list(name)
+        if not names:
+            raise CartridgeError("no cartridge named")
+        order = self.names()
+        for n in names:
+            if n not in order:
+                raise CartridgeError(f"the fleet has no trained cartridge {n!r} "
+                                     f"(it serves {', '.join(order) or 'none'})")
+        return self.resident.get("+".join(n for n in order if n in names))   # '+' is in no name
 
-    def _load(self, name: str) -> Prefix:
+    def build_index(self, log=lambda s: None):
+        """The retrieval index over the trained documents (the saved one when current)."""
+        from fucina.text.retrieval import fleet_index
+
+        if self.model is None or self.tokenizer is None:
+            raise CartridgeError("retrieval over a fleet needs the serving model and its tokenizer")
+        self.index = fleet_index(self.model, self.tokenizer, self.fleet, self.names(), log=log)
+        return self.index
+
+    def retrieve(self, text: str) -> Prefix:
+        """The prefix of the top_k cartridges `text` is closest to (runs the model)."""
+        if self.index is None or self.index.names != self.names():
+            self.build_index()
+        return self.prefix(self.index.pick(self.model, self.tokenizer, text, self.top_k))
+
+    def _load(self, key: str) -> Prefix:
         import zlib
 
-        e = self.fleet.get(name)
+        names = key.split("+")
+        if len(names) > 1:     # composed: its own sentinel ids, from its parts' (above any one's)
+            parts = [self.resident.get(n) for n in names]
+            tag = (1 << 24) | (zlib.crc32(repr([pr.ids[0] for pr in parts]).encode()) & 0xFFFFFF)
+            return Prefix(compose([pr.cart for pr in parts]), tag)
+        e = self.fleet.get(key)
         path = self.fleet.path(e.file)
         if not os.path.exists(path):
-            raise CartridgeError(f"the fleet's cartridge {name!r} is not trained yet ({path} does not exist)")
+            raise CartridgeError(f"the fleet's cartridge {key!r} is not trained yet ({path} does not exist)")
         cart = Cartridge.load(path)
         if self.model is not None:
             cart.check_model(self.model)
         st = os.stat(path)   # a retrained file gets new sentinel ids: no slot reuses the old rows
-        tag = ((self.fleet.index(name) + 1) << 12) | (zlib.crc32(f"{st.st_mtime_ns}:{st.st_size}".encode()) & 0xFFF)
+        tag = ((self.fleet.index(key) + 1) << 12) | (zlib.crc32(f"{st.st_mtime_ns}:{st.st_size}".encode()) & 0xFFF)
         return Prefix(cart, tag)
