@@ -30,7 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--doc", required=True)
     ap.add_argument("--questions", required=True, help="JSON list of [question, answer]")
-    ap.add_argument("--cartridge", help="a trained cartridge (default: corpus-initialised, untrained)")
+    ap.add_argument("--cartridge", action="append", default=[],
+                    help="a trained cartridge (default: corpus-initialised, untrained); repeat to compose "
+                         "several in order, a .txt standing for that document's untrained first --p rows")
     ap.add_argument("--p", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=3)
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
 
     import fucina
     from fucina import kernels
-    from fucina.models.cartridge import Cartridge
+    from fucina.models.cartridge import Cartridge, compose
     from fucina.text.api import LLM
     from fucina.text.chat_template import prompt_ids
 
@@ -53,7 +55,12 @@ def main(argv=None) -> int:
     llm = fucina.load(args.model, n_ctx=4096)
     model, tok = llm.model, llm.tokenizer
     doc_ids = tok.encode(doc, add_special=True)
-    cart = Cartridge.load(args.cartridge) if args.cartridge else Cartridge.capture(model, doc_ids[:args.p])
+    def one(spec: str) -> Cartridge:       # a cartridge file, or a document's own first p rows
+        if spec.endswith(".safetensors"):
+            return Cartridge.load(spec)
+        return Cartridge.capture(model, tok.encode(open(spec, encoding="utf-8").read(), add_special=True)[:args.p])
+    cart = compose([one(c) for c in args.cartridge]) if args.cartridge else \
+        Cartridge.capture(model, doc_ids[:args.p])
     cart.check_model(model)
     icl_system = f"Answer using the following document.\n\n{doc}"
     render = lambda msgs: prompt_ids(tok, llm.template.render(msgs, add_generation_prompt=True,  # noqa: E731

@@ -247,3 +247,47 @@ def test_retrieval_picks_composes_and_keeps_its_index(tiny, tmp_path, capsys):
                  "--top-k", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["scores"][0]["name"] == "skerry" and "skerry" in res["picked"] and len(res["picked"]) == 2
+
+
+def test_fleet_training_with_distractors_does_not_depend_on_the_budget(tiny, tmp_path):
+    """--distract in a fleet: each document trains beside the others' corpus-initialised
+    rows; those are fixed, so one resident at a time still equals all resident."""
+    _, model, tok = tiny
+    docs = {k: DOCS[k] for k in ("plenn", "skerry")}
+    cfg = SelfStudyConfig(conversations=2, accum=1, chunk_tokens=40, max_question=6, max_answer=6, batch=2,
+                          distract=1.0)
+    tight, roomy = make_fleet(tmp_path / "tight", docs), make_fleet(tmp_path / "roomy", docs)
+    train_fleet(model, tok, tight, cfg, budget=1, turn=1)
+    train_fleet(model, tok, roomy, cfg, budget=1 << 30, turn=2)
+    plain = make_fleet(tmp_path / "plain", docs)
+    train_fleet(model, tok, plain, SelfStudyConfig(**vars(cfg) | {"distract": 0.0}), budget=1 << 30)
+    for name in docs:
+        a, b, c = (Cartridge.load(f.path(f.get(name).file)) for f in (tight, roomy, plain))
+        assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v))
+        assert not all(torch.equal(x, y) for x, y in zip(a.k + a.v, c.k + c.v))
+
+
+def test_cli_distractors_are_documents_first_rows_or_files(tiny, tmp_path, capsys):
+    from fucina.cli.main import main
+
+    path, model, tok = tiny
+    (tmp_path / "a.txt").write_text(DOCS["plenn"])
+    (tmp_path / "b.txt").write_text(DOCS["skerry"])
+    opts = ["--conversations", "2", "--epochs", "1", "--accum", "1", "--chunk", "40", "--max-question", "6",
+            "--max-answer", "6", "--batch", "2", "-t", "1", "--p", "12", "--distract", "1"]
+    assert main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "a.txt"), "--out",
+                 str(tmp_path / "a.safetensors"), "--distractor", str(tmp_path / "b.txt"), *opts]) == 0
+    other = Cartridge.capture(model, tok.encode(DOCS["skerry"], add_special=True, parse_special=False)[:12])
+    other.save(tmp_path / "b.safetensors")
+    assert main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "a.txt"), "--out",
+                 str(tmp_path / "a2.safetensors"), "--distractor", str(tmp_path / "b.safetensors"), *opts]) == 0
+    cfg = SelfStudyConfig(p=12, conversations=2, epochs=1, accum=1, chunk_tokens=40, max_question=6, max_answer=6,
+                          batch=2, distract=1.0, scaled=True, turns=2, lr=1e-2)
+    want = train_cartridge(model, tok, DOCS["plenn"], cfg, distractors=[other])
+    for f in ("a.safetensors", "a2.safetensors"):
+        got = Cartridge.load(tmp_path / f)
+        assert all(torch.equal(x, y) for x, y in zip(got.k + got.v, want.k + want.v))
+    with pytest.raises(SystemExit):
+        main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "a.txt"), "--out",
+              str(tmp_path / "x.safetensors"), "--distract", "1.5"])
+    capsys.readouterr()

@@ -374,3 +374,47 @@ def test_decay_takes_the_rate_down_linearly_and_resumes(tiny, tmp_path, monkeypa
     stopped_after(4, model, tok, SelfStudyConfig(**kw), str(tmp_path / "b.st"))
     resumed = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), out=str(tmp_path / "b.st"), resume=True)
     assert all(x is None or torch.equal(x, y) for x, y in zip(whole.k + whole.v, resumed.k + resumed.v))
+
+
+def test_distractors_mix_in_by_visit_and_train_only_the_rows(tiny, tmp_path):
+    """--distract: a visit's distractor (and its side) is a function of (seed, visit);
+    the student reads it composed beside the rows exactly as serving composes them;
+    gradients reach only the rows; distract 0 is the plain run bit for bit; resume
+    refuses another distract setting."""
+    from fucina.models.cartridge import compose
+    from fucina.train.cartridge import distractor
+
+    model, tok = tiny
+    cfg = SelfStudyConfig(distract=0.5, seed=3)
+    picks = [distractor(cfg, v, 3) for v in range(400)]
+    assert picks == [distractor(cfg, v, 3) for v in range(400)]
+    mixed = [d for d in picks if d is not None]
+    assert 150 < len(mixed) < 250 and {i for i, _ in mixed} == {0, 1, 2} and {b for _, b in mixed} == {True, False}
+    assert distractor(cfg, 5, 0) is None and distractor(SelfStudyConfig(), 5, 3) is None
+
+    other = Cartridge.capture(model, tok.encode("The lighthouse keeper owns nine cats. " * 3)[:10])
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2, conversations=4)
+    study = SelfStudy(model, tok, DOC, SelfStudyConfig(**kw))
+    s = study.sample(0)
+    params = CartridgeParams(Cartridge.capture(model, tok.encode(DOC)[:12]))
+    for before in (True, False):
+        loss = sample_loss(model, params, s, beside=(other, before))
+        own = params.cartridge()
+        served = compose([other, own] if before else [own, other])
+        want = distill_loss(student_logprobs(model, served.k, served.v, s.ids, s.rows), s.tokens, s.logprobs)
+        assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(loss, sample_loss(model, params, s))
+        grads = torch.autograd.grad(loss, params.params())
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+    plain = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw))
+    unused = train_cartridge(model, tok, DOC, SelfStudyConfig(**kw), distractors=[other])
+    mixed = train_cartridge(model, tok, DOC, SelfStudyConfig(distract=1.0, **kw), out=str(tmp_path / "m.st"),
+                            distractors=[other])
+    assert all(torch.equal(x, y) for x, y in zip(plain.k + plain.v, unused.k + unused.v))
+    assert not all(torch.equal(x, y) for x, y in zip(plain.k + plain.v, mixed.k + mixed.v))
+    with pytest.raises(CartridgeError, match="setup differs"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(distract=0.5, **dict(kw, conversations=6)),
+                        out=str(tmp_path / "m.st"), resume=True, distractors=[other])
+    with pytest.raises(CartridgeError, match="needs distractor"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(distract=0.5, **kw))

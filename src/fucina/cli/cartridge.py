@@ -53,10 +53,22 @@ def cmd_train(args) -> int:
     text = read_corpus(args.corpus)
     cfg = _config(args, p=args.p, init=args.init, embed_corpus=not args.no_corpus)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
+    distractors = [_distractor(model, tok, path, args.p) for path in args.distractor]
     cart = train_cartridge(model, tok, text, cfg, out=args.out, resume=args.resume, log=log,
-                           save_passes=args.save_passes)
+                           save_passes=args.save_passes, distractors=distractors)
     print(f"wrote {args.out}: p {cart.p}, {cart.nbytes() / 1e6:.2f} MB of f16 KV")
     return 0
+
+
+def _distractor(model, tok, path: str, p: int):
+    """A distractor for --distract: a cartridge file, or a document's own first p rows."""
+    from fucina.models.cartridge import Cartridge
+
+    if path.endswith(".safetensors"):
+        cart = Cartridge.load(path)
+        cart.check_model(model)
+        return cart
+    return Cartridge.capture(model, corpus_ids(tok, read_corpus(path))[:p])
 
 
 def _training_args(s) -> None:
@@ -85,6 +97,19 @@ def _training_args(s) -> None:
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
     s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
+    s.add_argument("--distract", type=_fraction, default=0.0, metavar="P",
+                   help="joint training against composition collapse: this fraction of the conversations "
+                        "train with a distractor cartridge composed before or after the rows (default 0)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction from 0 to 1, got {text!r}")
+    return v
 
 
 def _config(args, **kw):
@@ -93,7 +118,8 @@ def _config(args, **kw):
     return SelfStudyConfig(conversations=args.conversations, seed=getattr(args, "seed", 0), lr=args.lr,
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                            max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
-                           scaled=args.channel_lr, turns=args.turns, decay=args.decay, **kw)
+                           scaled=args.channel_lr, turns=args.turns, decay=args.decay, distract=args.distract,
+                           **kw)
 
 
 def cmd_fleet_add(args) -> int:
@@ -198,6 +224,9 @@ def add_parser(sub) -> None:
     s.add_argument("--no-corpus", action="store_true",
                    help="do not embed the corpus token ids (the speculation reference) in the file")
     s.add_argument("--resume", action="store_true", help="continue from OUT's checkpoint (OUT.ckpt)")
+    s.add_argument("--distractor", action="append", default=[], metavar="FILE",
+                   help="what --distract mixes in: a cartridge (.safetensors) or a document (its first --p "
+                        "rows); repeatable")
     s.add_argument("--save-passes", action="store_true",
                    help="also write the cartridge after every pass, as OUT.passK.safetensors (to pick --epochs)")
     s.add_argument("--threads", "-t", type=positive)

@@ -91,13 +91,14 @@ class SelfStudyConfig:
     scaled: bool = False          # Adam in units of each (head, channel)'s size (CartridgeParams)
     turns: int = 1                # question-answer exchanges per conversation (the paper's k)
     decay: bool = False           # the learning rate falls linearly to zero over the run
+    distract: float = 0.0         # chance a visit's student reads a distractor cartridge beside its rows
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
-                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay")
+                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay", "distract")
 # the settings of the runs that wrote checkpoints before each key existed
-_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False}
+_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False, "distract": 0.0}
 
 
 @dataclass
@@ -238,9 +239,28 @@ def student_logprobs(model, ks: list, vs: list, ids: Sequence[int], rows: Sequen
     return torch.log_softmax(model.head(h).float(), dim=-1)
 
 
-def sample_loss(model, params: CartridgeParams, s: Sample, checkpoint: str = "auto") -> torch.Tensor:
+def sample_loss(model, params: CartridgeParams, s: Sample, checkpoint: str = "auto",
+                beside: tuple[Cartridge, bool] | None = None) -> torch.Tensor:
+    """The sample's distillation loss behind the rows; `beside` (a cartridge, before?):
+    the student reads that cartridge too, composed before or after the rows (its own
+    rotations kept, the tokens after both), as serving a composition would."""
     ks, vs = params.full()
+    if beside is not None:
+        other, before = beside
+        ks = [None if k is None else torch.cat([o, k] if before else [k, o]) for k, o in zip(ks, other.k)]
+        vs = [None if v is None else torch.cat([o, v] if before else [v, o]) for v, o in zip(vs, other.v)]
     return distill_loss(student_logprobs(model, ks, vs, s.ids, s.rows, checkpoint), s.tokens, s.logprobs)
+
+
+def distractor(cfg: SelfStudyConfig, v: int, n: int) -> tuple[int, bool] | None:
+    """Visit v's distractor (which of n, and whether it goes before the rows), or None:
+    a function of (seed, v) alone, so a run does not depend on how it is split."""
+    if n == 0 or cfg.distract <= 0:
+        return None
+    rng = random.Random(mix64(cfg.seed, 0xD157, v))
+    if rng.random() >= cfg.distract:
+        return None
+    return rng.randrange(n), rng.random() < 0.5
 
 
 # -- self-study ----------------------------------------------------------------------------
@@ -571,13 +591,15 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
              opt=None, prog: Progress | None = None, state_path: str | None = None,
              log: Callable[[str], None] = lambda s: None, on_step: Callable[[Progress], None] | None = None,
              many: Callable[[list[int]], list[Sample]] | None = None, ahead: int = 1,
-             until: int | None = None, pool: dict[int, Sample] | None = None) -> Progress:
+             until: int | None = None, pool: dict[int, Sample] | None = None,
+             distractors: Sequence[Cartridge] = ()) -> Progress:
     """Adam steps over visits prog.done.. `until` (default all: cfg.conversations x
     cfg.epochs; visit v trains on conversation `visit(cfg, v)`), `accum` per step (the
     last step may take fewer); the state is written to `state_path` after each.
     `many(indices)`, when given, makes conversations `ahead` at a time (batched
     generation; a conversation is the same whichever batch makes it). `pool` keeps the
-    conversations made for later passes (a conversation is made once per run)."""
+    conversations made for later passes (a conversation is made once per run).
+    `distractors`: cartridges a visit's student may read beside the rows (`distractor`)."""
     opt = opt or _adam(params, cfg)
     prog = prog or Progress()
     total = cfg.conversations * max(1, cfg.epochs)
@@ -600,8 +622,10 @@ def optimize(model, params: CartridgeParams, samples: Callable[[int], Sample], c
         t_gen = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
         total_loss = 0.0
-        for s in got:
-            loss = sample_loss(model, params, s, cfg.checkpoint)
+        for v, s in zip(visits, got):
+            d = distractor(cfg, v, len(distractors))
+            beside = None if d is None else (distractors[d[0]], d[1])
+            loss = sample_loss(model, params, s, cfg.checkpoint, beside)
             (loss / len(got)).backward()
             total_loss += float(loss.detach())
         if cfg.decay:   # linear to zero over the run's steps: the last steps move the rows least
@@ -637,12 +661,21 @@ class CartridgeRun:
 
     def __init__(self, model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
                  resume: bool = False, start: Cartridge | None = None, log: Callable[[str], None] = lambda s: None,
-                 save_passes: bool = False):
+                 save_passes: bool = False, distractors: Sequence[Cartridge] = ()):
         if cfg.accum < 1 or cfg.conversations < 1 or cfg.lr <= 0:
             raise CartridgeError("--accum and --conversations must be >= 1 and --lr positive")
         self.model, self.cfg, self.out, self.log = model, cfg, out, log
         self.save_passes = save_passes and out is not None   # OUT.passK.safetensors after each pass too
         self.cart = start if start is not None else init_cartridge(model, tokenizer, corpus, cfg)
+        for d in distractors:
+            if d.identity != self.cart.identity or [tuple(g) for g in d.geometry] != \
+                    [tuple(g) for g in self.cart.geometry]:
+                raise CartridgeError("a distractor cartridge was made for another model or geometry")
+        if cfg.distract > 0 and not distractors:
+            raise CartridgeError("--distract needs distractor cartridges (or documents) to mix in")
+        self.distractors = [Cartridge([None if k is None else k.detach().float() for k in d.k],
+                                      [None if v is None else v.detach().float() for v in d.v],
+                                      d.geometry, d.identity, frozen=d.frozen) for d in distractors]
         self.study = SelfStudy(model, tokenizer, corpus, cfg)
         self.params = CartridgeParams(self.cart, cfg.scaled)
         self.opt = _adam(self.params, cfg)
@@ -689,23 +722,26 @@ class CartridgeRun:
                                  opt=self.opt, prog=self.prog, state_path=self.state_path, log=self.log,
                                  on_step=self._saved if self.out else None,
                                  many=self.study.samples, ahead=max(self.cfg.batch, self.cfg.accum),
-                                 until=until, pool=self.pool)
+                                 until=until, pool=self.pool, distractors=self.distractors)
         return self.prog
 
 
 def train_cartridge(model, tokenizer, corpus: str, cfg: SelfStudyConfig, *, out: str | None = None,
                     resume: bool = False, log: Callable[[str], None] = lambda s: None,
-                    save_passes: bool = False) -> Cartridge:
+                    save_passes: bool = False, distractors: Sequence[Cartridge] = ()) -> Cartridge:
     """Initialise, self-study, save (OUT, with OUT.ckpt holding what a resume needs;
-    `save_passes`: also OUT.passK.safetensors after every pass K)."""
-    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log, save_passes=save_passes)
+    `save_passes`: also OUT.passK.safetensors after every pass K; `distractors`: what
+    `cfg.distract` mixes in)."""
+    run = CartridgeRun(model, tokenizer, corpus, cfg, out=out, resume=resume, log=log, save_passes=save_passes,
+                       distractors=distractors)
     if resume:
         log(f"resuming after {run.prog.done} conversations ({run.prog.steps} steps)")
     trainable = Trainable(model)
     try:
         log(f"cartridge: p {cfg.p} ({run.cart.nbytes() / 1e6:.2f} MB f16 KV), {cfg.conversations} conversations "
             f"of {cfg.turns} turn(s), {cfg.epochs} pass(es), {cfg.accum} per step, lr {cfg.lr}"
-            f"{' in channel units' if cfg.scaled else ''}{', decaying' if cfg.decay else ''}, corpus {len(run.study.ids)} tokens, generated "
+            f"{' in channel units' if cfg.scaled else ''}{', decaying' if cfg.decay else ''}"
+            f"{f', a distractor beside {cfg.distract:.0%} of visits' if run.distractors and cfg.distract else ''}, corpus {len(run.study.ids)} tokens, generated "
             f"{cfg.batch if run.study.batch_invariant() else 1} at a time")
         run.advance(run.total())
     finally:

@@ -8,7 +8,9 @@ first among equals), loaded if it is not resident, the least recently used resid
 evicted while the budget is exceeded. A document's rows and Adam moments are on disk
 after every step (its cartridge file and `file.ckpt`), so eviction drops them and a
 reload continues bit for bit: the cartridges a fleet run produces do not depend on the
-budget or the turn length (pinned by a test).
+budget or the turn length (pinned by a test). With `cfg.distract`, a document trains
+against the other documents' corpus-initialised rows as distractors (fixed rows, so the
+result still does not depend on the order the fleet trains in).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Callable, Sequence
 from fucina.errors import CartridgeError
 from fucina.models.cartridge import Cartridge
 from fucina.models.cartridge_fleet import Fleet, Resident
-from fucina.train.cartridge import CartridgeRun, SelfStudyConfig, Trainable
+from fucina.train.cartridge import CartridgeRun, SelfStudyConfig, Trainable, init_cartridge
 
 
 def fleet_run(model, tokenizer, fleet: Fleet, name: str, cfg: SelfStudyConfig,
@@ -33,8 +35,12 @@ def fleet_run(model, tokenizer, fleet: Fleet, name: str, cfg: SelfStudyConfig,
     if resume:
         start = Cartridge.load(out)
         start.check_model(model)
+    distractors = []
+    if cfg.distract > 0:      # the other documents' first rows: fixed, whatever order the fleet trains in
+        distractors = [init_cartridge(model, tokenizer, fleet.corpus(o), replace(cfg, p=o.p, seed=o.seed, init="corpus"))
+                       for o in fleet.entries if o.name != name]
     return CartridgeRun(model, tokenizer, fleet.corpus(e), replace(cfg, p=e.p, seed=e.seed), out=out,
-                        resume=resume, start=start, log=lambda s: log(f"[{name}] {s}"))
+                        resume=resume, start=start, log=lambda s: log(f"[{name}] {s}"), distractors=distractors)
 
 
 def train_fleet(model, tokenizer, fleet: Fleet, cfg: SelfStudyConfig, *, budget: int, turn: int = 4,
