@@ -132,13 +132,19 @@ def _prefill(model, ids, chunks, capacity=320):
     return torch.cat(out), cache
 
 
-def check_split_equals_whole(model, ids, splits, isa, capacity=320):
-    """The prompt in one call against each split of it: the same logits and cache, bitwise."""
+SPLITS = ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17])     # ways to cut a 37-token prompt
+
+
+def check_split_equals_whole(model, ids, splits, isa, capacity=320, also=None):
+    """The prompt in one call against each split of it: the same logits and cache, bitwise
+    (and `also(whole_cache, split_cache)`, a family's own state check)."""
     whole, c0 = _prefill(model, ids, [len(ids)], capacity)
     for chunks in splits:
         got, c1 = _prefill(model, ids, chunks, capacity)
         assert torch.equal(got, whole), f"{chunks} on {isa}"
         _same_cache(c1, c0)
+        if also is not None:
+            also(c0, c1)
 
 
 def _same_cache(a, b):

@@ -191,13 +191,8 @@ def test_native_plan_equals_torch_blocks(tmp_path, monkeypatch, options):
 def test_native_plan_rows_equal_single_rows(plan_model, isa):
     """Batch invariance with the residual bank in the step: a prompt split any way gives the
     same logits, KDA states and MLA rows, bit for bit."""
-    from test_batch_invariance import _prefill, _same_cache
-    m, ids = plan_model, IDS[:37]
-    whole, c0 = _prefill(m, ids, [37], capacity=64)
-    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17]):
-        got, c1 = _prefill(m, ids, chunks, capacity=64)
-        assert torch.equal(got, whole), f"{chunks} on {isa}"
-        _same_cache(c1, c0)
+    from test_batch_invariance import SPLITS, check_split_equals_whole
+    check_split_equals_whole(plan_model, IDS[:37], SPLITS, isa, capacity=64)
 
 
 def test_native_batch_rows_equal_streams_alone(plan_model, isa):

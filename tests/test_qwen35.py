@@ -256,17 +256,17 @@ def test_native_plan_equals_torch_blocks(tmp_path_factory, monkeypatch):
 def test_native_plan_rows_equal_single_rows(plan_model, isa):
     """The plan claims batch invariance: a prompt split any way (the DeltaNet rows of one
     call, or one row a call) gives the same logits, states and snapshots, bit for bit."""
-    from test_batch_invariance import _prefill, _same_cache
-    m, ids = plan_model, IDS[:37]
-    whole, c0 = _prefill(m, ids, [37], capacity=64)
-    for chunks in ([1] * 37, [9, 1, 1, 6, 2, 18], [20, 17]):
-        got, c1 = _prefill(m, ids, chunks, capacity=64)
-        assert torch.equal(got, whole), f"{chunks} on {isa}"
-        _same_cache(c1, c0)
-        s0, s1 = _snapshots(c0), _snapshots(c1)
-        both = set(s0) & set(s1)     # single-row steps keep every 4th length only
-        assert len(both) >= 5
-        assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in both)
+    from test_batch_invariance import SPLITS, check_split_equals_whole
+    check_split_equals_whole(plan_model, IDS[:37], SPLITS, isa, capacity=64, also=same_snapshots)
+
+
+def same_snapshots(c0, c1):
+    """The recurrent snapshots both caches keep are equal (single-row steps keep every 4th
+    length only, so the two sets differ)."""
+    s0, s1 = _snapshots(c0), _snapshots(c1)
+    both = set(s0) & set(s1)
+    assert len(both) >= 5
+    assert all(torch.equal(s0[n][0], s1[n][0]) and torch.equal(s0[n][1], s1[n][1]) for n in both)
 
 
 def test_native_batch_rows_equal_streams_alone(plan_model, isa):
