@@ -291,3 +291,40 @@ def test_cli_distractors_are_documents_first_rows_or_files(tiny, tmp_path, capsy
         main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "a.txt"), "--out",
               str(tmp_path / "x.safetensors"), "--distract", "1.5"])
     capsys.readouterr()
+
+
+def test_python_api_and_chat_retrieve_from_a_fleet(tiny, tmp_path, capsys):
+    """fucina.load(fleet=DIR): generate() retrieves per call, a conversation once, from its
+    first message (later turns stay behind those rows), as the files behind them answer;
+    `fucina chat --fleet` the same."""
+    from fucina.cli.main import main
+    from fucina.errors import InvalidArgument
+
+    path, _, _ = tiny
+    fleet = make_fleet(tmp_path, p=16)
+    llm = fucina.load(path, n_ctx=1024)
+    for e in fleet.entries:
+        ids = llm.tokenize(fleet.corpus(e))[:e.p]
+        Cartridge.capture(llm.model, ids, corpus=ids).save(fleet.path(e.file))
+    files = {e.name: fleet.path(e.file) for e in fleet.entries}
+
+    def behind(name):
+        return fucina.load(path, n_ctx=1024, cartridge=files[name])
+
+    rag = fucina.load(path, n_ctx=1024, fleet=fleet.root)
+    for name in ("skerry", "tarn", "skerry"):
+        got = rag.generate(DOCS[name], max_tokens=6, temperature=0)
+        assert got == behind(name).generate(DOCS[name], max_tokens=6, temperature=0)
+        assert rag._history[:16] == rag.fleet.prefix(name).ids      # the cache holds that cartridge's rows
+    conv, ref = rag.chat(max_tokens=6, temperature=0), behind("plenn").chat(max_tokens=6, temperature=0)
+    assert [conv.send(DOCS["plenn"]), conv.send(DOCS["tarn"])] == [ref.send(DOCS["plenn"]), ref.send(DOCS["tarn"])]
+    conv.reset()                                   # a fresh conversation retrieves again
+    assert conv.send(DOCS["tarn"]) == behind("tarn").chat(max_tokens=6, temperature=0).send(DOCS["tarn"])
+    with pytest.raises(InvalidArgument, match="not both"):
+        fucina.load(path, cartridge=files["tarn"], fleet=fleet.root)
+
+    want = behind("skerry").chat(max_tokens=6, temperature=0).send(DOCS["skerry"])
+    capsys.readouterr()
+    assert main(["chat", str(path), DOCS["skerry"], "--fleet", fleet.root, "--gen", "6", "--temp", "0",
+                 "-c", "1024"]) == 0
+    assert want.strip() in capsys.readouterr().out

@@ -98,6 +98,11 @@ def add_parser(sub) -> None:
     s.add_argument("--ids-out", help="write the generated ids here, one per line (every reply's, in order)")
     s.add_argument("--ctx", "-c", type=positive, default=None, help="context size (default min(train, 4096))")
     s.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16")
+    s.add_argument("--fleet", metavar="DIR",
+                   help="a cartridge fleet (fucina cartridge fleet): the conversation runs behind the "
+                        "cartridges its first message is closest to")
+    s.add_argument("--fleet-top-k", type=positive, default=1, metavar="K",
+                   help="cartridges --fleet composes (default 1)")
     s.add_argument("--threads", "-t", type=positive)
     add_sampling_args(s)
     from fucina.cli.grammar_args import add_grammar_args
@@ -204,6 +209,7 @@ class ChatSession:
                                  stop=args.stop or (), capacity=llm.n_ctx, cache_type=args.cache_type,
                                  processor=None if self.raw else reply_constraint(llm, args, think=not args.no_think),
                                  cartridge=llm.prefix.cart if llm.prefix is not None else None,
+                                 retrieve=llm.fleet.retrieve if llm.fleet is not None else None,
                                  **spec_options(args))
 
     @property
@@ -267,7 +273,8 @@ def cmd_chat(args) -> int:
                    lora=getattr(args, "lora", None), lora_scale=getattr(args, "lora_scale", None),
                    moe_ram=moe_budget(args), moe_policy=getattr(args, "moe_policy", "heat"),
                    engram=getattr(args, "engram", None), mtp=mtp_value(args),
-                   cartridge=getattr(args, "cartridge", None) or None, **pipeline_kwargs(args))
+                   cartridge=getattr(args, "cartridge", None) or None, **pipeline_kwargs(args),
+                   **({"fleet": args.fleet, "fleet_top_k": args.fleet_top_k} if args.fleet else {}))
     from fucina.cli.diffusion_args import DiffusionChat, check_flags
     diffusion = check_flags(llm.model, args)      # a dream/llada model denoises each reply
     session = DiffusionChat(llm, args) if diffusion else ChatSession(llm, args)

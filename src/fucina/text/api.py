@@ -36,7 +36,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from fucina.errors import InvalidArgument
+from fucina.errors import CartridgeError, InvalidArgument
 from fucina.text.chat_template import ChatTemplate
 from fucina.text.defaults import default_sampling, fresh_seed
 
@@ -97,7 +97,7 @@ class LLM:
     def __init__(self, model, tokenizer, template: ChatTemplate | None = None, *,
                  n_ctx: int | None = None, cache_type: str = "f16",
                  build: Callable[[], Any] | None = None, gguf: GGUFFile | None = None, config=None,
-                 cartridge=None):
+                 cartridge=None, fleet=None, fleet_top_k: int = 1):
         if (model is None) == (build is None):
             raise InvalidArgument("LLM takes a built model or a build function (with gguf), not both or neither")
         self._model, self._build, self._build_lock = model, build, threading.Lock()
@@ -121,6 +121,11 @@ class LLM:
         self.spec: Speculation | None = None     # the raw-completion speculative state
         self.cartridge = cartridge   # path(s) or Cartridge(s): every cache starts behind it (text.cartridge)
         self._prefix = None
+        if fleet is not None and cartridge is not None:
+            raise InvalidArgument("give a cartridge or a fleet, not both (a fleet picks the cartridges)")
+        if isinstance(fleet_top_k, bool) or not isinstance(fleet_top_k, int) or fleet_top_k < 1:
+            raise InvalidArgument(f"fleet_top_k must be a positive integer, got {fleet_top_k!r}")
+        self._fleet_spec, self.fleet_top_k, self._fleet = fleet, fleet_top_k, None
 
     @property
     def model(self):
@@ -178,6 +183,24 @@ class LLM:
             self._prefix = Prefix(cart) if cart is not None else None
         return self._prefix
 
+    @property
+    def fleet(self):
+        """The cartridge fleet (text.cartridge.FleetPrefixes) a call's text retrieves its
+        cartridges from, opened and indexed on first use; None without one."""
+        if self._fleet_spec is not None and self._fleet is None:
+            from fucina.text.cartridge import FleetPrefixes
+            fleet = FleetPrefixes(self._fleet_spec, self.model, tokenizer=self.tokenizer, top_k=self.fleet_top_k)
+            if not fleet.names():
+                raise CartridgeError(f"the fleet {self._fleet_spec} has no trained cartridge yet "
+                                     f"(fucina cartridge fleet train)")
+            fleet.build_index()
+            self._fleet = fleet
+        return self._fleet
+
+    def _prefix_for(self, text: str):
+        """The prefix a call starts behind: the cartridge's, or what the fleet retrieves for `text`."""
+        return self.fleet.retrieve(text) if self._fleet_spec is not None else self.prefix
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
 
@@ -204,16 +227,17 @@ class LLM:
                                   f"{', '.join(sorted((DIFFUSION_ONLY | BLOCK_DIFFUSION_ONLY) & set(options)))} "
                                   "apply only to dream/llada/diffusion-gemma models")
         options = dict(options)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
+        prefix = self._prefix_for(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         spec = self._speculation(options.pop("speculative", False), options.pop("references", ()),
-                                 options.pop("spec_max", 16))
+                                 options.pop("spec_max", 16), prefix)
         grammar = grammars.from_options(**pop_options(options))
         cfg, stops = _split_options(options, self.sampling)
         max_tokens = _count("max_tokens", max_tokens)
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.tokenizer)
         if self._cache is None:
             self._cache = make_cache(self.model, self.n_ctx, self.cache_type)
         processor = for_reply(self.tokenizer, grammar, stop_ids=self._stop_ids(), n_vocab=self.config.n_vocab)
-        return self._complete(ids, max_tokens, Sampler(cfg, processor), stops, spec)
+        return self._complete(ids, max_tokens, Sampler(cfg, processor), stops, spec, prefix)
 
     def _denoise(self, prompt: str | Sequence[int], max_tokens: int, options: dict) -> Iterator[str]:
         """A diffusion model's reply, pieces per committed block: dream/llada's (text.diffusion:
@@ -249,7 +273,7 @@ class LLM:
     def _stop_ids(self) -> set[int]:
         return set(getattr(self.tokenizer, "eog_ids", ()) or ())
 
-    def _speculation(self, on: bool, references, spec_max: int) -> Speculation | None:
+    def _speculation(self, on: bool, references, spec_max: int, prefix=None) -> Speculation | None:
         from fucina.text.speculative import Speculation, reference_ids
 
         if not on:
@@ -259,19 +283,19 @@ class LLM:
         self.spec.index.clear_references()
         for ref in [references] if isinstance(references, str) else references:
             self.spec.add_reference(reference_ids(self.tokenizer, ref))
-        if self.prefix is not None and self.prefix.cart.corpus:
-            self.spec.add_reference(self.prefix.cart.corpus)   # the cartridge's own document
+        if prefix is not None and prefix.cart.corpus:
+            self.spec.add_reference(prefix.cart.corpus)   # the cartridge's own document
         return self.spec
 
     def _complete(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
-                  spec: Speculation | None = None):
+                  spec: Speculation | None = None, prefix=None):
         from fucina.text.generate import Reply, decode, prefill
 
         p = 0
-        if self.prefix is not None:
-            ids = self.prefix.add(ids)
-            self.prefix.ensure(self._cache, self._history, ids)
-            p = self.prefix.p
+        if prefix is not None:
+            ids = prefix.add(ids)
+            prefix.ensure(self._cache, self._history, ids)
+            p = prefix.p
         logits, reused = prefill(self.model, self._cache, self._history, ids)
         reply = Reply(prompt_tokens=len(ids) - p, reused_tokens=max(0, reused - p))
         stop_ids = self._stop_ids()
@@ -319,7 +343,8 @@ class LLM:
                             capacity=self.n_ctx, cache_type=self.cache_type, tools=tools,
                             persist=persist, processor=processor, speculative=speculative,
                             references=references, spec_max=spec_max,
-                            cartridge=self.prefix.cart if self.prefix is not None else None)
+                            cartridge=self.prefix.cart if self.prefix is not None else None,
+                            retrieve=self.fleet.retrieve if self._fleet_spec is not None else None)
 
     def _name(self) -> str:
         return os.path.basename(str(getattr(self.gguf, "path", "the model")))
@@ -360,8 +385,8 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          cache_type: str = "f16", lora: str | os.PathLike | Sequence[str] | None = None,
          lora_scale: float | Sequence[float] | None = None, moe_ram: float | str | None = None,
          moe_policy: str = "heat", pipeline: bool = False, split: Sequence[int] | None = None,
-         pipeline_timeout: float | None = None, cartridge=None,
-         engram: str | os.PathLike | None = None,
+         pipeline_timeout: float | None = None, cartridge=None, fleet: str | os.PathLike | None = None,
+         fleet_top_k: int = 1, engram: str | os.PathLike | None = None,
          mtp: bool | str | os.PathLike | None = None) -> LLM:
     """Open a GGUF (None: the default model, fetched on first use) as an LLM; `lora`: one or
     more llama.cpp-format LoRA adapters, applied unmerged (scaled by `lora_scale`, default 1.0);
@@ -382,6 +407,9 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
 
     `cartridge`: a trained KV prefix (path or Cartridge; a list is composed in order)
     every cache starts behind (fucina.models.cartridge); checked on the first compute.
+    `fleet`: a cartridge fleet directory (`fucina cartridge fleet`) instead: each
+    generate() and each conversation's first message runs behind the `fleet_top_k`
+    cartridges its text is closest to (text.retrieval), as `fucina serve --fleet` does.
 
     `engram`: an Engram n-gram memory file (`fucina engram train`) grafted onto the decoder
     (checked against it here).
@@ -425,7 +453,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
         return model
 
     llm = LLM(None, Tokenizer.from_metadata(f.metadata), n_ctx=n_ctx, cache_type=cache_type, build=build, gguf=f,
-              config=checked.config, cartridge=cartridge)
+              config=checked.config, cartridge=cartridge, fleet=fleet, fleet_top_k=fleet_top_k)
     if lora or moe_ram is not None or pipeline or engram or (mtp is not None and mtp is not False):
         llm.model
     return llm

@@ -39,7 +39,8 @@ class Conversation:
                  capacity: int | None = None, cache_type: str = "f16", cache=None,
                  tokens: Sequence[int] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                  persist: str | os.PathLike | None = None, speculative: bool = False,
-                 references: Sequence[str | Sequence[int]] = (), spec_max: int = 16, cartridge=None):
+                 references: Sequence[str | Sequence[int]] = (), spec_max: int = 16, cartridge=None,
+                 retrieve: Callable[[str], Any] | None = None):
         from fucina.text.cartridge import Prefix, load_cartridges
 
         self.model, self.tokenizer = model, tokenizer
@@ -66,7 +67,10 @@ class Conversation:
         self.prefix = Prefix(cart) if cart is not None else None
         if self.prefix is not None and self.spec is not None and cart.corpus:
             self.spec.add_reference(cart.corpus)      # the document the cartridge was made from
-        if self.prefix is not None and persist is not None:
+        if retrieve is not None and cartridge is not None:
+            raise FucinaError("a conversation takes a cartridge or a retrieval, not both")
+        self._retrieve = retrieve   # text -> Prefix: the first user message picks the cartridges (a fleet)
+        if (self.prefix is not None or retrieve is not None) and persist is not None:
             raise FucinaError("a conversation behind a cartridge cannot persist its cache yet")
         self._persist = KVPersist(persist) if persist is not None else None
         if self._persist is not None:
@@ -91,6 +95,7 @@ class Conversation:
 
     def stream(self, text: str, *, max_tokens: int | None = None) -> Iterator[str]:
         """As send, yielding UTF-8-safe text pieces as they are decided."""
+        self._pick(text)
         msgs = self.messages + [{"role": "user", "content": text}]
         full = self._render(msgs)
         return self._turn(msgs, full, self._ids_for(full), max_tokens)
@@ -101,6 +106,8 @@ class Conversation:
         """Stateless form: answer a full message history, reusing the cache's longest
         common token prefix with it."""
         msgs = [dict(m) for m in messages]
+        users = [m.get("content") for m in msgs if m.get("role") == "user"]
+        self._pick(users[-1] if users and isinstance(users[-1], str) else "")
         full = self._render(msgs)
         return run(self._turn(msgs, full, self._with_prefix(prompt_ids(self.tokenizer, full)), max_tokens),
                    on_piece)
@@ -109,6 +116,7 @@ class Conversation:
                     max_tokens: int | None = None) -> Reply:
         """Pre-encoded prompt ids with prefix reuse (the server's slot seam). The message
         list is left alone; returns the Reply."""
+        self._pick(self.tokenizer.decode([int(i) for i in ids]))
         gen = self._generate(self._with_prefix(list(ids)), max_tokens)
         return run(gen, on_piece)
 
@@ -139,6 +147,8 @@ class Conversation:
         self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
         self._committed_text = None
         self.last = None
+        if self._retrieve is not None:     # the next first message retrieves again
+            self.prefix = None
         if self.prefix is not None:
             self.prefix.seat(self.cache, self.tokens)
         self._sync()
@@ -157,6 +167,17 @@ class Conversation:
             delta = self.tokenizer.encode(full[len(done):], add_special=False, parse_special=True)
             return self.tokens + delta
         return self._with_prefix(prompt_ids(self.tokenizer, full))
+
+    def _pick(self, text: str) -> None:
+        """With a retrieval: the first message's text picks the cartridges the whole
+        conversation then runs behind (its cache keeps their rows)."""
+        if self._retrieve is None or self.prefix is not None:
+            return
+        self.prefix = self._retrieve(text)
+        if self.spec is not None and self.prefix.cart.corpus:
+            self.spec.add_reference(self.prefix.cart.corpus)
+        self.prefix.seat(self.cache, self.tokens)
+        self._committed_text = None
 
     def _with_prefix(self, ids: list[int]) -> list[int]:
         return self.prefix.add(ids) if self.prefix is not None else ids
