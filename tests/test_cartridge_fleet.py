@@ -43,6 +43,17 @@ def make_fleet(root, docs=DOCS, p=12):
     return fleet
 
 
+def captured_fleet(root, path, n_ctx):
+    """A fleet of DOCS whose cartridges are each document's own first 16 rows (untrained:
+    serving and retrieval tests need distinct cartridges, not good ones)."""
+    fleet = make_fleet(root, p=16)
+    llm = fucina.load(path, n_ctx=n_ctx)
+    for e in fleet.entries:
+        ids = llm.tokenize(fleet.corpus(e))[:e.p]
+        Cartridge.capture(llm.model, ids, corpus=ids).save(fleet.path(e.file))
+    return fleet, llm, {e.name: fleet.path(e.file) for e in fleet.entries}
+
+
 def test_resident_evicts_the_least_recently_used():
     loaded, dropped = [], []
     r = Resident(25, lambda k: (loaded.append(k), k)[1], lambda v: 10, lambda k, v: dropped.append(k))
@@ -186,12 +197,7 @@ def test_retrieval_picks_composes_and_keeps_its_index(tiny, tmp_path, capsys):
     from fucina.text.retrieval import INDEX, FleetIndex, chunks_of, embed
 
     path, _, _ = tiny
-    fleet = make_fleet(tmp_path, p=16)
-    llm = fucina.load(path, n_ctx=512)
-    for e in fleet.entries:
-        ids = llm.tokenize(fleet.corpus(e))[:e.p]
-        Cartridge.capture(llm.model, ids, corpus=ids).save(fleet.path(e.file))
-    files = {e.name: fleet.path(e.file) for e in fleet.entries}
+    fleet, llm, files = captured_fleet(tmp_path, path, n_ctx=512)
     prefixes = FleetPrefixes(fleet.root, llm.model, tokenizer=llm.tokenizer, top_k=1)
     index = prefixes.build_index()
     assert index.names == list(DOCS) and (tmp_path / "fleet" / INDEX).exists()
@@ -301,12 +307,7 @@ def test_python_api_and_chat_retrieve_from_a_fleet(tiny, tmp_path, capsys):
     from fucina.errors import InvalidArgument
 
     path, _, _ = tiny
-    fleet = make_fleet(tmp_path, p=16)
-    llm = fucina.load(path, n_ctx=1024)
-    for e in fleet.entries:
-        ids = llm.tokenize(fleet.corpus(e))[:e.p]
-        Cartridge.capture(llm.model, ids, corpus=ids).save(fleet.path(e.file))
-    files = {e.name: fleet.path(e.file) for e in fleet.entries}
+    fleet, llm, files = captured_fleet(tmp_path, path, n_ctx=1024)
 
     def behind(name):
         return fucina.load(path, n_ctx=1024, cartridge=files[name])
