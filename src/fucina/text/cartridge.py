@@ -9,6 +9,7 @@ since no token can re-create them.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Sequence
 
 from fucina.errors import CartridgeError
@@ -88,6 +89,8 @@ class FleetPrefixes:
             raise CartridgeError("top_k is the number of cartridges retrieval composes (0: no retrieval)")
         self.top_k = top_k
         self.index = None          # text.retrieval.FleetIndex, made by build_index()
+        # named requests load in the server's handler, retrieved ones on the engine's thread
+        self._lock = threading.RLock()
         self.resident: Resident[Prefix] = Resident(budget, self._load, lambda pr: 4 * sum(
             t.numel() for t in pr.cart.k + pr.cart.v if t is not None))
 
@@ -108,7 +111,8 @@ class FleetPrefixes:
             if n not in order:
                 raise CartridgeError(f"the fleet has no trained cartridge {n!r} "
                                      f"(it serves {', '.join(order) or 'none'})")
-        return self.resident.get("+".join(n for n in order if n in names))   # '+' is in no name
+        with self._lock:
+            return self.resident.get("+".join(n for n in order if n in names))   # '+' is in no name
 
     def build_index(self, log=lambda s: None):
         """The retrieval index over the trained documents (the saved one when current)."""
