@@ -258,10 +258,12 @@ class Pty:
 
 def test_repl_banner_commands_ctrl_c_and_history(models, tmp_path):
     env = env_for(models, FUCINA_CACHE=str(tmp_path))
-    # a fixed seed: the random model's reply runs its 3000 tokens (a fresh seed's may end
-    # before the Ctrl-C reaches it, which then lands at the prompt)
-    t = Pty([sys.executable, "-m", "fucina", "chat", models["chat"], "--repl", "--gen", "3000",
-             "--ctx", "4096", "-t", "1", "--seed", "1"], env)
+    # The Ctrl-C must land while the reply streams: 3000 tokens of this model took 1.3 s, and
+    # on a loaded box the reply could end first (the Ctrl-C then lands at the prompt). 20000
+    # tokens take ~15 s, so a fixed seed's reply outlasts any scheduling delay.
+    chat = write_model(tmp_path / "chat.gguf", "llama", ctx=20480)
+    t = Pty([sys.executable, "-m", "fucina", "chat", chat, "--repl", "--gen", "20000",
+             "--ctx", "20480", "-t", "1", "--seed", "1"], env)
     try:
         banner = t.read_until(b"> ")
         assert b"fucina chat: chat.gguf" in banner and b"/reset" in banner and b"Ctrl-C" in banner
@@ -289,6 +291,7 @@ def test_repl_banner_commands_ctrl_c_and_history(models, tmp_path):
         t.read_until(b"(conversation reset)")
         t.send(f"/load {saved}\r".encode())
         t.read_until(b"(loaded 5 messages")
+        t.read_until(b"> ")                  # a Ctrl-D typed before readline reads is lost as a NUL
         t.send(b"\x04")                      # Ctrl-D quits
         assert t.proc.wait(30) == 0
     finally:
