@@ -25,6 +25,21 @@ from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState, cach
 CHUNK = 16
 
 
+class InputParts:
+    """A KDA layer's input projections (q, k, v or the file's attn_qkv, then the gate and
+    beta rows), each a weight slot of its own beside the fused one that serves them (the
+    parts' pages released): LoRA trains and serves each by its tensor name."""
+
+    def set_parts(self, t: dict, names: list[str]) -> None:
+        self.part_names = names
+        for n in names:
+            setattr(self, "in_" + n, t[n])
+
+    @property
+    def parts(self) -> list:
+        return [getattr(self, "in_" + n) for n in self.part_names]
+
+
 def sequential(q, k, v, g, beta, state, keep_states: int = 0):
     """The recurrence token by token: delta_net.sequential with g [m, H, d_k]."""
     return delta_net.sequential(q, k, v, g, beta, state, keep_states)

@@ -55,7 +55,7 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> t
     return a * u
 
 
-class Layer:
+class Layer(kda.InputParts):
     def __init__(self, tensors: Tensors, i: int, c: Config):
         f = tensors.f
         self.kda, self.moe = c.recurrent[i], i >= c.n_dense_lead
@@ -65,10 +65,9 @@ class Layer:
         if self.kda:
             d = c.dims()
             di, dk = d["d_inner"], d["kda_dim"]
-            parts = [t["attn_q"], t["attn_k"], t["attn_v"], t["ssm_f_a"], t["ssm_beta"], t["ssm_g"]]
+            self.set_parts(t, ["attn_q", "attn_k", "attn_v", "ssm_f_a", "ssm_beta", "ssm_g"])
             self.split = [3 * di, dk, c.n_head, di]
-            self.w_in = llama.fuse(f, parts)     # one matmul for every projection of x (same types)
-            self.parts = parts if self.w_in is None else None
+            self.w_in = llama.fuse(f, self.parts)     # one matmul for every projection of x (same types)
             self.conv = torch.cat([t[f"ssm_conv1d_{x}"].dequantize().float().reshape(di, c.d_conv)
                                    for x in "qkv"]).contiguous()             # [3 * d_inner, d_conv]
             self.f_b, self.wo = t["ssm_f_b"], t["attn_output"]

@@ -43,7 +43,7 @@ from fucina.models.schema.kimi_linear import GATING, KDA, MLA, Config, Schema, l
 from fucina.weights import ExpertStack
 
 
-class Layer:
+class Layer(kda.InputParts):
     def __init__(self, tensors: Tensors, i: int, c: Config):
         f = tensors.f
         self.kda, self.moe = c.recurrent[i], i >= c.n_dense_lead
@@ -52,11 +52,12 @@ class Layer:
         if self.kda:
             d = c.dims()
             di, dk = d["d_inner"], d["kda_dim"]
-            qkv = [t["attn_qkv"]] if t["attn_qkv"] is not None else [t["attn_q"], t["attn_k"], t["attn_v"]]
-            parts = qkv + [t["ssm_f_a"], t["ssm_g_a"], t["ssm_beta"]]
+            qkv = ["attn_qkv"] if t["attn_qkv"] is not None else ["attn_q", "attn_k", "attn_v"]
+            if t["attn_qkv"] is not None:
+                self.split_qkv = [di, di, di]    # LoRA's q / k / v slices of the file's attn_qkv
+            self.set_parts(t, qkv + ["ssm_f_a", "ssm_g_a", "ssm_beta"])
             self.split = [3 * di, dk, dk, c.n_head]
-            self.w_in = llama.fuse(f, parts)     # one matmul for every projection of x (same types)
-            self.parts = parts if self.w_in is None else None
+            self.w_in = llama.fuse(f, self.parts)     # one matmul for every projection of x (same types)
             self.conv = torch.cat([t[f"ssm_conv1d_{x}"].dequantize().float().reshape(di, c.d_conv)
                                    for x in "qkv"]).contiguous()             # [3 * d_inner, d_conv]
             self.f_b, self.g_b, self.wo = t["ssm_f_b"], t["ssm_g_b"], t["attn_output"]

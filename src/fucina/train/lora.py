@@ -358,7 +358,7 @@ class _TrainStack:
 # autograd on the dequantized model and finite differences, every target); a family outside
 # it is refused rather than trained wrong
 TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2",
-             "bitnet", "glm4moe", "gpt-oss")
+             "bitnet", "glm4moe", "gpt-oss", "kimi-linear", "kimi-k3")
 
 
 class LoRAModel:
