@@ -2,7 +2,7 @@
 hash-routed and sqrt-softplus MoE) on random-weight GGUFs written by tests/synth_deepseek4.py:
 the pieces against their definitions, a prompt split any way equals one step (the compressor
 state carried in the cache), a three-turn chat prefills only each turn's new tokens,
-speculation is lossless, bad files and configurations are typed errors, LoRA is refused; a
+speculation is lossless, bad files and configurations are typed errors, LoRA trains; a
 committed golden (llama.cpp's logits, tests/goldens/deepseek4-byte.json) checks the model in a
 clone without the oracle, and live the oracle's logits are compared past the sliding window,
 several CSA blocks (the indexer choosing 2 of up to 100) and three HCA blocks.
@@ -278,10 +278,35 @@ def test_an_mtp_block_is_left_unread(tmp_path):
     assert m.config.n_layer == 3 and len(m.layers) == 3
 
 
-def test_lora_is_refused(model):
-    from fucina.train.lora import LoRAConfig, LoRAError, LoRAModel
-    with pytest.raises(LoRAError, match="not supported yet"):
-        LoRAModel(model, LoRAConfig(rank=4, alpha=8))
+@pytest.mark.slow
+def test_lora_trains_through_hash_routing_and_the_compressed_attention(model):
+    """The training forward (an f32 stand-in for the cache, torch's ops where gradients flow)
+    over 200 tokens (past the window, the CSA blocks with the indexer choosing, an HCA
+    block, the hash-routed first layers) is the inference model's loss; LoRA steps lower it.
+    (Gradients against the dense peer and finite differences: tests/test_train_lora.py.)"""
+    import torch.nn.functional as F
+
+    from fucina.train.forward import loss_sum
+    from fucina.train.lora import LoRAConfig, LoRAModel
+    ids = torch.tensor(IDS[:200])
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    with torch.inference_mode():
+        logits = model.forward_step_all_logits(model.init_cache(200), IDS[:200], 0)
+    served = float(F.cross_entropy(logits[:-1].float(), ids[1:]))
+    lm = LoRAModel(model, LoRAConfig(rank=4, alpha=8, targets="q,k,o"), seed=0)
+    try:
+        opt = torch.optim.Adam(lm.params(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss, n = loss_sum(model, ids, labels, "off")
+            losses.append(float(loss.detach()) / n)
+            opt.zero_grad()
+            (loss / n).backward()
+            opt.step()
+    finally:
+        lm.detach()
+    assert abs(losses[0] - served) < 2e-3 * served, (losses[0], served)   # B = 0: the model itself
+    assert losses[-1] < losses[0] - 0.01, losses
 
 
 def test_mxfp4_experts_close_to_f32(tmp_path):

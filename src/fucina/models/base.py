@@ -421,6 +421,11 @@ class DecoderBase:
         self.residual_hooks, self._hook_plans = {i: hs for i, hs in hooks.items() if hs}, None
         self._hook_step = None
 
+    def bind_ids(self, pos0: int, ids: torch.Tensor) -> None:
+        """The step's token ids at positions pos0.., for a family whose blocks route by them
+        (deepseek4's hash-routed layers): its run_layers binds them, and so does the trainer,
+        which calls the blocks itself."""
+
     def run_hooks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, pos0: int, cache) -> torch.Tensor:
         for hook in self.residual_hooks.get(layer, ()):
             x = hook(layer, x, ids, pos0, cache)

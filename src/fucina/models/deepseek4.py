@@ -87,11 +87,10 @@ class Layer:
             self.idx_ape = t["indexer_compressor_ape"].dequantize().contiguous()
             self.idx_norm = t["indexer_compressor_norm"]
         # every projection of the normed input in one matmul when their types agree
-        parts = [self.q_a, self.wkv] + ([self.comp_kv, self.comp_gate] if self.ratio else [])
-        parts += [self.idx_kv, self.idx_gate, self.idx_proj] if self.ratio == CSA else []
-        self.split = [p.out_features for p in parts]
-        self.w_in = llama.fuse(tensors.f, parts)
-        self.parts = parts if self.w_in is None else None
+        self.part_attrs = ["q_a", "wkv"] + (["comp_kv", "comp_gate"] if self.ratio else [])
+        self.part_attrs += ["idx_kv", "idx_gate", "idx_proj"] if self.ratio == CSA else []
+        self.split = [p.out_features for p in self.parts]
+        self.w_in = llama.fuse(tensors.f, self.parts)
         self.sh_gate_up = llama.fuse(tensors.f, [t["ffn_gate_shexp"], t["ffn_up_shexp"]])
         self.router = t["ffn_gate_inp"]
         self.experts = moe.Experts(t["ffn_gate_exps"], t["ffn_up_exps"], t["ffn_down_exps"])
@@ -104,6 +103,11 @@ class Layer:
             self.tid2eid = torch.from_numpy(table.astype(np.int64))
             if int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= c.n_expert:
                 raise FucinaError(f"blk.{i}.ffn_gate_tid2eid holds expert ids outside [0, {c.n_expert})")
+
+    @property
+    def parts(self) -> list:
+        """The fused input projections, read from the layer's own slots (what a LoRA swaps)."""
+        return [getattr(self, a) for a in self.part_attrs]
 
 
 def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -276,16 +280,20 @@ class Model(llama.Model):
         y = weigh_streams(x.view(-1, c.hc, c.n_embd), pre)
         return self.output.linear(self.norm(y, self.output_norm, c.rms_eps))
 
+    def _native(self, *xs: torch.Tensor) -> bool:
+        """The native calls have no backward: torch's ops where a gradient flows (training)."""
+        return self.hc_native and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+
     def norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
         """The RMS norm: ggml's arithmetic in one native call, or torch's without kernels."""
-        return hc_native.rms_norm(x, w, eps) if self.hc_native else rms_norm(x, w, eps)
+        return hc_native.rms_norm(x, w, eps) if self._native(x) else rms_norm(x, w, eps)
 
     def swiglu(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-        return hc_native.swiglu_clamp(g, u, limit) if self.hc_native else swiglu_clamp(g, u, limit)
+        return hc_native.swiglu_clamp(g, u, limit) if self._native(g, u) else swiglu_clamp(g, u, limit)
 
     def hc_pre(self, hc: HC, x: torch.Tensor):
         c, n = self.config, self.config.hc
-        if self.hc_native:   # one call for all rows, in ggml's order
+        if self._native(x):   # one call for all rows, in ggml's order
             return hc_native.pre(hc.fn(self.norm(x, None, c.rms_eps)), x, hc.scale, hc.base, c.sinkhorn_iters,
                                  c.hc_eps)
         z = hc.fn(self.norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb
@@ -296,7 +304,7 @@ class Model(llama.Model):
         return weigh_streams(x.view(-1, n, c.n_embd), pre), post, comb
 
     def hc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        if self.hc_native:
+        if self._native(y, x, post, comb):
             return hc_native.post(y, x, post, comb)
         c = self.config
         streams = x.view(-1, c.hc, c.n_embd)
@@ -307,8 +315,11 @@ class Model(llama.Model):
     def run_layers(self, cache: KVCache, x: torch.Tensor, pos0: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         if ids is None and self.config.n_hash:
             raise FucinaError("deepseek4 routes its first layers by token id: run_layers needs the rows' ids")
-        self._ids = (pos0, ids if ids is not None else torch.zeros(x.shape[0], dtype=torch.long))
+        self.bind_ids(pos0, ids if ids is not None else torch.zeros(x.shape[0], dtype=torch.long))
         return super().run_layers(cache, x, pos0, ids)
+
+    def bind_ids(self, pos0: int, ids: torch.Tensor) -> None:
+        self._ids = (pos0, ids)
 
     def block(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         if 1 < x.shape[0] <= ROWWISE_MAX:   # a short step (a speculative verify) is its decode steps, bit for bit

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from fucina.errors import FucinaError
 from fucina.models.cache import AliasKV, RecurrentState
+from fucina.models.cache.dsv4 import DSV4Memory
 from fucina.train.lora import MatmulMemo, recording
 
 CHECKPOINT_MODES = ("auto", "full", "keep-matmul", "off")
@@ -55,7 +56,9 @@ class TrainCache:
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         layout = _cache_layout(model)
         self.source = [kind[1] if kind[0] == "alias" else i for i, kind in enumerate(layout)]
-        self.memories = [_ZeroState(*kind[1:]) if kind[0] == "recur" else None for kind in layout]
+        self.memories = [_ZeroState(*kind[1:]) if kind[0] == "recur"
+                         else DSV4Memory(capacity, *kind[1:], row_dtype=torch.float32) if kind[0] == "dsv4"
+                         else None for kind in layout]
         self.shared = {src for i, src in enumerate(self.source) if src != i}   # rows read later
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -94,6 +97,8 @@ def _cache_layout(model) -> list[tuple]:
                 layout.append(("alias", mem.target_layer))
             elif isinstance(mem, RecurrentState):
                 layout.append(("recur", tuple(mem.conv.shape), tuple(mem.state.shape)))
+            elif isinstance(mem, DSV4Memory):   # deepseek4: its rows and compressor state, f32, per sequence
+                layout.append(("dsv4", mem.ratio, mem.head_dim, mem.idx_dim))
             else:
                 layout.append(("rows",))
         model._train_cache_layout = layout
@@ -127,7 +132,9 @@ def activation_bytes(model, rows: int) -> int:
             seen[st.data_ptr()] = st.nbytes()
             return t
 
-        x = model.embed(torch.zeros(64, dtype=torch.long)).float().requires_grad_()
+        ids = torch.zeros(64, dtype=torch.long)
+        x = model.embed(ids).float().requires_grad_()
+        model.bind_ids(0, ids)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.block(0, x, TrainCache(model, 64), 0)
         per_token = model._train_act_bytes_per_token = sum(seen.values()) / 64
@@ -153,6 +160,7 @@ def hidden(model, ids: torch.Tensor, use_checkpoint: bool | str = True) -> torch
     x = model.embed(ids).float()
     grad = torch.is_grad_enabled()
     cache = TrainCache(model, ids.numel())
+    model.bind_ids(0, ids)
     hooks = getattr(model, "residual_hooks", None)
     for i in range(model.config.n_layer):
         if hooks and i in hooks:

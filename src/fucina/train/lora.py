@@ -34,7 +34,8 @@ TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
 #: DeltaNet's output projection (qwen35; its attn_qkv is split into q/k/v like phi3's).
 #: Routed experts (and deepseek2's shared experts) stay frozen: a pair per expert would
 #: multiply the adapter by n_expert, and routing already specializes them.
-EXTRA_STEMS = {"attn_q_a": "q", "attn_q_b": "q", "attn_kv_a_mqa": "k", "ssm_out": "o"}
+EXTRA_STEMS = {"attn_q_a": "q", "attn_q_b": "q", "attn_kv_a_mqa": "k", "ssm_out": "o",
+               "attn_kv": "k", "attn_output_b": "o"}   # deepseek4: its joint K=V row, its grouped output's second factor
 _STEM_TARGET = {**{v: k for k, v in TARGETS.items()}, **EXTRA_STEMS}
 _ROW_CHUNK_BYTES = 4 << 20   # f32 rows decoded per backward chunk
 
@@ -358,7 +359,7 @@ class _TrainStack:
 # autograd on the dequantized model and finite differences, every target); a family outside
 # it is refused rather than trained wrong
 TRAINABLE = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "gemma4", "qwen3moe", "deepseek2",
-             "bitnet", "glm4moe", "gpt-oss", "kimi-linear", "kimi-k3")
+             "bitnet", "glm4moe", "gpt-oss", "kimi-linear", "kimi-k3", "deepseek4")
 
 
 class LoRAModel:

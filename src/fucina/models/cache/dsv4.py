@@ -13,7 +13,8 @@ completed block. Here every part has one row per position:
   lid_kv / lid_sc [cap, 2 * idx_dim] f32   the indexer compressor's state (CSA only)
   lid     [cap, idx_dim]             f16   the indexer's compressed key of block b, same row
 
-A block is written when the step that holds its last position runs, from rows of this
+`row_dtype` float32 keeps raw / comp / lid in f32 (the trainer's per-sequence stand-in, where
+the rows carry gradients). A block is written when the step that holds its last position runs, from rows of this
 memory, so a rewind to any length leaves exactly the blocks complete at that length valid
 and a rerun rewrites the rest. Rows are independent per position: prefix reuse, turns,
 speculation and persistence use the generic row machinery. The cost is the per-position
@@ -30,19 +31,20 @@ from fucina.models.cache.memory import RowMemory
 class DSV4Memory(RowMemory):
     kind = "dsv4"
 
-    def __init__(self, capacity: int, ratio: int, head_dim: int, idx_dim: int = 0):
+    def __init__(self, capacity: int, ratio: int, head_dim: int, idx_dim: int = 0,
+                 row_dtype: torch.dtype = torch.float16):
         if capacity <= 0:
             raise KVCacheError(f"cache capacity must be positive, got {capacity}")
         self.ratio, self.head_dim, self.idx_dim = ratio, head_dim, idx_dim
         self.storage, self.table_row = "f16", None
         coff = 2 if ratio == 4 else 1
-        names = [("raw", head_dim, torch.float16)]
+        names = [("raw", head_dim, row_dtype)]
         if ratio:
             names += [("st_kv", coff * head_dim, torch.float32), ("st_sc", coff * head_dim, torch.float32),
-                      ("comp", head_dim, torch.float16)]
+                      ("comp", head_dim, row_dtype)]
         if ratio == 4:
             names += [("lid_kv", 2 * idx_dim, torch.float32), ("lid_sc", 2 * idx_dim, torch.float32),
-                      ("lid", idx_dim, torch.float16)]
+                      ("lid", idx_dim, row_dtype)]
         self.names = [n for n, _, _ in names]
         for n, d, dt in names:
             setattr(self, n, torch.zeros(capacity, d, dtype=dt))
