@@ -336,13 +336,55 @@ def test_chunks_cover_the_ends_of_the_corpus():
     assert chunk_span(rng, 50, 384) == (0, 50)
 
 
+def test_spread_covers_the_document_and_the_forms_evenly_for_any_count():
+    """--spread: the first n conversations' chunks sit on a golden-ratio sequence (at most
+    three gap sizes, the largest within 2.7x the smallest, for every n) and the seed prompts
+    take turns (their counts differ by at most one); conversation i is a function of
+    (seed, i) only, and two seeds start at different points."""
+    from fucina.train.cartridge import spread_draw, spread_span
+    for seed in (0, 1):
+        draws = [spread_draw(seed, i, 6) for i in range(64)]
+        for n in (5, 16, 64):
+            us = sorted(u for u, _ in draws[:n])
+            gaps = [b - a for a, b in zip(us, us[1:])] + [1 - us[-1] + us[0]]
+            assert len({round(g, 9) for g in gaps}) <= 3 and max(gaps) < 2.7 * min(gaps)
+            counts = [sum(k == j for _, k in draws[:n]) for j in range(6)]
+            assert max(counts) - min(counts) <= 1
+        assert draws[10] == spread_draw(seed, 10, 6)
+    assert spread_draw(0, 0, 6)[0] != spread_draw(1, 0, 6)[0]
+    hits = [0] * 1061
+    for i in range(64):
+        a, b = spread_span(spread_draw(0, i, 6)[0], 1061, 384)
+        assert 0 <= a < b <= 1061 and b - a >= 192
+        for t in range(a, b):
+            hits[t] += 1
+    assert min(hits[192:-192]) >= 0.8 * max(hits)       # the inside evenly (a random draw: ~0.5)
+    assert spread_span(0.0, 1061, 384) == (0, 192) and spread_span(0.9999, 1061, 384) == (869, 1061)
+    assert spread_span(0.5, 50, 384) == (0, 50)
+
+
+def test_spread_is_part_of_the_run(tiny, tmp_path):
+    """--spread changes which chunks and forms the conversations get, so resuming a run
+    with the other setting is refused (a checkpoint from before the option: random draws)."""
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2)
+    plain = SelfStudy(model, tok, DOC, SelfStudyConfig(**kw)).samples([0, 1, 2])
+    spread = SelfStudy(model, tok, DOC, SelfStudyConfig(spread=True, **kw)).samples([0, 1, 2])
+    assert [(s.kind, s.question) for s in plain] != [(s.kind, s.question) for s in spread]
+    assert len({s.kind for s in spread}) == 3                              # the forms in turn
+    out = str(tmp_path / "s.st")
+    train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, spread=True, **kw), out=out)
+    with pytest.raises(CartridgeError, match="spread"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=4, **kw), out=out, resume=True)
+
+
 def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_path):
     model, tok = tiny
     kw = dict(p=12, chunk_tokens=40, max_question=6, max_answer=6, accum=2)
     out = str(tmp_path / "a.st")
     train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=out)
     state = torch.load(out + ".ckpt", weights_only=False)
-    for k in ("epochs", "scaled", "turns", "decay"):
+    for k in ("epochs", "scaled", "turns", "decay", "spread"):
         del state["config"][k]
     del state["scales"]
     torch.save(state, out + ".ckpt")

@@ -93,6 +93,10 @@ def _training_args(s) -> None:
                    help="Adam in units of each (head, channel)'s size: --lr is the step as a fraction of a "
                         "channel's size (default); --no-channel-lr: one absolute step for every channel")
     s.add_argument("--decay", action="store_true", help="the learning rate falls linearly to zero over the run")
+    s.add_argument("--spread", action=argparse.BooleanOptionalAction, default=False,
+                   help="conversation i's chunk at the i-th point of a golden-ratio sequence over the document "
+                        "and the seed prompts in turn, so any first n conversations cover both evenly "
+                        "(default: drawn at random)")
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
@@ -119,6 +123,7 @@ def _config(args, **kw):
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                            max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
                            scaled=args.channel_lr, turns=args.turns, decay=args.decay, distract=args.distract,
+                           spread=args.spread,
                            **kw)
 
 

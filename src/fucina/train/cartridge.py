@@ -3,10 +3,14 @@
 The model stays frozen (its quantized weights, through the trainer's frozen matmuls);
 the cartridge's rows past its frozen sink are the only parameters. One self-study
 conversation:
-1. a random span of the corpus (the chunk; `chunk_span` shows every token in about as
-   many) and a seed prompt, which gives the FORM of a message (a question, a summary
-   request, ...), never its content: the chunk is what the message is about, so the
-   teacher can always answer from what it sees;
+1. a span of the corpus (the chunk; `chunk_span` shows every token in about as many)
+   and a seed prompt, which gives the FORM of a message (a question, a summary request,
+   ...), never its content: the chunk is what the message is about, so the teacher can
+   always answer from what it sees. With `spread` conversation i's chunk
+   starts at the i-th point of a golden-ratio sequence over the document and the seed
+   prompts take turns, so any first n conversations cover the document and the forms
+   evenly (random draws leave a region of it, or a form, short in one seed's run and
+   not in another's);
 2. bot A, the model with the chunk in its system message, writes that message
    (temperature 0.6);
 3. bot B, the model with the same system message (so its prompt reuses bot A's cache
@@ -35,6 +39,7 @@ prefix, and the gradient reaches the rows through the attention.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -92,13 +97,15 @@ class SelfStudyConfig:
     turns: int = 1                # question-answer exchanges per conversation (the paper's k)
     decay: bool = False           # the learning rate falls linearly to zero over the run
     distract: float = 0.0         # chance a visit's student reads a distractor cartridge beside its rows
+    spread: bool = False          # chunks on a golden-ratio sequence, seed prompts in turn (else random)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
-                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay", "distract")
+                "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay", "distract",
+                "spread")
 # the settings of the runs that wrote checkpoints before each key existed
-_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False, "distract": 0.0}
+_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False, "distract": 0.0, "spread": False}
 
 
 @dataclass
@@ -326,6 +333,30 @@ def chunk_span(rng: random.Random, n_ids: int, n: int) -> tuple[int, int]:
     return max(0, start), min(n_ids, start + n)
 
 
+#: frac(u0 + i * GOLDEN) for i = 0..n-1 splits [0, 1) into gaps of at most three sizes for
+#: every n (the three-gap theorem): the first n conversations cover the range evenly
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def spread_draw(seed: int, i: int, n_kinds: int) -> tuple[float, int]:
+    """Conversation i's chunk position u in [0, 1) and seed-prompt kind under `spread`: the
+    i-th point of the golden-ratio sequence and the i-th kind in turn, from a start the
+    seed picks (a function of (seed, i): a run that grows keeps its first conversations)."""
+    run = random.Random(mix64(seed, 0x5B12))
+    u0, k0 = run.random(), run.randrange(n_kinds)
+    return (u0 + i * GOLDEN) % 1.0, (k0 + i) % n_kinds
+
+
+def spread_span(u: float, n_ids: int, n: int) -> tuple[int, int]:
+    """`chunk_span`'s window with its start at fraction u in [0, 1) of its range."""
+    if n >= n_ids:
+        return 0, n_ids
+    h = n // 2
+    lo, count = -h, n_ids - n + 2 * h + 1          # starts -h .. n_ids - n + h
+    start = lo + min(count - 1, int(u * count))
+    return max(0, start), min(n_ids, start + n)
+
+
 class SelfStudy:
     """Makes the conversations of a run: conversation i depends only on (seed, i) and the
     model; `samples(indices)` generates several together (bitwise the same where the
@@ -351,6 +382,17 @@ class SelfStudy:
     def chunk(self, rng: random.Random) -> str:
         start, end = chunk_span(rng, len(self.ids), self.cfg.chunk_tokens)
         return self.tok.decode(self.ids[start:end])
+
+    def chunk_and_kind(self, i: int, rng: random.Random) -> tuple[str, str]:
+        """Conversation i's chunk and seed-prompt kind: drawn from its own rng, or with
+        `spread` the i-th points of the run's golden-ratio sequence and the kinds in turn
+        (from a start the seed picks)."""
+        kinds = sorted(SEED_PROMPTS)
+        if not self.cfg.spread:
+            return self.chunk(rng), rng.choice(kinds)
+        u, k = spread_draw(self.cfg.seed, i, len(kinds))
+        start, end = spread_span(u, len(self.ids), self.cfg.chunk_tokens)
+        return self.tok.decode(self.ids[start:end]), kinds[k]
 
     def batch_invariant(self) -> bool:
         """Whether a batched step gives every row the bits of a single step here."""
@@ -401,8 +443,7 @@ class SelfStudy:
         convs = []
         for i in indices:
             rng = random.Random(mix64(cfg.seed, 0xCA57, i))
-            chunk = self.chunk(rng)
-            kind = rng.choice(sorted(SEED_PROMPTS))
+            chunk, kind = self.chunk_and_kind(i, rng)
             sampler = Sampler(SamplingConfig(temperature=cfg.temperature, seed=rng.getrandbits(32)))
             system = {"role": "system", "content": SYSTEM.format(chunk=chunk)}
             a_msgs = [system, {"role": "user", "content": SEED_PROMPTS[kind]}]
