@@ -13,6 +13,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import termios
@@ -206,6 +207,9 @@ class Pty:
         def controlling_tty():            # a new session whose terminal is the pty: Ctrl-C is SIGINT
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # a pytest started in the background by a shell without job control inherits
+            # SIGINT ignored, and Python then leaves it ignored: the REPL would never see Ctrl-C
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
                                      preexec_fn=controlling_tty, close_fds=True)
@@ -260,7 +264,7 @@ def test_repl_banner_commands_ctrl_c_and_history(models, tmp_path):
     env = env_for(models, FUCINA_CACHE=str(tmp_path))
     # The Ctrl-C must land while the reply streams: 3000 tokens of this model took 1.3 s, and
     # on a loaded box the reply could end first (the Ctrl-C then lands at the prompt). 20000
-    # tokens take ~15 s, so a fixed seed's reply outlasts any scheduling delay.
+    # tokens take 15-20 s, so a fixed seed's reply outlasts any scheduling delay.
     chat = write_model(tmp_path / "chat.gguf", "llama", ctx=20480)
     t = Pty([sys.executable, "-m", "fucina", "chat", chat, "--repl", "--gen", "20000",
              "--ctx", "20480", "-t", "1", "--seed", "1"], env)
