@@ -116,12 +116,15 @@ def _ddp_worker(rank, world, port, path, q):
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from fucina.train.trainer import finish_distributed
     try:
         _, params, _ = _run(path, None, 3, grad_accum=1, world_size=world, rank=rank)
         if rank == 0:
             q.put({k: v.numpy() for k, v in params.items()})
+        finish_distributed()       # both ranks done before either closes (an early close aborted a peer)
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow   # two spawned interpreters: ~20 s of imports on a busy box

@@ -126,7 +126,7 @@ def cmd_finetune(args) -> int:
     from fucina.text.tokenizer import Tokenizer
     from fucina.train.data import read_jsonl, split_validation
     from fucina.train.lora import LoRAConfig
-    from fucina.train.trainer import TrainConfig, Trainer, init_distributed
+    from fucina.train.trainer import TrainConfig, Trainer, finish_distributed, init_distributed
 
     rank, world = init_distributed()
     _threads(args.threads, world)
@@ -172,6 +172,7 @@ def cmd_finetune(args) -> int:
             f"{summary['final_loss']:.4f}" + (f", validation {v:.4f}" if v is not None else "") +
             f"; {summary['tok_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MB; "
             f"wrote {summary['adapter']}")
+    finish_distributed()
     return 0
 
 

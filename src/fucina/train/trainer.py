@@ -314,3 +314,13 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def finish_distributed() -> None:
+    """Every rank waits for the others, then the group closes: a rank that exits while a
+    peer's gloo threads still talk to it can abort that peer (SIGABRT, "terminate called
+    without an active exception", seen once in the two-process test)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
