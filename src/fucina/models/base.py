@@ -267,6 +267,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | R
     return torch.cat(out)
 
 
+class FusedParts:
+    """A layer whose projections of one input run as one fused weight, each part kept as a
+    weight slot of its own beside it (the parts' pages released): LoRA trains and serves
+    each by its tensor name, and a part swapped re-fuses from `parts`. `part_attrs` names
+    the slots in fused order."""
+
+    part_attrs: list[str]
+
+    @property
+    def parts(self) -> list:
+        return [getattr(self, a) for a in self.part_attrs]
+
+
 def as_ids(tokens: Tokens, n_vocab: int) -> torch.Tensor:
     ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
     if ids.numel() == 0:

@@ -47,7 +47,7 @@ from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.kernels import dsv4 as hc_native
 from fucina.models import llama, moe
-from fucina.models.base import ROWWISE_MAX, Rope, Tensors, layer_tensors, linear, rms_norm, vector
+from fucina.models.base import ROWWISE_MAX, FusedParts, Rope, Tensors, layer_tensors, linear, rms_norm, vector
 from fucina.models.cache import KVCache, cache_capacity
 from fucina.models.cache.dsv4 import DSV4Memory
 from fucina.models.mla import yarn_rope
@@ -65,7 +65,7 @@ class HC:
         self.scales = torch.cat([self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)])
 
 
-class Layer:
+class Layer(FusedParts):
     def __init__(self, tensors: Tensors, i: int, c: Config):
         self.ratio = c.ratios[i]
         schema = tuple(s for s in layer_schema(c, i) if s.name != "ffn_gate_tid2eid")
@@ -103,11 +103,6 @@ class Layer:
             self.tid2eid = torch.from_numpy(table.astype(np.int64))
             if int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= c.n_expert:
                 raise FucinaError(f"blk.{i}.ffn_gate_tid2eid holds expert ids outside [0, {c.n_expert})")
-
-    @property
-    def parts(self) -> list:
-        """The fused input projections, read from the layer's own slots (what a LoRA swaps)."""
-        return [getattr(self, a) for a in self.part_attrs]
 
 
 def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:

@@ -19,25 +19,20 @@ from __future__ import annotations
 import torch
 
 from fucina.models import delta_net
-from fucina.models.base import Ragged, rowwise
+from fucina.models.base import FusedParts, Ragged, rowwise
 from fucina.models.cache import KVCache, LatentKV, Q8Cache, RecurrentState, cache_capacity
 
 CHUNK = 16
 
 
-class InputParts:
+class InputParts(FusedParts):
     """A KDA layer's input projections (q, k, v or the file's attn_qkv, then the gate and
-    beta rows), each a weight slot of its own beside the fused one that serves them (the
-    parts' pages released): LoRA trains and serves each by its tensor name."""
+    beta rows) as `FusedParts`, each slot named `in_<tensor>`."""
 
     def set_parts(self, t: dict, names: list[str]) -> None:
-        self.part_names = names
+        self.part_attrs = ["in_" + n for n in names]
         for n in names:
             setattr(self, "in_" + n, t[n])
-
-    @property
-    def parts(self) -> list:
-        return [getattr(self, "in_" + n) for n in self.part_names]
 
 
 def sequential(q, k, v, g, beta, state, keep_states: int = 0):

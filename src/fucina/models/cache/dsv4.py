@@ -14,9 +14,9 @@ completed block. Here every part has one row per position:
   lid     [cap, idx_dim]             f16   the indexer's compressed key of block b, same row
 
 `row_dtype` float32 keeps raw / comp / lid in f32 (the trainer's per-sequence stand-in, where
-the rows carry gradients). A block is written when the step that holds its last position runs, from rows of this
-memory, so a rewind to any length leaves exactly the blocks complete at that length valid
-and a rerun rewrites the rest. Rows are independent per position: prefix reuse, turns,
+the rows carry gradients). A block is written when the step that holds its last position
+runs, from rows of this memory, so a rewind to any length leaves exactly the blocks complete
+at that length valid and a rerun rewrites the rest. Rows are independent per position: prefix reuse, turns,
 speculation and persistence use the generic row machinery. The cost is the per-position
 state (f32) and the sparse compressed rows: more memory than llama.cpp's rings.
 """
