@@ -162,6 +162,8 @@ typedef struct {
     /* every layer of the plan over m rows (generic/step_impl.inc); its matmuls go through
      * a->matmul, which module.cpp sets to this table's */
     void (*step)(fk_step_args *a);
+    /* one layer's ffn over m rows of an ffn-only plan (generic/step_impl.inc fk_ffn_impl) */
+    void (*ffn)(fk_step_args *a);
     /* test probe: the most activation rows (0..8) the canonical decode GEMV takes for a format */
     int (*gemv_rows)(int qtype);
 } fk_isa;
@@ -181,7 +183,8 @@ extern const fk_isa fk_isa_avx512;
 #define FK_ISA_TABLE(level)                                                                                  \
     extern "C" const fk_isa fk_isa_##level = {#level, fk_##level##_ns::fk_matmul, fk_##level##_ns::fk_act_roundtrip, \
                                               fk_##level##_ns::fk_dequant_row, fk_##level##_ns::attn::fk_attn_decode_impl, \
-                                              fk_##level##_ns::attn::fk_step_impl, fk_##level##_ns::fk_gemv_rows};
+                                              fk_##level##_ns::attn::fk_step_impl, fk_##level##_ns::attn::fk_ffn_impl, \
+                                              fk_##level##_ns::fk_gemv_rows};
 
 /* MXFP4's E8M0 scale byte -> 2^(e - 127) / 2 (ggml_e8m0_to_fp32_half): exact in f32, e < 2
  * subnormal. The block's values are the doubled E2M1 codes, so this is their scale. */

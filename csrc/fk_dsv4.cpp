@@ -3,6 +3,7 @@
  * every clone (and the numpy reference in tests/test_deepseek4.py) gives the same bits. */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
+#include <string.h>
 
 #include "fk_dsv4.h"
 
@@ -126,5 +127,20 @@ FK_CLONES void fk_swiglu_clamp(const float *g, const float *u, int64_t n, float 
         const float gv = g[i] < limit ? g[i] : limit;
         const float uv = u[i] < -limit ? -limit : (u[i] > limit ? limit : u[i]);
         out[i] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+void fk_rope_tail(float *x, int64_t m, int64_t heads, int64_t d, const float *cs, int64_t n_rot, int inverse) {
+    const float sign = inverse ? -1.0f : 1.0f;
+    for (int64_t r = 0; r < m; r++) {
+        const float *c = cs + r * n_rot;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (r * heads + h) * d + d - n_rot;
+            for (int64_t i = 0; i < n_rot / 2; i++) {   /* (a + ib)(cos + i sin), as torch's complex multiply */
+                const float a = v[2 * i], b = v[2 * i + 1], co = c[2 * i], si = sign * c[2 * i + 1];
+                v[2 * i] = a * co - b * si;
+                v[2 * i + 1] = a * si + b * co;
+            }
+        }
     }
 }

@@ -23,3 +23,9 @@ void fk_rms_norm(const float *x, const float *w, int64_t m, int64_t n, float eps
 /* n values: out = silu(min(g, limit)) * clamp(u, -limit, limit), or silu(g) * u when limit
  * <= 1e-6 (ggml's swiglu_clamp CPU op) */
 void fk_swiglu_clamp(const float *g, const float *u, int64_t n, float limit, float *out);
+
+/* m rows of `heads` heads of d: the last n_rot values of each head rotated in adjacent pairs
+ * (GGML's NORM mode) by row r's (cos, sin) pairs cs [m, n_rot / 2, 2], in place; inverse:
+ * the rotation back (sin negated) */
+void fk_rope_tail(float *x, int64_t m, int64_t heads, int64_t d, const float *cs, int64_t n_rot, int inverse);
+

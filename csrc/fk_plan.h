@@ -48,6 +48,7 @@ typedef struct {
     FK_MLA_FIELDS(X)                                                                              \
     FK_KDA_FIELDS(X)                                                                              \
     FK_K3_FIELDS(X)                                                                               \
+    FK_DSV4_FIELDS(X)                                                                             \
     X(I, res_hook) X(I, res_hook_ctx)
 /* layer_rot, v_norm, out_scale (gemma4): own rotary width (0: n_rot), V norm, x *= s;
  * bidir (a diffusion canvas): every row of a call reads keys up to the call's last position */
@@ -127,6 +128,16 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
     X(F, situ_beta) X(F, situ_lbeta) X(I, res_bank) X(V, attn_res_score) X(V, ffn_res_score)  \
     X(V, out_res_score)
 
+/* deepseek4's routed ffn (moe_impl.inc; its layers are FK_MIXER_NONE: the hyper-connection
+ * mixers around the ffn stay in Python, the plan serves `ffn` calls): moe_sqrt_softplus 1:
+ * each expert's weight is sqrt(softplus(logit)) (selection bias, renormalisation by the sum's
+ * quotient and scale as llama.cpp's build_moe_ffn); tid2eid (0: none) an int32 table
+ * [tid_vocab, n_expert_used] choosing a hash-routed layer's experts by the row's token id
+ * (the step's ids); clamp_exp / clamp_shexp (act FK_ACT_SWIGLU_CLAMP) the routed and the
+ * shared experts' SwiGLU limits (<= 1e-6: none) */
+#define FK_DSV4_FIELDS(X) \
+    X(I, moe_sqrt_softplus) X(I, tid2eid) X(I, tid_vocab) X(F, clamp_exp) X(F, clamp_shexp)
+
 /* gemma4's E-model layers: kv_from = 1 + the earlier layer whose K/V rows this layer reads
  * (shared KV: only wq, nothing written; 0: its own); layer_ff its FFN width (0: n_ff, the
  * widest); with n_ple, x += ple_norm((act(x ple_gate) * input) ple_proj) after the FFN */
@@ -149,11 +160,13 @@ typedef int (*fk_moe_hook)(int64_t ctx, const int32_t *experts, int64_t n);   /*
  * the step stops (status -2). */
 typedef int (*fk_res_hook)(int64_t ctx, float *x, int64_t m, int64_t ldx, int64_t pos0, int nthreads);
 
-enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2, FK_MIXER_KDA = 3 };
+/* FK_MIXER_NONE: a layer with its ffn only; a plan holding one serves `ffn` calls, never a step */
+enum { FK_MIXER_ATTENTION = 0, FK_MIXER_DELTA = 1, FK_MIXER_MLA = 2, FK_MIXER_KDA = 3, FK_MIXER_NONE = 4 };
 enum { FK_FFN_DENSE = 0, FK_FFN_MOE = 1 };
 /* swiglu_oai (gpt-oss): min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1);
- * situ (kimi-k3): beta tanh(g / beta) sigmoid(g) * lb tanh(u / lb) (lb <= 0: u), per layer's betas */
-enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2, FK_ACT_SITU = 3 };
+ * situ (kimi-k3): beta tanh(g / beta) sigmoid(g) * lb tanh(u / lb) (lb <= 0: u), per layer's betas;
+ * swiglu_clamp (deepseek4): silu(min(g, l)) clamp(u, -l, l), l the layer's clamp_exp or clamp_shexp */
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1, FK_ACT_SWIGLU_OAI = 2, FK_ACT_SITU = 3, FK_ACT_SWIGLU_CLAMP = 4 };
 
 #define FK_FIELD_I(name) int64_t name;
 #define FK_FIELD_F(name) double name;
@@ -172,6 +185,7 @@ typedef struct {
 typedef struct {
     FK_PLAN_FIELDS(FK_DECLARE)
     int64_t max_q, max_qkv;   /* widest layer: the step's scratch */
+    int64_t ffn_only;         /* a layer is FK_MIXER_NONE: `ffn` calls only */
     fk_layer *layers;
 } fk_plan;
 
@@ -196,6 +210,11 @@ typedef struct {
     const int64_t *row_pos;
     const int64_t *row_kv;
     int status;  /* out: 0 ok, -1 out of memory, -2 a residual hook refused */
+    /* an `ffn` call (step_impl.inc fk_ffn_impl): layer `layer`'s ffn over the m rows at x,
+     * written to out [m, n_embd]; ids (NULL: none) the rows' token ids, in [0, tid_vocab) */
+    const int64_t *ids;
+    int64_t layer;
+    float *out;
 } fk_step_args;
 
 #endif

@@ -273,6 +273,76 @@ static PyObject *py_swiglu_clamp(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* rope_tail(x, m, heads, d, cs, n_rot, inverse): fk_rope_tail in place */
+static PyObject *py_rope_tail(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[7];
+    if (!int_args("rope_tail", args, nargs, 7, 0, 7, v)) return NULL;
+    if (!v[0] || !v[4] || v[1] < 0 || v[2] < 1 || v[3] < 2 || v[5] < 2 || v[5] % 2 || v[5] > v[3] ||
+        (v[6] != 0 && v[6] != 1)) {
+        PyErr_SetString(PyExc_ValueError, "rope_tail: null pointer or bad shape");
+        return NULL;
+    }
+    fk_rope_tail((float *)(uintptr_t)v[0], v[1], v[2], v[3], (const float *)(uintptr_t)v[4], v[5], (int)v[6]);
+    Py_RETURN_NONE;
+}
+
+/* dsv4_attend(q, H, d, raw, n_raw, comp, comp_len, rows, n_comp, sinks, out, scale): one query
+ * row q [H, d] over DeepSeek-V4's keys (V = K): the raw window rows raw [n_raw, d] f16 and the
+ * compressed rows comp[rows[j]] f16, each head's softmax with its sink logit; out [H, d].
+ * The keys are gathered into one f16 block (every row index checked against comp_len before
+ * a key is read) for the ISA's decode attention, one kv head shared by all H. */
+static thread_local uint16_t *dsv4_keys;
+static thread_local size_t dsv4_cap;
+
+static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[11];
+    if (!int_args("dsv4_attend", args, nargs, 12, 0, 11, v)) return NULL;
+    const double scale = PyFloat_AsDouble(args[11]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    const long long H = v[1], d = v[2], n_raw = v[4], comp_len = v[6], n_comp = v[8];
+    const uint16_t *raw = (const uint16_t *)(uintptr_t)v[3], *comp = (const uint16_t *)(uintptr_t)v[5];
+    const int64_t *rows = (const int64_t *)(uintptr_t)v[7];
+    if (!v[0] || !v[9] || !v[10] || H < 1 || H > FK_ATTN_MAX_GROUP || d < 16 || d % 16 || d > FK_ATTN_MAX_D ||
+        n_raw < 0 || n_comp < 0 || n_raw + n_comp < 1 || n_raw + n_comp > (1LL << 24) || (n_raw && !raw) ||
+        (n_comp && (!comp || !rows))) {
+        PyErr_SetString(PyExc_ValueError, "dsv4_attend: null pointer or bad shape");
+        return NULL;
+    }
+    for (long long j = 0; j < n_comp; j++)
+        if (rows[j] < 0 || rows[j] >= comp_len) {
+            PyErr_Format(PyExc_ValueError, "dsv4_attend: compressed row %lld outside [0, %lld)", (long long)rows[j],
+                         comp_len);
+            return NULL;
+        }
+    const size_t need = (size_t)((n_raw + n_comp) * d);
+    if (need > dsv4_cap) {
+        free(dsv4_keys);
+        dsv4_keys = (uint16_t *)malloc(need * sizeof(uint16_t));
+        dsv4_cap = dsv4_keys ? need : 0;
+        if (!dsv4_keys) return PyErr_NoMemory();
+    }
+    if (n_raw) memcpy(dsv4_keys, raw, (size_t)(n_raw * d) * sizeof(uint16_t));
+    for (long long j = 0; j < n_comp; j++)
+        memcpy(dsv4_keys + (n_raw + j) * d, comp + rows[j] * d, (size_t)d * sizeof(uint16_t));
+    fk_attn_args a;
+    a.q = (const float *)(uintptr_t)v[0];
+    a.k = a.v = dsv4_keys;
+    a.out = (float *)(uintptr_t)v[10];
+    a.n = n_raw + n_comp;
+    a.row_stride = d;
+    a.n_head = (int)H;
+    a.kv_heads = 1;
+    a.d = (int)d;
+    a.scale = (float)scale;
+    a.nthreads = g_threads;
+    a.pos0 = 0;
+    a.sinks = (const float *)(uintptr_t)v[9];
+    g_isa->attn_decode(&a);
+    Py_RETURN_NONE;
+}
+
 /* ---- the decoder layer step -----------------------------------------------------------
  * plan_schema() -> (plan fields, layer fields), each a tuple of (name, kind) in descriptor
  * order (fk_plan.h). plan_new(desc) -> capsule: desc is int64 slots, the plan's fields then
@@ -523,6 +593,24 @@ static int moe_sigmoid_ok(const fk_layer *y) {
     return (y->moe_sigmoid == 0 || y->moe_sigmoid == 1) && y->ffn == FK_FFN_MOE && !y->moe_weight_softmax;
 }
 
+/* deepseek4's fields (fk_plan.h FK_DSV4_FIELDS): its gating on a MoE ffn, not with another's;
+ * the hash table only with it, each entry an expert id (read once here, before any step);
+ * the clamps finite, nonzero only with act FK_ACT_SWIGLU_CLAMP */
+static int dsv4_ok(const fk_plan *p, const fk_layer *y, int ffn_ok) {
+    const int clamp = p->act == FK_ACT_SWIGLU_CLAMP;
+    if (!(y->clamp_exp >= 0.0 && y->clamp_exp < 1e30 && y->clamp_shexp >= 0.0 && y->clamp_shexp < 1e30) ||
+        (!clamp && (y->clamp_exp != 0.0 || y->clamp_shexp != 0.0)) || (y->moe_sqrt_softplus != 0 && y->moe_sqrt_softplus != 1))
+        return 0;
+    if (y->moe_sqrt_softplus && (y->ffn != FK_FFN_MOE || y->moe_sigmoid || y->moe_weight_softmax || y->gate_inp_b))
+        return 0;
+    if (!y->tid2eid) return y->tid_vocab == 0;
+    if (!ffn_ok || !y->moe_sqrt_softplus || y->tid_vocab < 1 || y->tid_vocab > (1LL << 26) || y->moe_table) return 0;
+    const int32_t *t = (const int32_t *)(uintptr_t)y->tid2eid;
+    for (int64_t i = 0; i < y->tid_vocab * y->n_expert_used; i++)
+        if (t[i] < 0 || t[i] >= y->n_expert) return 0;
+    return 1;
+}
+
 static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t H = y->n_head, KV = y->n_kv, D = y->head_dim, E = p->n_embd, F = y->layer_ff ? y->layer_ff : p->n_ff;
     const fk_lin *gu[2] = {&y->gate, &y->up};
@@ -530,6 +618,11 @@ static int layer_ok(const fk_plan *p, const fk_layer *y) {
     const int ffn_ok = y->ffn == FK_FFN_MOE ? moe_ok(p, y) && moe_shared_ok(p, y)
                                             : y->ffn == FK_FFN_DENSE && fused_or_parts(&y->gate_up, gu, ngu, 2, E) &&
                                                   lin_ok(&y->down, E, F);
+    if (!dsv4_ok(p, y, ffn_ok)) return 0;
+    if (y->mixer == FK_MIXER_NONE)   /* its ffn only: no mixer weight, no hook around a mixer */
+        return ffn_ok && y->ffn == FK_FFN_MOE && !y->wqkv.w && !y->wq.w && !y->wk.w && !y->wv.w && !y->wo.w &&
+               !y->ssm_in.w && !y->ssm_qkv.w && !y->ssm_out.w && !y->res_hook && !y->res_bank && !y->attn_res_score &&
+               !y->ple_gate.w && !y->kv_from;
     if (y->mixer == FK_MIXER_DELTA) return ffn_ok && !y->kv_from && delta_ok(p, y);
     if (y->mixer == FK_MIXER_MLA) return ffn_ok && mla_ok(p, y);
     if (y->mixer == FK_MIXER_KDA) return ffn_ok && kda_ok(p, y);
@@ -569,7 +662,8 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     const long long L = head.n_layer;
     if (L < 1 || L > 4096 || il / 8 != kPlanSlots + L * kLayerSlots || head.n_embd < 1 || head.n_embd > (1 << 20) ||
         head.n_ff < 1 || head.n_ff > (1 << 22) || head.n_rot < 2 || head.n_rot % 2 || (head.neox != 0 && head.neox != 1) ||
-        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH && head.act != FK_ACT_SWIGLU_OAI && head.act != FK_ACT_SITU) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
+        (head.act != FK_ACT_SILU && head.act != FK_ACT_GELU_TANH && head.act != FK_ACT_SWIGLU_OAI && head.act != FK_ACT_SITU &&
+         head.act != FK_ACT_SWIGLU_CLAMP) || !(head.eps > 0.0) || !(head.scale > 0.0) ||
         head.n_ple < 0 || head.n_ple > (1 << 16)) {
         PyErr_SetString(PyExc_ValueError, "plan: inconsistent model dimensions");
         return NULL;
@@ -602,9 +696,18 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "plan: more than %d banked layers", FK_RES_MAX);
             return NULL;
         }
+        if (y->mixer == FK_MIXER_NONE) p->ffn_only = 1;
         layer_widths(y, &nqkv, &nq);
         if (nq > p->max_q) p->max_q = nq;
         if (nqkv > p->max_qkv) p->max_qkv = nqkv;
+    }
+    int64_t n_none = 0;   /* an ffn-only plan is all FK_MIXER_NONE layers; the clamped act is its alone */
+    for (long long i = 0; i < L; i++) n_none += layers[i].mixer == FK_MIXER_NONE;
+    if ((n_none && n_none != L) || (p->act == FK_ACT_SWIGLU_CLAMP && !n_none)) {
+        free(layers);
+        free(p);
+        PyErr_SetString(PyExc_ValueError, "plan: an ffn-only plan (mixer none, act swiglu_clamp) mixes with no other layer");
+        return NULL;
     }
     PyObject *cap = PyCapsule_New(p, kPlanCapsule, plan_free);
     if (!cap) {
@@ -688,8 +791,12 @@ static int batch_rows(fk_step_args *a, const long long *v) {
 static PyObject *step_entry(const char *fn, const char *what, int (*rows)(fk_step_args *, const long long *),
                             PyObject *const *args, Py_ssize_t nargs) {
     long long v[8];
-    fk_step_args a;
+    fk_step_args a = {};
     if (!step_args(fn, args, nargs, v, &a)) return NULL;
+    if (a.plan->ffn_only) {
+        PyErr_Format(PyExc_ValueError, "%s: an ffn-only plan has no layer step", fn);
+        return NULL;
+    }
     if (!rows(&a, v)) {
         PyErr_Format(PyExc_ValueError, "%s: inconsistent positions, %s or RoPE table", fn, what);
         return NULL;
@@ -711,6 +818,52 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyObject *py_step_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return step_entry("step_batch", "caches", batch_rows, args, nargs);
+}
+
+/* ffn(plan, layer, x_ptr, m, out_ptr, ids_ptr): out [m, n_embd] = layer's ffn over the rows
+ * x [m, n_embd] of an ffn-only plan; ids_ptr (int64 [m], 0: none) the rows' token ids,
+ * required by a hash-routed layer and checked against its table before any is read */
+static PyObject *py_ffn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[5];
+    if (!int_args("ffn", args, nargs, 6, 1, 5, v)) return NULL;
+    const fk_plan *p = (const fk_plan *)PyCapsule_GetPointer(args[0], kPlanCapsule);
+    if (!p) return NULL;
+    fk_step_args a = {};
+    a.plan = p;
+    a.layer = v[0];
+    a.x = (float *)(uintptr_t)v[1];
+    a.m = v[2];
+    a.out = (float *)(uintptr_t)v[3];
+    a.ids = (const int64_t *)(uintptr_t)v[4];
+    if (!p->ffn_only || a.layer < 0 || a.layer >= p->n_layer || !a.x || !a.out || a.m < 1 || a.m > (1LL << 24)) {
+        PyErr_SetString(PyExc_ValueError, "ffn: not an ffn-only plan, a layer out of range, or bad rows");
+        return NULL;
+    }
+    const fk_layer *L = p->layers + a.layer;
+    if (L->tid2eid) {
+        if (!a.ids) {
+            PyErr_Format(PyExc_ValueError, "ffn: layer %lld routes by token id and got no ids", (long long)a.layer);
+            return NULL;
+        }
+        for (int64_t i = 0; i < a.m; i++)
+            if (a.ids[i] < 0 || a.ids[i] >= L->tid_vocab) {
+                PyErr_Format(PyExc_ValueError, "ffn: token id %lld outside the table's [0, %lld)", (long long)a.ids[i],
+                             (long long)L->tid_vocab);
+                return NULL;
+            }
+    } else {
+        a.ids = NULL;
+    }
+    a.nthreads = g_threads;
+    a.prefill = prefill_for_isa();
+    a.matmul = g_isa->matmul;
+    const fk_isa *isa = g_isa;
+    Py_BEGIN_ALLOW_THREADS
+    isa->ffn(&a);
+    Py_END_ALLOW_THREADS
+    if (a.status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 /* dequant_rows(qtype, w_ptr, row_bytes, n, k, ids_ptr, count, out_ptr): out[i] = row ids[i] */
@@ -940,12 +1093,18 @@ static PyMethodDef methods[] = {
      "rms_norm(x, w, out, m, n, eps): ggml's RMS norm of m rows of n (w: 0 or n weights)"},
     {"swiglu_clamp", (PyCFunction)(void (*)(void))py_swiglu_clamp, METH_FASTCALL,
      "swiglu_clamp(g, u, out, n, limit): silu(min(g, limit)) * clamp(u, -limit, limit)"},
+    {"rope_tail", (PyCFunction)(void (*)(void))py_rope_tail, METH_FASTCALL,
+     "rope_tail(x, m, heads, d, cs, n_rot, inverse): RoPE on each head's last n_rot values, in place"},
+    {"dsv4_attend", (PyCFunction)(void (*)(void))py_dsv4_attend, METH_FASTCALL,
+     "dsv4_attend(q, H, d, raw, n_raw, comp, comp_len, rows, n_comp, sinks, out, scale): deepseek4's decode attention row"},
     {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},
     {"plan_new", py_plan_new, METH_VARARGS, "plan_new(desc): a validated decoder plan from int64 slots"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, x, m, pos0, kv_table, cis0, cis0_len, cis1, cis1_len): every layer over x[m, n_embd]"},
     {"step_batch", (PyCFunction)(void (*)(void))py_step_batch, METH_FASTCALL,
      "step_batch(plan, x, m, row_kv, row_pos, cis0, cis0_len, cis1, cis1_len): one token per stream"},
+    {"ffn", (PyCFunction)(void (*)(void))py_ffn, METH_FASTCALL,
+     "ffn(plan, layer, x, m, out, ids): one layer's ffn of an ffn-only plan over x[m, n_embd]"},
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,

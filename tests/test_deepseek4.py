@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from fucina import kernels
 from fucina.errors import GGUFError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.kernels import KernelError
@@ -129,6 +130,51 @@ def test_native_norm_and_swiglu_equal_their_reference():
         hc_native.swiglu_clamp(gate, up[:, :10], 1.0)
 
 
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_native_rope_tail_equals_the_torch_rotation():
+    g = torch.Generator().manual_seed(2)
+    rope = d4.Rope(64, 10000.0, False)
+    x = torch.randn(3, 8, 128, generator=g)
+    pos = torch.tensor([0, 17, 300])
+    cis = rope._table(301)[pos, None, :]
+    for inverse in (False, True):
+        got = hc_native.rope_tail_(x.clone(), torch.view_as_real(cis[:, 0]).contiguous(), 64, inverse)
+        torch.testing.assert_close(got, d4.rotate_tail(rope, x, cis, inverse), rtol=0, atol=2e-6)
+    there = hc_native.rope_tail_(x.clone(), torch.view_as_real(cis[:, 0]).contiguous(), 64)
+    back = hc_native.rope_tail_(there, torch.view_as_real(cis[:, 0]).contiguous(), 64, inverse=True)
+    torch.testing.assert_close(back, x, rtol=0, atol=1e-5)
+    assert torch.equal(back[..., :64], x[..., :64])   # the head's first dims untouched
+    with pytest.raises(KernelError):
+        hc_native.rope_tail_(x.clone(), torch.view_as_real(cis[:2, 0]).contiguous(), 64)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+@pytest.mark.parametrize("isa", kernels.supported_isas() if kernels.available() else [])
+def test_native_attention_row_equals_the_torch_row(isa):
+    """The decode attention row (the raw window and the chosen compressed keys gathered for
+    the ISA's decode attention, sinks joining each head's softmax) against the torch row."""
+    g = torch.Generator().manual_seed(3)
+    q, sinks = torch.randn(8, 128, generator=g), torch.randn(8, generator=g)
+    raw, comp = (torch.randn(20, 128, generator=g) * 2).half(), (torch.randn(64, 128, generator=g) * 2).half()
+    rows = torch.tensor([3, 7, 11, 63])
+    k = torch.cat([raw, comp[rows]]).float()
+    s = torch.cat([(q @ k.T) * 0.088, sinks[:, None]], dim=1)
+    want = torch.softmax(s, dim=-1)[:, :-1] @ k
+    before = kernels.isa()
+    kernels.set_isa(isa)
+    try:
+        torch.testing.assert_close(hc_native.attend_row(q, raw, comp, rows, sinks, 0.088), want, rtol=1e-5, atol=1e-5)
+        only_raw = torch.softmax(torch.cat([(q @ raw.float().T) * 0.088, sinks[:, None]], 1), -1)[:, :-1] @ raw.float()
+        torch.testing.assert_close(hc_native.attend_row(q, raw, None, None, sinks, 0.088), only_raw, rtol=1e-5,
+                                   atol=1e-5)
+        with pytest.raises(KernelError, match="outside"):
+            hc_native.attend_row(q, raw, comp, torch.tensor([2, 64]), sinks, 0.088)
+        with pytest.raises(KernelError):
+            hc_native.attend_row(q[:, :100].contiguous(), raw[:, :100].contiguous(), None, None, sinks, 0.088)
+    finally:
+        kernels.set_isa(before)
+
+
 def test_hadamard_is_orthonormal_and_its_own_inverse():
     h = d4.sylvester(64)
     torch.testing.assert_close(h @ h, torch.eye(64), atol=1e-6, rtol=0)
@@ -157,15 +203,72 @@ def test_swiglu_clamp():
     torch.testing.assert_close(d4.swiglu_clamp(g, u, 0.0), torch.nn.functional.silu(g) * u)
 
 
-def test_hash_layer_takes_the_tokens_experts(model):
-    L, seen = model.layers[0], {}
+@pytest.fixture
+def torch_ffn(model):
+    """The model with its torch ffn (the native ffn plan set aside)."""
+    plan, model.ffn_plan = model.ffn_plan, None
+    yield model
+    model.ffn_plan = plan
+
+
+def test_hash_layer_takes_the_tokens_experts(torch_ffn):
+    L, seen = torch_ffn.layers[0], {}
     mix = d4.moe.mix
     try:
         d4.moe.mix = lambda x, ids, w, *a: seen.update(ids=ids) or mix(x, ids, w, *a)
-        model.ffn(0, L, torch.randn(3, model.config.n_embd), torch.tensor([7, 9, 7]))
+        torch_ffn.ffn(0, L, torch.randn(3, torch_ffn.config.n_embd), torch.tensor([7, 9, 7]))
     finally:
         d4.moe.mix = mix
     assert torch.equal(seen["ids"], L.tid2eid[torch.tensor([7, 9, 7])])
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("isa", kernels.supported_isas() if kernels.available() else [])
+@pytest.mark.parametrize("kw", [dict(), dict(qtype=Q.Q8_0, expert_qtype=Q.MXFP4)], ids=["f32", "q8_0-mxfp4"])
+def test_native_ffn_equals_the_torch_ffn(tmp_path, kw, isa):
+    """The ffn-only plan (one native call per layer: sqrt-softplus routing or the hash table,
+    the clamped SwiGLU experts and the shared expert) against the torch ffn, a hash-routed
+    and a scored layer, one row and several; a row's output does not depend on its batch."""
+    before = kernels.isa()
+    kernels.set_isa(isa)
+    try:
+        _native_ffn_check(load_model(write_deepseek4(tmp_path / "f.gguf", seed=4, **kw)))
+    finally:
+        kernels.set_isa(before)
+
+
+def _native_ffn_check(m):
+    assert m.ffn_plan is not None
+    plan, c = m.ffn_plan, m.config
+    x = torch.randn(5, c.n_embd, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([7, 9, 7, 200, 3])
+    for i in (0, c.n_layer - 1):
+        assert (m.layers[i].tid2eid is not None) == (i < c.n_hash)
+        got = m.ffn(i, m.layers[i], x, ids)
+        one = torch.cat([m.ffn(i, m.layers[i], x[r:r + 1], ids[r:r + 1]) for r in range(5)])
+        m.ffn_plan = None
+        try:
+            want = m.ffn(i, m.layers[i], x, ids)
+        finally:
+            m.ffn_plan = plan
+        assert torch.equal(got, one)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built")
+def test_native_ffn_refuses_bad_calls(model):
+    plan, n = model.ffn_plan, model.config.n_embd
+    x = torch.randn(2, n)
+    with pytest.raises(KernelError, match="token id"):
+        plan.ffn(0, x, torch.tensor([0, model.config.n_vocab]))   # past the hash table
+    with pytest.raises(KernelError, match="no ids"):
+        plan.ffn(0, x)
+    with pytest.raises(KernelError, match="out of range"):
+        plan.ffn(model.config.n_layer, x)
+    with pytest.raises(KernelError, match="contiguous f32"):
+        plan.ffn(1, torch.randn(2, n + 1))
+    with pytest.raises(ValueError, match="ffn-only"):   # the module itself: no layer step for it
+        kernels._native.step(plan._capsule, x.data_ptr(), 2, 0, 0, 0, 0, 0, 0)
 
 
 def _chunked(m, ids, chunks):

@@ -6,6 +6,7 @@
 #include "fk_common.h"
 #include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
 #include "fk_kda.h"     /* fk_kda_layer: the KDA mixer of the step */
+#include "fk_dsv4.h"    /* fk_swiglu_clamp: deepseek4's ffn act in the step */
 
 #pragma GCC push_options
 #if FK_AVX2_VNNI

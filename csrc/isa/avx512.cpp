@@ -5,6 +5,7 @@
 #include "fk_common.h"
 #include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
 #include "fk_kda.h"     /* fk_kda_layer: the KDA mixer of the step */
+#include "fk_dsv4.h"    /* fk_swiglu_clamp: deepseek4's ffn act in the step */
 
 /* GCC 12 flags the undefined source operand inside _mm512_cvtph_ps (a false positive) */
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -488,8 +488,9 @@ def interleave(weight) -> bool:
 
 # -- the decoder layer step ---------------------------------------------------------------
 
-_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "situ": 3}
-_MIXERS = {"attention": 0, "delta_net": 1, "mla": 2, "kda": 3}
+_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "situ": 3, "swiglu_clamp": 4}
+# "none": a layer with its ffn only; a plan of such layers serves DecoderPlan.ffn, never run
+_MIXERS = {"attention": 0, "delta_net": 1, "mla": 2, "kda": 3, "none": 4}
 _FFNS = {"dense": 0, "moe": 1}
 # a MoE ffn's shared-expert and routed-norm vectors (fk_plan.h FK_MOE_SHARED_FIELDS)
 _MOE_SHARED_VECTORS = ("shexp_gate", "shexp_norm", "moe_in_norm", "router_norm", "moe_out_norm", "exp_scale")
@@ -598,6 +599,13 @@ class DecoderPlan:
                      **L)
             L["mixer"], L["ffn"] = _MIXERS.get(L.get("mixer", "attention"), -1), _FFNS.get(L.get("ffn", "dense"), -1)
             cls._check_vectors(L, n_embd)
+            table = L.get("tid2eid")
+            if table is not None:   # deepseek4's hash routing (fk_plan.h FK_DSV4_FIELDS): kept alive here
+                if (not isinstance(table, torch.Tensor) or table.dtype is not torch.int32 or table.dim() != 2
+                        or not table.is_contiguous() or table.shape[1] != L.get("n_expert_used")):
+                    raise KernelError("plan: tid2eid must be a contiguous int32 table [vocab, n_expert_used]")
+                keep.append(table)
+                L = dict(L, tid2eid=table.data_ptr(), tid_vocab=table.shape[0])
             row = cls._fill(layer_fields, L, keep)
             if row is None:
                 return None
@@ -720,6 +728,22 @@ class DecoderPlan:
                                t0.data_ptr(), t0.shape[0], t1.data_ptr(), t1.shape[0])
         except ValueError as e:
             raise KernelError(str(e)) from None
+
+    def ffn(self, layer: int, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `layer`'s ffn alone over x [m, n_embd] (a plan of "none" mixers: deepseek4's
+        routed ffn between its hyper-connection mixers); ids int64 [m], the rows' token ids,
+        for a hash-routed layer. A new [m, n_embd] tensor."""
+        m = x.shape[0] if x.dim() == 2 else 0
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.n_embd or not x.is_contiguous() or not m:
+            raise KernelError(f"plan: ffn rows must be contiguous f32 [m >= 1, {self.n_embd}]")
+        if ids is not None and (ids.dtype is not torch.int64 or not ids.is_contiguous() or ids.numel() != m):
+            raise KernelError(f"plan: ffn ids must be contiguous int64 [{m}]")
+        out = torch.empty_like(x)
+        try:
+            _native.ffn(self._capsule, layer, x.data_ptr(), m, out.data_ptr(), 0 if ids is None else ids.data_ptr())
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        return out
 
     def _tables(self, tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = tables[0]

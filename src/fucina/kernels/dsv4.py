@@ -1,5 +1,6 @@
 """DeepSeek-V4's small per-row ops as native calls (csrc/fk_dsv4.cpp): the hyper-connection
-mixers, the RMS norm and the clamped SwiGLU.
+mixers, the RMS norm, the clamped SwiGLU, the RoPE of each head's tail and the decode
+attention row (the raw window and the compressed keys, V = K, with sinks).
 
 `pre` takes a step's 24 mixes per row (hc_fn of the RMS-normed streams) and the four
 streams, and returns the sublayer's input (the streams weighed by sigmoid(.) + eps), the
@@ -87,4 +88,45 @@ def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor
         raise KernelError("dsv4.swiglu_clamp: g and u of one shape, f32")
     out = torch.empty(g.shape)
     _native.swiglu_clamp(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.numel(), float(limit))
+    return out
+
+
+def rope_tail_(x: torch.Tensor, cs: torch.Tensor, n_rot: int, inverse: bool = False) -> torch.Tensor:
+    """x [m, heads, d] rotated in place on each head's last n_rot values (adjacent pairs, GGML's
+    NORM mode) by row r's (cos, sin) pairs cs [m, n_rot / 2, 2]; `inverse` rotates back."""
+    if (not _f32(x, cs) or x.dim() != 3 or x.shape[0] == 0 or n_rot < 2 or n_rot % 2 or n_rot > x.shape[2]
+            or cs.shape != (x.shape[0], n_rot // 2, 2)):
+        raise KernelError("dsv4.rope_tail: x [m, heads, d] and cs [m, n_rot / 2, 2], f32 and contiguous")
+    _native.rope_tail(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], cs.data_ptr(), n_rot, int(inverse))
+    return x
+
+
+def attend_row_ok(heads: int, d: int) -> bool:
+    """Whether attend_row takes this geometry (the decode attention's: d a multiple of 16 up
+    to 1024, at most 64 heads over the one K=V row)."""
+    return available() and 1 <= heads <= 64 and d % 16 == 0 and 16 <= d <= 1024
+
+
+def attend_row(q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tensor | None,
+               sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row q [H, d] over the raw window rows raw [n, d] (f16, contiguous) and the
+    compressed rows comp[rows] (comp [cap, d] f16, rows int64), V = K, each head's softmax
+    with its sink sinks [H] -> [H, d]: the keys gathered into one block for the decode
+    attention kernel (kernels.decode_attention's, with gpt-oss's sinks)."""
+    H, d = q.shape
+    n_comp = 0 if rows is None else rows.numel()
+    if (not attend_row_ok(H, d) or not _f32(q, sinks) or sinks.numel() != H or raw.dtype is not torch.float16
+            or not raw.is_contiguous()
+            or raw.dim() != 2 or raw.shape[1] != d or (n_comp and (comp is None or comp.dtype is not torch.float16
+                                                                 or not comp.is_contiguous() or comp.shape[1] != d
+                                                                 or rows.dtype is not torch.int64
+                                                                 or not rows.is_contiguous()))):
+        raise KernelError("dsv4.attend_row: q [H, d] f32, raw [n, d] and comp [cap, d] f16, rows int64, sinks [H]")
+    out = torch.empty(H, d)
+    try:   # the module checks every row index against comp's length before reading a key
+        _native.dsv4_attend(q.data_ptr(), H, d, raw.data_ptr(), raw.shape[0], comp.data_ptr() if n_comp else 0,
+                            comp.shape[0] if n_comp else 0, rows.data_ptr() if n_comp else 0, n_comp,
+                            sinks.data_ptr(), out.data_ptr(), float(scale))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
     return out

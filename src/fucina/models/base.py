@@ -526,6 +526,12 @@ class DecoderBase:
     # False: the torch blocks (reference, A/B); FUCINA_NATIVE_STEP=0 sets it for a process
     use_native_step = os.environ.get("FUCINA_NATIVE_STEP", "1") != "0"
 
+    def refresh_plans(self) -> None:
+        """Rebuild the native plans this model holds after its weights changed (a LoRA merged,
+        an expert store attached, weights laid out anew); a family holding more overrides."""
+        if self.native_plan is not None:
+            self.native_plan = self.build_plan()
+
     def rope_tables(self, capacity: int = 0) -> list["Rope"]:
         """The RoPE tables the plan's layers index (families with two override this; a
         family whose variant depends on the context length reads `capacity`)."""

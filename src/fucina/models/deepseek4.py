@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fucina import kernels
 from fucina.errors import FucinaError, KVCacheError
 from fucina.gguf import GGUFFile
 from fucina.kernels import dsv4 as hc_native
@@ -103,6 +104,7 @@ class Layer(FusedParts):
             self.tid2eid = torch.from_numpy(table.astype(np.int64))
             if int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= c.n_expert:
                 raise FucinaError(f"blk.{i}.ffn_gate_tid2eid holds expert ids outside [0, {c.n_expert})")
+            self.tid2eid_i32 = torch.from_numpy(table.copy())   # the native ffn's copy
 
 
 def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -242,6 +244,35 @@ class Model(llama.Model):
         self.lid_rot = sylvester(n)
         self._ids: tuple[int, torch.Tensor] = (0, torch.zeros(0, dtype=torch.long))
         self.hc_native = hc_native.available()   # mixers, norms, SwiGLU as native calls (csrc/fk_dsv4.cpp)
+        self.ffn_plan = self.build_ffn_plan()
+
+    # -- the native ffn ------------------------------------------------------------------
+    def build_ffn_plan(self) -> "kernels.DecoderPlan | None":
+        """Every layer's routed ffn as one native call per layer (an ffn-only plan: the
+        hyper-connection mixers around it stay here). None without native kernels or when
+        a weight has no native route (the torch ffn below serves)."""
+        if not self.hc_native:
+            return None
+        c = self.config
+        layers = []
+        for i, L in enumerate(self.layers):
+            ex = L.experts
+            shared = (dict(gate_up=L.sh_gate_up) if L.sh_gate_up is not None else dict(gate=L.sh_gate, up=L.sh_up))
+            hashed = dict(tid2eid=L.tid2eid_i32) if L.tid2eid is not None else dict(exp_probs_b=L.exp_bias)
+            store = moe.store_fields(self, i) if ex.on_use is not None else {}
+            layers.append(dict(mixer="none", ffn="moe", n_expert=c.n_expert, n_expert_used=c.n_expert_used,
+                               n_ff_exp=ex.gate.out_features, moe_norm=int(c.expert_weights_norm),
+                               moe_scale=c.expert_weights_scale, moe_sqrt_softplus=1, gate_inp=L.router,
+                               gate_exps=ex.gate.whole, up_exps=ex.up.whole, down_exps=ex.down.whole,
+                               down=L.sh_down, layer_ff=L.sh_down.in_features, clamp_exp=c.clamp_exp[i],
+                               clamp_shexp=c.clamp_shexp[i], **shared, **hashed, **store))
+        return kernels.DecoderPlan.build(
+            n_embd=c.n_embd, n_ff=max(L["layer_ff"] for L in layers), n_rot=c.n_rot, neox=False,
+            act="swiglu_clamp", eps=c.rms_eps, scale=self.scale, layers=layers)
+
+    def refresh_plans(self) -> None:
+        super().refresh_plans()
+        self.ffn_plan = self.build_ffn_plan()
 
     # -- the cache -----------------------------------------------------------------------
     def init_cache(self, capacity: int | None = None, dtype: torch.dtype = torch.float16,
@@ -331,6 +362,10 @@ class Model(llama.Model):
 
     def ffn(self, i: int, L: Layer, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
+        if self.ffn_plan is not None and self.use_native_step and self._native(x):
+            if L.tid2eid is not None and (ids is None or ids.numel() != x.shape[0]):
+                raise FucinaError(f"deepseek4 layer {i} routes by token id: the rows' ids are needed")
+            return self.ffn_plan.ffn(i, x.contiguous(), None if L.tid2eid is None else ids.contiguous())
         probs = torch.sqrt(F.softplus(L.router(x).float()))
         if L.tid2eid is not None:
             if ids is None or ids.numel() != x.shape[0]:
@@ -368,8 +403,8 @@ class Model(llama.Model):
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
         qr = self.norm(ys[0], L.q_a_norm, c.rms_eps)
         q = self.norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
-        q = rotate_tail(rope, q, cis)
-        kv = rotate_tail(rope, self.norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
+        q = self.rope_tail(rope, q, cis)
+        kv = self.rope_tail(rope, self.norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
         mem.put("raw", pos0, kv)
         if L.ratio:
             mem.put("st_kv", pos0, ys[2])
@@ -384,16 +419,28 @@ class Model(llama.Model):
             out = self._attend_row(L, q[0], mem, pos0, None if chosen is None else chosen[0])[None]
         else:
             out = self._attend_rows(L, q, mem, pos0, chosen)
-        out = rotate_tail(rope, out, cis, inverse=True)
+        out = self.rope_tail(rope, out, cis, inverse=True)
         g = c.o_groups
         oa = torch.bmm(out.reshape(m, g, -1).transpose(0, 1), L.wo_a.transpose(1, 2))   # [groups, m, rank]
         return L.wo_b(oa.transpose(0, 1).reshape(m, -1))
 
+    def rope_tail(self, rope: Rope, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """rotate_tail; with the native kernels in place on x (a fresh [m, heads, d] here)."""
+        if self._native(x) and x.is_contiguous():
+            return hc_native.rope_tail_(x, torch.view_as_real(cis[:, 0]), rope.n_rot, inverse)
+        return rotate_tail(rope, x, cis, inverse)
+
     def _attend_row(self, L: Layer, q: torch.Tensor, mem: DSV4Memory, p: int,
                     blocks: torch.Tensor | None) -> torch.Tensor:
         """One query row q [H, hd] at position p: softmax with the sinks over the raw window
-        and the layer's compressed keys."""
+        and the layer's compressed keys (one native call with the kernels)."""
         c = self.config
+        if self._native(q) and mem.raw.dtype is torch.float16 and hc_native.attend_row_ok(c.n_head, c.head_dim):
+            rows = None
+            if L.ratio:   # block b's key sits at row (b + 1) ratio - 1
+                rows = (torch.arange((p + 1) // L.ratio) if blocks is None else blocks) * L.ratio + L.ratio - 1
+            return hc_native.attend_row(q.contiguous(), mem.raw[max(0, p - c.window + 1):p + 1],
+                                        mem.comp if L.ratio else None, rows, L.sinks, self.scale)
         keys = [mem.raw[max(0, p - c.window + 1):p + 1]]
         if L.ratio:
             n_vis = (p + 1) // L.ratio

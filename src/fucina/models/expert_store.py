@@ -345,6 +345,6 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True) 
     for ex in layers.values():   # the mapping's expert pages are no longer read: drop any it holds
         for st in ex.stacks + (ex.down,):
             model.gguf.release(model.gguf.tensors[st.name])
-    if getattr(model, "native_plan", None) is not None:
-        model.native_plan = model.build_plan()
+    if hasattr(model, "refresh_plans"):
+        model.refresh_plans()   # the native plans point at the weights they were built from
     return store

@@ -284,8 +284,8 @@ def _rewrite(model, names, replace: Callable[[LinearWeight], LinearWeight], fuse
             parts = w.name.split("+")
             if len(parts) > 1 and changed.intersection(parts):
                 setattr(owner, attr, fuse([by_name[p] for p in parts], w))
-    if names and getattr(model, "native_plan", None) is not None:
-        model.native_plan = model.build_plan()
+    if names and hasattr(model, "refresh_plans"):
+        model.refresh_plans()   # the native plans point at the weights they were built from
 
 
 def with_scales(paths: list[str], scales: list[float] | None) -> list[tuple[str, float]]:

@@ -63,6 +63,6 @@ def interleave_model(model) -> int:
                 f.release(f.tensors[w.name])   # the file's pages
             elif "+" in w.name:
                 _drop_rows(w)                  # a fused weight's stacked copy
-    if done and getattr(model, "native_plan", None) is not None:
-        model.native_plan = model.build_plan()
+    if done and hasattr(model, "refresh_plans"):
+        model.refresh_plans()   # the native plans point at the weights they were built from
     return done
