@@ -144,3 +144,99 @@ void fk_rope_tail(float *x, int64_t m, int64_t heads, int64_t d, const float *cs
         }
     }
 }
+
+/* one Q8_0 row (in / 32 blocks of an f16 scale and 32 int8) against x: per block, eight lane
+ * sums of its products, lane l = (q[l] x[l] + q[l+8] x[l+8]) + (q[l+16] x[l+16] + q[l+24] x[l+24]),
+ * times its scale, join eight running sums, added pairwise at the end. The AVX2 form and the
+ * portable one compute exactly that (no FMA), so both give the same bits. */
+static inline float f16_value(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else {   /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float lanes_sum(const float a[8]) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+static float q8_0_dot_portable(const uint8_t *row, const float *x, int64_t in) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t *blk = row + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        const float *xb = x + b * 32, d = f16_value(blk);
+        for (int l = 0; l < 8; l++) {
+            const float s = ((float)q[l] * xb[l] + (float)q[l + 8] * xb[l + 8]) +
+                            ((float)q[l + 16] * xb[l + 16] + (float)q[l + 24] * xb[l + 24]);
+            acc[l] += d * s;
+        }
+    }
+    return lanes_sum(acc);
+}
+
+#if defined(FK_X86) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2,f16c"))) static float q8_0_dot_avx2(const uint8_t *row, const float *x, int64_t in) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t *blk = row + b * 34;
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 2)), hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+        const float *xb = x + b * 32;
+        const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xb));
+        const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                                        _mm256_loadu_ps(xb + 8));
+        const __m256 p2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(xb + 16));
+        const __m256 p3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+                                        _mm256_loadu_ps(xb + 24));
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
+        uint16_t h;
+        memcpy(&h, blk, 2);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), s));
+    }
+    float a[8];
+    _mm256_storeu_ps(a, acc);
+    return lanes_sum(a);
+}
+#endif
+
+static float q8_0_dot(const uint8_t *row, const float *x, int64_t in, int avx2) {
+#if defined(FK_X86) && defined(__GNUC__)
+    if (avx2) return q8_0_dot_avx2(row, x, in);
+#endif
+    (void)avx2;
+    return q8_0_dot_portable(row, x, in);
+}
+
+void fk_q8_0_grouped(const uint8_t *w, int64_t g, int64_t rank, int64_t in, const float *x, int64_t m, float *y,
+                     int nthreads, int simd) {
+    const int64_t rb = in / 32 * 34, n = m * g * rank;
+#if defined(FK_X86) && defined(__GNUC__)
+    const int avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    const int avx2 = 0;
+    (void)simd;
+#endif
+#pragma omp parallel for collapse(3) num_threads(nthreads) if (nthreads > 1 && n >= 256) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < g; j++)
+            for (int64_t o = 0; o < rank; o++)
+                y[(r * g + j) * rank + o] = q8_0_dot(w + (j * rank + o) * rb, x + (r * g + j) * in, in, avx2);
+}

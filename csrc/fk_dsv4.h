@@ -29,3 +29,11 @@ void fk_swiglu_clamp(const float *g, const float *u, int64_t n, float limit, flo
  * the rotation back (sin negated) */
 void fk_rope_tail(float *x, int64_t m, int64_t heads, int64_t d, const float *cs, int64_t n_rot, int inverse);
 
+
+/* DeepSeek-V4's grouped output projection with Q8_0 weights and f32 activations (the
+ * arithmetic of the dequantized weight, not llama.cpp's q8_0 activations): for each of m rows
+ * and g groups, y[r, j, :] = W_j x[r, j, :] with W_j rows j * rank .. of w (Q8_0 blocks,
+ * in / 32 per row), x [m, g, in], y [m, g, rank]; rows split over nthreads; simd 0: the
+ * portable loop (the same bits as the AVX2 one) */
+void fk_q8_0_grouped(const uint8_t *w, int64_t g, int64_t rank, int64_t in, const float *x, int64_t m, float *y,
+                     int nthreads, int simd);

@@ -287,6 +287,23 @@ static PyObject *py_rope_tail(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* q8_0_grouped(w, g, rank, in, x, m, y): fk_q8_0_grouped; w holds g * rank Q8_0 rows of in */
+static PyObject *py_q8_0_grouped(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[7];
+    if (!int_args("q8_0_grouped", args, nargs, 7, 0, 7, v)) return NULL;
+    if (!v[0] || !v[4] || !v[6] || v[1] < 1 || v[2] < 1 || v[3] < 32 || v[3] % 32 || v[5] < 1 ||
+        v[1] * v[2] > (1LL << 24) || v[3] > (1LL << 24) || v[5] > (1LL << 24)) {
+        PyErr_SetString(PyExc_ValueError, "q8_0_grouped: null pointer or bad shape");
+        return NULL;
+    }
+    const long long work = v[1] * v[2] * v[3] * v[5];
+    FK_CALL(work > 1000000, fk_q8_0_grouped((const uint8_t *)(uintptr_t)v[0], v[1], v[2], v[3],
+                                            (const float *)(uintptr_t)v[4], v[5], (float *)(uintptr_t)v[6], g_threads,
+                                            g_isa != &fk_isa_scalar));
+    Py_RETURN_NONE;
+}
+
 /* dsv4_attend(q, H, d, raw, n_raw, comp, comp_len, rows, n_comp, sinks, out, scale): one query
  * row q [H, d] over DeepSeek-V4's keys (V = K): the raw window rows raw [n_raw, d] f16 and the
  * compressed rows comp[rows[j]] f16, each head's softmax with its sink logit; out [H, d].
@@ -1095,6 +1112,8 @@ static PyMethodDef methods[] = {
      "swiglu_clamp(g, u, out, n, limit): silu(min(g, limit)) * clamp(u, -limit, limit)"},
     {"rope_tail", (PyCFunction)(void (*)(void))py_rope_tail, METH_FASTCALL,
      "rope_tail(x, m, heads, d, cs, n_rot, inverse): RoPE on each head's last n_rot values, in place"},
+    {"q8_0_grouped", (PyCFunction)(void (*)(void))py_q8_0_grouped, METH_FASTCALL,
+     "q8_0_grouped(w, g, rank, in, x, m, y): deepseek4's grouped output projection, Q8_0 weights, f32 rows"},
     {"dsv4_attend", (PyCFunction)(void (*)(void))py_dsv4_attend, METH_FASTCALL,
      "dsv4_attend(q, H, d, raw, n_raw, comp, comp_len, rows, n_comp, sinks, out, scale): deepseek4's decode attention row"},
     {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},

@@ -175,6 +175,33 @@ def test_native_attention_row_equals_the_torch_row(isa):
         kernels.set_isa(before)
 
 
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_native_grouped_output_equals_the_dequantized_bmm():
+    """attn_output_a on its Q8_0 rows with f32 activations: the dequantized weight's product
+    (the portable loop and the AVX2 one give the same bits), one row or several."""
+    rng = np.random.default_rng(5)
+    g, rank, width = 4, 48, 64
+    w = gguf.quants.quantize(rng.standard_normal((g * rank, width)).astype(np.float32), Q.Q8_0)
+    raw = torch.from_numpy(np.ascontiguousarray(w)).reshape(-1)
+    dense = torch.from_numpy(gguf.quants.dequantize(w, Q.Q8_0)).reshape(g, rank, width)
+    x = torch.randn(3, g * width, generator=torch.Generator().manual_seed(5))
+    want = torch.bmm(x.reshape(3, g, -1).transpose(0, 1), dense.transpose(1, 2)).transpose(0, 1).reshape(3, -1)
+    outs = []
+    before = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            outs.append(hc_native.q8_0_grouped(raw, g, rank, x))
+            assert torch.equal(hc_native.q8_0_grouped(raw, g, rank, x[1:2]), outs[-1][1:2])
+    finally:
+        kernels.set_isa(before)
+    for got in outs:
+        assert torch.equal(got, outs[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(KernelError):
+        hc_native.q8_0_grouped(raw[:-1], g, rank, x)
+
+
 def test_hadamard_is_orthonormal_and_its_own_inverse():
     h = d4.sylvester(64)
     torch.testing.assert_close(h @ h, torch.eye(64), atol=1e-6, rtol=0)

@@ -1,6 +1,7 @@
 """DeepSeek-V4's small per-row ops as native calls (csrc/fk_dsv4.cpp): the hyper-connection
 mixers, the RMS norm, the clamped SwiGLU, the RoPE of each head's tail and the decode
-attention row (the raw window and the compressed keys, V = K, with sinks).
+attention row (the raw window and the compressed keys, V = K, with sinks), and the grouped
+output projection on Q8_0 rows with f32 activations.
 
 `pre` takes a step's 24 mixes per row (hc_fn of the RMS-normed streams) and the four
 streams, and returns the sublayer's input (the streams weighed by sigmoid(.) + eps), the
@@ -130,3 +131,20 @@ def attend_row(q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, ro
     except ValueError as e:
         raise KernelError(str(e)) from None
     return out
+
+
+def q8_0_grouped(w: torch.Tensor, groups: int, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """The grouped output projection on Q8_0 rows: w the bytes of groups * rank Q8_0 rows of
+    `in` values, x [m, groups * in] f32 -> [m, groups * rank], group j's rows times its slice
+    of x, in f32 (the dequantized weight's arithmetic)."""
+    m = x.shape[0]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    width = x.shape[1] // groups if x.dim() == 2 and groups > 0 else 0
+    if (not _f32(x) or width < 32 or width % 32 or x.shape[1] != groups * width or rank < 1 or m < 1
+            or w.dtype is not torch.uint8 or not w.is_contiguous() or w.numel() != groups * rank * width // 32 * 34):
+        raise KernelError("dsv4.q8_0_grouped: x [m, groups * in] f32 (in a multiple of 32) and the Q8_0 bytes of "
+                          "groups * rank rows of in")
+    y = torch.empty(m, groups * rank)
+    _native.q8_0_grouped(w.data_ptr(), groups, rank, width, x.data_ptr(), m, y.data_ptr())
+    return y
