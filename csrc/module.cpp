@@ -226,6 +226,55 @@ static PyObject *py_hc_pre(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* hc_pre_full(x, qtype, w, row_bytes, scale, base, h, post, comb, m, n, iters, norm_eps, eps): hc_pre
+ * with its input made here too: the streams x [m, 4 n] RMS-normed (fk_rms_norm), then the
+ * mixer's projection w [24, 4 n] (the ISA's matmul), then fk_hc_pre: one call a mixer */
+static thread_local float *hc_buf;
+static thread_local size_t hc_cap;
+
+static PyObject *py_hc_pre_full(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[12];
+    if (!int_args("hc_pre_full", args, nargs, 14, 0, 12, v)) return NULL;
+    const double norm_eps = PyFloat_AsDouble(args[12]), eps = PyFloat_AsDouble(args[13]);
+    if (PyErr_Occurred()) return NULL;
+    const long long m = v[9], n = v[10], k = 4 * n;
+    long bs, ts;
+    for (int i = 0; i < 9; i++)
+        if (i != 1 && !v[i]) { PyErr_SetString(PyExc_ValueError, "hc_pre_full: null pointer"); return NULL; }
+    if (m < 1 || m > (1LL << 24) || n < 1 || n > (1LL << 24) || v[11] < 1 || v[11] > 1000 ||
+        !type_block(v[1], &bs, &ts) || v[1] >= FK_PTQTP_BASE || k % bs || v[3] != k / bs * ts) {
+        PyErr_SetString(PyExc_ValueError, "hc_pre_full: bad rows, width, iteration count or weight");
+        return NULL;
+    }
+    const size_t need = (size_t)(m * k + m * 24);
+    if (need > hc_cap) {
+        free(hc_buf);
+        hc_buf = (float *)malloc(need * sizeof(float));
+        hc_cap = hc_buf ? need : 0;
+        if (!hc_buf) return PyErr_NoMemory();
+    }
+    const float *x = (const float *)(uintptr_t)v[0];
+    float *normed = hc_buf, *mix = hc_buf + m * k;
+    fk_rms_norm(x, NULL, m, k, (float)norm_eps, normed);
+    fk_matmul_args a;
+    a.qtype = (int)v[1];
+    a.w = (const uint8_t *)(uintptr_t)v[2];
+    a.row_bytes = (size_t)v[3];
+    a.n = 24;
+    a.k = k;
+    a.x = normed;
+    a.m = m;
+    a.y = mix;
+    a.ldy = 24;
+    a.nthreads = g_threads;
+    a.prefill = prefill_for_isa();
+    g_isa->matmul(&a);
+    fk_hc_pre(mix, x, (const float *)(uintptr_t)v[4], (const float *)(uintptr_t)v[5], m, n, (int)v[11], (float)eps,
+              (float *)(uintptr_t)v[6], (float *)(uintptr_t)v[7], (float *)(uintptr_t)v[8]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_hc_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[7];
@@ -1104,6 +1153,9 @@ static PyMethodDef methods[] = {
      "delta_step(qkv, z, b, a, window, conv_w, dt_bias, ssm_a, state, norm_w, out, hk, hv, dk, dv, d_conv, eps)"},
     {"hc_pre", (PyCFunction)(void (*)(void))py_hc_pre, METH_FASTCALL,
      "hc_pre(mix, x, scale, base, h, post, comb, m, n, iters, eps): DeepSeek-V4's hyper-connection pre-mix"},
+    {"hc_pre_full", (PyCFunction)(void (*)(void))py_hc_pre_full, METH_FASTCALL,
+     "hc_pre_full(x, qtype, w, row_bytes, scale, base, h, post, comb, m, n, iters, norm_eps, eps): "
+     "norm, projection and hc_pre"},
     {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_FASTCALL,
      "hc_post(y, x, post, comb, out, m, n): DeepSeek-V4's hyper-connection post-mix"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,

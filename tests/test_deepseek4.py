@@ -111,6 +111,24 @@ def test_native_mixers_equal_their_reference():
 
 
 @pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_native_mixer_with_its_projection_is_the_three_calls(model, tmp_path, qtype):
+    """pre_full (norm, projection, mixer in one call) is bit for bit the norm, the matmul and
+    `pre` called in turn."""
+    m = model if qtype == Q.F32 else load_model(write_deepseek4(tmp_path / "q.gguf", seed=1, qtype=qtype))
+    c, hc = m.config, m.layers[1].hc_ffn
+    assert hc.fused is not None
+    x = torch.randn(3, 4 * c.n_embd, generator=torch.Generator().manual_seed(6))
+    fused = hc_native.pre_full(x, hc.fused, hc.scale, hc.base, c.sinkhorn_iters, c.rms_eps, c.hc_eps)
+    apart = hc_native.pre(hc.fn(hc_native.rms_norm(x, None, c.rms_eps)), x, hc.scale, hc.base, c.sinkhorn_iters,
+                          c.hc_eps)
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+    with pytest.raises(KernelError):
+        hc_native.pre_full(x[:, :-4].contiguous(), hc.fused, hc.scale, hc.base, 20, 1e-6, 1e-6)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
 def test_native_norm_and_swiglu_equal_their_reference():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 5, 200, generator=g) * 4, torch.randn(200, generator=g)

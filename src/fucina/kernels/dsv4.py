@@ -54,6 +54,24 @@ def pre(mix: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, base: torch.Ten
     return h, post_w, comb
 
 
+def pre_full(x: torch.Tensor, fn, scale: torch.Tensor, base: torch.Tensor, iters: int, norm_eps: float,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pre` with its mixes made in the same call: the streams x [m, 4 n] RMS-normed (norm_eps,
+    no weight), projected by fn (a QuantKernel of [24, 4 n]), then `pre`."""
+    m = x.shape[0]
+    if (not _f32(x, scale, base) or x.dim() != 2 or x.shape[1] % HC or x.shape[1] == 0 or m == 0
+            or scale.numel() != 3 or base.numel() != MIX or iters < 1 or fn.n != MIX or fn.k != x.shape[1]):
+        raise KernelError("hc.pre_full: x [m, 4 n] f32 contiguous, fn [24, 4 n], scale [3], base [24]; iters >= 1")
+    n = x.shape[1] // HC
+    h, post_w, comb = torch.empty(m, n), torch.empty(m, HC), torch.empty(m, HC, HC)
+    try:
+        _native.hc_pre_full(x.data_ptr(), fn.qtype, fn.ptr, fn.rb, scale.data_ptr(), base.data_ptr(), h.data_ptr(),
+                            post_w.data_ptr(), comb.data_ptr(), m, n, iters, float(norm_eps), float(eps))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    return h, post_w, comb
+
+
 def post(y: torch.Tensor, x: torch.Tensor, post_w: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """y [m, n], x [m, 4 n], post [m, 4], comb [m, 4, 4] -> the new streams [m, 4 n]."""
     m, n = y.shape[0], y.shape[-1]

@@ -65,6 +65,11 @@ class HC:
         # the three scales spread over their mixes (pre, post, comb): one product for all 24
         self.scales = torch.cat([self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)])
 
+    @property
+    def fused(self):
+        """fn's native kernel when one call may run norm, projection and mixer (no LoRA on fn)."""
+        return None if getattr(self.fn, "lora", None) is not None else getattr(self.fn, "kernel", None)
+
 
 class Layer(FusedParts):
     def __init__(self, tensors: Tensors, i: int, c: Config):
@@ -322,6 +327,8 @@ class Model(llama.Model):
     def hc_pre(self, hc: HC, x: torch.Tensor):
         c, n = self.config, self.config.hc
         if self._native(x):   # one call for all rows, in ggml's order
+            if hc.fused is not None and x.is_contiguous():   # the norm and the projection in it too
+                return hc_native.pre_full(x, hc.fused, hc.scale, hc.base, c.sinkhorn_iters, c.rms_eps, c.hc_eps)
             return hc_native.pre(hc.fn(self.norm(x, None, c.rms_eps)), x, hc.scale, hc.base, c.sinkhorn_iters,
                                  c.hc_eps)
         z = hc.fn(self.norm(x, None, c.rms_eps)) * hc.scales + hc.base     # [m, 24]: pre, post, comb

@@ -57,7 +57,10 @@ class DSV4Memory(RowMemory):
         if pos < 0 or pos + rows.shape[0] > t.shape[0]:
             raise KVCacheError(f"dsv4 memory holds {t.shape[0]} positions; rows {pos}..{pos + rows.shape[0] - 1} "
                                "are outside")
-        t[pos:pos + rows.shape[0]] = rows.reshape(rows.shape[0], -1).to(t.dtype)
+        if rows.shape[0] == 1:   # a decode step: one copy, converting in place (~a third of the slice form)
+            t[pos].copy_(rows.reshape(-1))
+        else:
+            t[pos:pos + rows.shape[0]] = rows.reshape(rows.shape[0], -1).to(t.dtype)
 
     def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise KVCacheError("a dsv4 memory is written part by part (put), not as K/V rows")
