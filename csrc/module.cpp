@@ -226,10 +226,21 @@ static PyObject *py_hc_pre(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* a thread's scratch of at least `bytes`, grown (contents dropped) when too small; NULL when
+ * out of memory */
+static void *scratch(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = malloc(bytes);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
+
 /* hc_pre_full(x, qtype, w, row_bytes, scale, base, h, post, comb, m, n, iters, norm_eps, eps): hc_pre
  * with its input made here too: the streams x [m, 4 n] RMS-normed (fk_rms_norm), then the
  * mixer's projection w [24, 4 n] (the ISA's matmul), then fk_hc_pre: one call a mixer */
-static thread_local float *hc_buf;
+static thread_local void *hc_buf;
 static thread_local size_t hc_cap;
 
 static PyObject *py_hc_pre_full(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -247,15 +258,10 @@ static PyObject *py_hc_pre_full(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "hc_pre_full: bad rows, width, iteration count or weight");
         return NULL;
     }
-    const size_t need = (size_t)(m * k + m * 24);
-    if (need > hc_cap) {
-        free(hc_buf);
-        hc_buf = (float *)malloc(need * sizeof(float));
-        hc_cap = hc_buf ? need : 0;
-        if (!hc_buf) return PyErr_NoMemory();
-    }
+    float *normed = (float *)scratch(&hc_buf, &hc_cap, (size_t)(m * k + m * 24) * sizeof(float));
+    if (!normed) return PyErr_NoMemory();
     const float *x = (const float *)(uintptr_t)v[0];
-    float *normed = hc_buf, *mix = hc_buf + m * k;
+    float *mix = normed + m * k;
     fk_rms_norm(x, NULL, m, k, (float)norm_eps, normed);
     fk_matmul_args a;
     a.qtype = (int)v[1];
@@ -358,7 +364,7 @@ static PyObject *py_q8_0_grouped(PyObject *self, PyObject *const *args, Py_ssize
  * compressed rows comp[rows[j]] f16, each head's softmax with its sink logit; out [H, d].
  * The keys are gathered into one f16 block (every row index checked against comp_len before
  * a key is read) for the ISA's decode attention, one kv head shared by all H. */
-static thread_local uint16_t *dsv4_keys;
+static thread_local void *dsv4_buf;
 static thread_local size_t dsv4_cap;
 
 static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -382,13 +388,8 @@ static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_
                          comp_len);
             return NULL;
         }
-    const size_t need = (size_t)((n_raw + n_comp) * d);
-    if (need > dsv4_cap) {
-        free(dsv4_keys);
-        dsv4_keys = (uint16_t *)malloc(need * sizeof(uint16_t));
-        dsv4_cap = dsv4_keys ? need : 0;
-        if (!dsv4_keys) return PyErr_NoMemory();
-    }
+    uint16_t *dsv4_keys = (uint16_t *)scratch(&dsv4_buf, &dsv4_cap, (size_t)((n_raw + n_comp) * d) * sizeof(uint16_t));
+    if (!dsv4_keys) return PyErr_NoMemory();
     if (n_raw) memcpy(dsv4_keys, raw, (size_t)(n_raw * d) * sizeof(uint16_t));
     for (long long j = 0; j < n_comp; j++)
         memcpy(dsv4_keys + (n_raw + j) * d, comp + rows[j] * d, (size_t)d * sizeof(uint16_t));
