@@ -31,9 +31,16 @@ experts (clamped at swiglu_clamp_shexp).
 
 The cache is models/cache/dsv4.py's memory (per position: raw rows, compressor state,
 compressed keys), so turns, prefix reuse and speculation rewind like a plain cache.
+
+With the native kernels the layer stays this Python code, its pieces native calls: each
+mixer with its norm and projection (hc_pre_full), every RMS norm and RoPE tail, the routed
+ffn of a layer as one call of an ffn-only plan (kernels.DecoderPlan with "none" mixers:
+sqrt-softplus or hash routing, the clamped-SwiGLU experts and the shared expert), and on
+decode rows the attention row (the raw window and the chosen compressed keys gathered for
+the decode attention kernel, sinks joining) and attn_output_a on its Q8_0 rows in f32.
 Not built: the MTP block (a file that carries one runs its trunk; the block is not read,
-so it does not draft), the vision routing bias,
-a native layer step (every call runs these torch blocks), LoRA training (refused).
+so it does not draft), the vision routing bias, one native call for the whole layer (the
+compressors and the indexer stay torch ops).
 """
 from __future__ import annotations
 
