@@ -160,14 +160,9 @@ def weigh_streams(streams: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def rope_tail(rope: Rope, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE on the last n_rot dims of x [m, heads, d] (ggml_rope_set_offset(d - n_rot)), row r
-    at positions[r]; `inverse`: the rotation back (ggml_rope_ext_back)."""
-    return rotate_tail(rope, x, rope._table(int(positions.max()) + 1)[positions, None, :], inverse)
-
-
 def rotate_tail(rope: Rope, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """rope_tail with the rows' rotations cis [m, 1, n_rot / 2] already looked up."""
+    """RoPE on the last n_rot dims of x [m, heads, d] (ggml_rope_set_offset(d - n_rot)), row r
+    by cis[r] [1, n_rot / 2] (cos + i sin); `inverse`: the rotation back (ggml_rope_ext_back)."""
     if inverse:
         cis = cis.conj()
     return torch.cat([x[..., :-rope.n_rot], rope._rotate(x[..., -rope.n_rot:], cis)], dim=-1)
@@ -414,7 +409,7 @@ class Model(llama.Model):
         c, m = self.config, x.shape[0]
         mem: DSV4Memory = cache.memories[i]
         rope = self.rope_comp if L.ratio else self.rope
-        pos = torch.arange(pos0, pos0 + m)
+        pos = torch.arange(pos0, pos0 + m) if m > 1 else None
         cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
         qr = self.norm(ys[0], L.q_a_norm, c.rms_eps)
@@ -502,7 +497,8 @@ class Model(llama.Model):
         if n_vis_last <= c.idx_top_k:   # every row keeps all its visible blocks: nothing to score
             return [None] * m
         iq = L.idx_q_b(qr).view(m, c.idx_heads, c.idx_dim)
-        iq = hadamard(rope_tail(self.rope_comp, iq, torch.arange(pos0, pos0 + m)), self.lid_rot)
+        iq = hadamard(self.rope_tail(self.rope_comp, iq, self.rope_comp._table(pos0 + m)[pos0:pos0 + m, None, :]),
+                      self.lid_rot)
         w = proj * (1.0 / math.sqrt(c.idx_dim * c.idx_heads))             # [m, heads]
         k = mem.lid[torch.arange(n_vis_last) * CSA + CSA - 1].float()      # [nb, idx_dim]
         score = (torch.relu(torch.einsum("mhd,bd->mhb", iq, k)) * w[..., None]).sum(1)   # [m, nb]
@@ -537,7 +533,9 @@ class Model(llama.Model):
             kv, sc = kv_all[cur], sc_all[cur]
         comp = (kv * torch.softmax(sc, dim=1)).sum(1)                       # [nb, dim]
         comp = self.norm(comp, norm, self.config.rms_eps)
-        comp = rope_tail(self.rope_comp, comp[:, None, :], bs * r)[:, 0]
+        starts = bs * r   # each block rotated at its first position
+        comp = self.rope_tail(self.rope_comp, comp[:, None, :],
+                              self.rope_comp._table(int(starts.max()) + 1)[starts, None, :])[:, 0]
         if rot is not None:
             comp = hadamard(comp, rot)
         for b, row in zip(blocks, comp):
