@@ -671,7 +671,7 @@ static int dsv4_ok(const fk_plan *p, const fk_layer *y, int ffn_ok) {
     if (y->moe_sqrt_softplus && (y->ffn != FK_FFN_MOE || y->moe_sigmoid || y->moe_weight_softmax || y->gate_inp_b))
         return 0;
     if (!y->tid2eid) return y->tid_vocab == 0;
-    if (!ffn_ok || !y->moe_sqrt_softplus || y->tid_vocab < 1 || y->tid_vocab > (1LL << 26) || y->moe_table) return 0;
+    if (!ffn_ok || !y->moe_sqrt_softplus || y->tid_vocab < 1 || y->tid_vocab > (1LL << 26)) return 0;
     const int32_t *t = (const int32_t *)(uintptr_t)y->tid2eid;
     for (int64_t i = 0; i < y->tid_vocab * y->n_expert_used; i++)
         if (t[i] < 0 || t[i] >= y->n_expert) return 0;

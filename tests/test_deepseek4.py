@@ -556,3 +556,24 @@ if __name__ == "__main__" and "--write-golden" in sys.argv:
     sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as d:
         write_golden(Path(d))
+
+
+def test_streamed_experts_equal_resident(tmp_path):
+    """Expert streaming (--moe-ram) through the native ffn plan's store hook, hash-routed
+    and scored layers, a prompt and decode steps: the same logits as resident experts."""
+    from fucina.models.expert_store import stream_experts
+    path = write_deepseek4(tmp_path / "s.gguf", seed=2, qtype=Q.Q8_0, expert_qtype=Q.MXFP4)
+
+    def run(m):
+        cache = m.init_cache(64)
+        out = [m.forward_step_all_logits(cache, IDS[:40], 0)]
+        out += [m.forward_step(cache, [t], 40 + i)[None] for i, t in enumerate(IDS[40:46])]
+        return torch.cat(out)
+
+    want = run(load_model(path))
+    m = load_model(path)
+    store = stream_experts(m, "30%")
+    assert m.ffn_plan is None or all(L["moe_hook"] for L in m.ffn_plan._spec["layers"])
+    assert torch.equal(run(m), want)
+    rep = store.report()
+    assert rep["evictions"] > 0 and rep["errors"] == []
