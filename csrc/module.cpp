@@ -342,6 +342,57 @@ static PyObject *py_rope_tail(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* dsv4_qkv(ys0, ys1, q_a_norm, kv_norm, qtype, q_b, row_bytes, cs, qr, q, raw_row, rank, heads,
+ * hd, n_rot, eps): one decode row's query and K=V row, as the Python steps in turn:
+ * qr = rms_norm(ys0, q_a_norm) [rank]; q = q_b qr, each head RMS-normed (no weight), its tail
+ * RoPE'd by cs [n_rot / 2, 2]; kv = rms_norm(ys1, kv_norm) [hd], its tail RoPE'd, stored f16
+ * (round to nearest even) at raw_row */
+static thread_local void *qkv_buf;
+static thread_local size_t qkv_cap;
+
+static PyObject *py_dsv4_qkv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[15];
+    if (!int_args("dsv4_qkv", args, nargs, 16, 0, 15, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[15]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    const long long rank = v[11], heads = v[12], hd = v[13], n_rot = v[14];
+    long bs, ts;
+    for (int i = 0; i < 11; i++)
+        if (i != 4 && !v[i]) { PyErr_SetString(PyExc_ValueError, "dsv4_qkv: null pointer"); return NULL; }
+    if (rank < 1 || rank > (1LL << 20) || heads < 1 || heads > 4096 || hd < 2 || hd > 4096 || n_rot < 2 ||
+        n_rot % 2 || n_rot > hd || !type_block(v[4], &bs, &ts) || v[4] >= FK_PTQTP_BASE || rank % bs ||
+        v[6] != rank / bs * ts) {
+        PyErr_SetString(PyExc_ValueError, "dsv4_qkv: bad shape or weight");
+        return NULL;
+    }
+    float *kv = (float *)scratch(&qkv_buf, &qkv_cap, (size_t)hd * sizeof(float));
+    if (!kv) return PyErr_NoMemory();
+    float *qr = (float *)(uintptr_t)v[8], *q = (float *)(uintptr_t)v[9];
+    const float *cs = (const float *)(uintptr_t)v[7];
+    fk_rms_norm((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[2], 1, rank, (float)eps, qr);
+    fk_matmul_args a;
+    a.qtype = (int)v[4];
+    a.w = (const uint8_t *)(uintptr_t)v[5];
+    a.row_bytes = (size_t)v[6];
+    a.n = heads * hd;
+    a.k = rank;
+    a.x = qr;
+    a.m = 1;
+    a.y = q;
+    a.ldy = heads * hd;
+    a.nthreads = g_threads;
+    a.prefill = prefill_for_isa();
+    g_isa->matmul(&a);
+    fk_rms_norm(q, NULL, heads, hd, (float)eps, q);
+    fk_rope_tail(q, 1, heads, hd, cs, n_rot, 0);
+    fk_rms_norm((const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[3], 1, hd, (float)eps, kv);
+    fk_rope_tail(kv, 1, 1, hd, cs, n_rot, 0);
+    uint16_t *raw = (uint16_t *)(uintptr_t)v[10];
+    for (long long i = 0; i < hd; i++) raw[i] = fk_f2h_portable(kv[i]);
+    Py_RETURN_NONE;
+}
+
 /* q8_0_grouped(w, g, rank, in, x, m, y): fk_q8_0_grouped; w holds g * rank Q8_0 rows of in */
 static PyObject *py_q8_0_grouped(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -1165,6 +1216,9 @@ static PyMethodDef methods[] = {
      "swiglu_clamp(g, u, out, n, limit): silu(min(g, limit)) * clamp(u, -limit, limit)"},
     {"rope_tail", (PyCFunction)(void (*)(void))py_rope_tail, METH_FASTCALL,
      "rope_tail(x, m, heads, d, cs, n_rot, inverse): RoPE on each head's last n_rot values, in place"},
+    {"dsv4_qkv", (PyCFunction)(void (*)(void))py_dsv4_qkv, METH_FASTCALL,
+     "dsv4_qkv(ys0, ys1, q_a_norm, kv_norm, qtype, q_b, row_bytes, cs, qr, q, raw_row, rank, heads, hd, n_rot, eps): "
+     "deepseek4's decode query and K=V row"},
     {"q8_0_grouped", (PyCFunction)(void (*)(void))py_q8_0_grouped, METH_FASTCALL,
      "q8_0_grouped(w, g, rank, in, x, m, y): deepseek4's grouped output projection, Q8_0 weights, f32 rows"},
     {"dsv4_attend", (PyCFunction)(void (*)(void))py_dsv4_attend, METH_FASTCALL,

@@ -129,6 +129,29 @@ def test_native_mixer_with_its_projection_is_the_three_calls(model, tmp_path, qt
 
 
 @pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_native_query_row_is_the_steps_in_turn(model):
+    """qkv_row (a decode row's query and K=V row in one call) is bit for bit the norm, q_b,
+    head norms and RoPE tails called in turn, and the cache row the put's f16 rounding."""
+    c, L = model.config, model.layers[2]
+    rope = model.rope_comp if L.ratio else model.rope
+    x = torch.randn(1, c.n_embd, generator=torch.Generator().manual_seed(7))
+    ys = L.w_in(x).split(L.split, dim=-1)
+    cis = rope._table(10)[9:10, None, :]
+    raw = torch.zeros(c.head_dim, dtype=torch.float16)
+    qr, q = hc_native.qkv_row(ys[0], ys[1], L.q_a_norm, L.kv_norm, L.q_b.kernel, torch.view_as_real(cis[0, 0]),
+                              c.n_head, rope.n_rot, c.rms_eps, raw)
+    cs = torch.view_as_real(cis[:, 0])
+    want_qr = hc_native.rms_norm(ys[0], L.q_a_norm, c.rms_eps)
+    want_q = hc_native.rope_tail_(hc_native.rms_norm(L.q_b(want_qr).view(1, c.n_head, -1), None, c.rms_eps), cs,
+                                  rope.n_rot)
+    kv = hc_native.rope_tail_(hc_native.rms_norm(ys[1], L.kv_norm, c.rms_eps).view(1, 1, -1), cs, rope.n_rot)
+    assert torch.equal(qr, want_qr) and torch.equal(q, want_q) and torch.equal(raw, kv.reshape(-1).half())
+    with pytest.raises(KernelError):
+        hc_native.qkv_row(ys[0], ys[1], L.q_a_norm, L.kv_norm, L.q_b.kernel, torch.view_as_real(cis[0, 0]),
+                          c.n_head, rope.n_rot, c.rms_eps, raw[:-1])
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
 def test_native_norm_and_swiglu_equal_their_reference():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 5, 200, generator=g) * 4, torch.randn(200, generator=g)

@@ -166,3 +166,25 @@ def q8_0_grouped(w: torch.Tensor, groups: int, rank: int, x: torch.Tensor) -> to
     y = torch.empty(m, groups * rank)
     _native.q8_0_grouped(w.data_ptr(), groups, rank, width, x.data_ptr(), m, y.data_ptr())
     return y
+
+
+def qkv_row(ys0: torch.Tensor, ys1: torch.Tensor, q_a_norm: torch.Tensor, kv_norm: torch.Tensor, q_b, cs: torch.Tensor,
+            heads: int, n_rot: int, eps: float, raw_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode row's query and K=V row in one call: qr = rms_norm(ys0, q_a_norm); q = q_b(qr)
+    per head RMS-normed, its tail RoPE'd by cs [n_rot / 2, 2]; kv = rms_norm(ys1, kv_norm), its
+    tail RoPE'd, written into raw_row (f16 [hd]). Returns qr [1, rank] and q [1, heads, hd]."""
+    rank, hd = ys0.shape[-1], ys1.shape[-1]
+    if (not _f32(ys0, ys1, q_a_norm, kv_norm, cs) or ys0.numel() != rank or ys1.numel() != hd
+            or q_a_norm.numel() != rank or kv_norm.numel() != hd or cs.shape != (n_rot // 2, 2)
+            or q_b.k != rank or q_b.n != heads * hd or raw_row.dtype is not torch.float16
+            or not raw_row.is_contiguous() or raw_row.numel() != hd):
+        raise KernelError("dsv4.qkv_row: ys0 [rank], ys1 [hd], their norms, cs [n_rot / 2, 2] f32; q_b [heads hd, "
+                          "rank]; raw_row f16 [hd]")
+    qr, q = torch.empty(1, rank), torch.empty(1, heads, hd)
+    try:
+        _native.dsv4_qkv(ys0.data_ptr(), ys1.data_ptr(), q_a_norm.data_ptr(), kv_norm.data_ptr(), q_b.qtype, q_b.ptr,
+                         q_b.rb, cs.data_ptr(), qr.data_ptr(), q.data_ptr(), raw_row.data_ptr(), rank, heads, hd,
+                         n_rot, float(eps))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    return qr, q

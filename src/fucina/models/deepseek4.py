@@ -412,11 +412,17 @@ class Model(llama.Model):
         pos = torch.arange(pos0, pos0 + m) if m > 1 else None
         cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
-        qr = self.norm(ys[0], L.q_a_norm, c.rms_eps)
-        q = self.norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
-        q = self.rope_tail(rope, q, cis)
-        kv = self.rope_tail(rope, self.norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
-        mem.put("raw", pos0, kv)
+        q_b = None if getattr(L.q_b, "lora", None) is not None else getattr(L.q_b, "kernel", None)
+        if m == 1 and q_b is not None and self._native(x) and mem.raw.dtype is torch.float16:
+            # the query and the K=V row in one call, the row written into the cache
+            qr, q = hc_native.qkv_row(ys[0], ys[1], L.q_a_norm, L.kv_norm, q_b, torch.view_as_real(cis[0, 0]),
+                                      c.n_head, rope.n_rot, c.rms_eps, mem.row("raw", pos0))
+        else:
+            qr = self.norm(ys[0], L.q_a_norm, c.rms_eps)
+            q = self.norm(L.q_b(qr).view(m, c.n_head, c.head_dim), None, c.rms_eps)
+            q = self.rope_tail(rope, q, cis)
+            kv = self.rope_tail(rope, self.norm(ys[1], L.kv_norm, c.rms_eps).view(m, 1, c.head_dim), cis)
+            mem.put("raw", pos0, kv)
         if L.ratio:
             mem.put("st_kv", pos0, ys[2])
             mem.put("st_sc", pos0, ys[3] + (L.comp_ape[pos0 % L.ratio] if m == 1 else L.comp_ape[pos % L.ratio]))

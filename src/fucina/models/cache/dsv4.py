@@ -62,6 +62,13 @@ class DSV4Memory(RowMemory):
         else:
             t[pos:pos + rows.shape[0]] = rows.reshape(rows.shape[0], -1).to(t.dtype)
 
+    def row(self, name: str, pos: int) -> torch.Tensor:
+        """Position pos's row of part `name`, a view to write in place."""
+        t = getattr(self, name)
+        if not 0 <= pos < t.shape[0]:
+            raise KVCacheError(f"dsv4 memory holds {t.shape[0]} positions; row {pos} is outside")
+        return t[pos]
+
     def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise KVCacheError("a dsv4 memory is written part by part (put), not as K/V rows")
 
