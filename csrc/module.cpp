@@ -237,6 +237,24 @@ static void *scratch(void **buf, size_t *cap, size_t bytes) {
     return *buf;
 }
 
+/* y [m, n] = x [m, k] W^T through the ISA in force (shapes checked by the caller) */
+static void isa_matmul(int qtype, const uint8_t *w, long long row_bytes, int64_t n, int64_t k, const float *x, int64_t m,
+                       float *y) {
+    fk_matmul_args a;
+    a.qtype = qtype;
+    a.w = w;
+    a.row_bytes = (size_t)row_bytes;
+    a.n = n;
+    a.k = k;
+    a.x = x;
+    a.m = m;
+    a.y = y;
+    a.ldy = n;
+    a.nthreads = g_threads;
+    a.prefill = prefill_for_isa();
+    g_isa->matmul(&a);
+}
+
 /* hc_pre_full(x, qtype, w, row_bytes, scale, base, h, post, comb, m, n, iters, norm_eps, eps): hc_pre
  * with its input made here too: the streams x [m, 4 n] RMS-normed (fk_rms_norm), then the
  * mixer's projection w [24, 4 n] (the ISA's matmul), then fk_hc_pre: one call a mixer */
@@ -263,19 +281,7 @@ static PyObject *py_hc_pre_full(PyObject *self, PyObject *const *args, Py_ssize_
     const float *x = (const float *)(uintptr_t)v[0];
     float *mix = normed + m * k;
     fk_rms_norm(x, NULL, m, k, (float)norm_eps, normed);
-    fk_matmul_args a;
-    a.qtype = (int)v[1];
-    a.w = (const uint8_t *)(uintptr_t)v[2];
-    a.row_bytes = (size_t)v[3];
-    a.n = 24;
-    a.k = k;
-    a.x = normed;
-    a.m = m;
-    a.y = mix;
-    a.ldy = 24;
-    a.nthreads = g_threads;
-    a.prefill = prefill_for_isa();
-    g_isa->matmul(&a);
+    isa_matmul((int)v[1], (const uint8_t *)(uintptr_t)v[2], v[3], 24, k, normed, m, mix);
     fk_hc_pre(mix, x, (const float *)(uintptr_t)v[4], (const float *)(uintptr_t)v[5], m, n, (int)v[11], (float)eps,
               (float *)(uintptr_t)v[6], (float *)(uintptr_t)v[7], (float *)(uintptr_t)v[8]);
     Py_RETURN_NONE;
@@ -371,19 +377,7 @@ static PyObject *py_dsv4_qkv(PyObject *self, PyObject *const *args, Py_ssize_t n
     float *qr = (float *)(uintptr_t)v[8], *q = (float *)(uintptr_t)v[9];
     const float *cs = (const float *)(uintptr_t)v[7];
     fk_rms_norm((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[2], 1, rank, (float)eps, qr);
-    fk_matmul_args a;
-    a.qtype = (int)v[4];
-    a.w = (const uint8_t *)(uintptr_t)v[5];
-    a.row_bytes = (size_t)v[6];
-    a.n = heads * hd;
-    a.k = rank;
-    a.x = qr;
-    a.m = 1;
-    a.y = q;
-    a.ldy = heads * hd;
-    a.nthreads = g_threads;
-    a.prefill = prefill_for_isa();
-    g_isa->matmul(&a);
+    isa_matmul((int)v[4], (const uint8_t *)(uintptr_t)v[5], v[6], heads * hd, rank, qr, 1, q);
     fk_rms_norm(q, NULL, heads, hd, (float)eps, q);
     fk_rope_tail(q, 1, heads, hd, cs, n_rot, 0);
     fk_rms_norm((const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[3], 1, hd, (float)eps, kv);
