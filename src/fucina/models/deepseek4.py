@@ -36,8 +36,9 @@ With the native kernels the layer stays this Python code, its pieces native call
 mixer with its norm and projection (hc_pre_full), every RMS norm and RoPE tail, the routed
 ffn of a layer as one call of an ffn-only plan (kernels.DecoderPlan with "none" mixers:
 sqrt-softplus or hash routing, the clamped-SwiGLU experts and the shared expert), and on
-decode rows the attention row (the raw window and the chosen compressed keys gathered for
-the decode attention kernel, sinks joining) and attn_output_a on its Q8_0 rows in f32.
+decode rows the query and K=V row (qkv_row), the attention row (the raw window and the
+chosen compressed keys gathered for the decode attention kernel, sinks joining) and
+attn_output_a on its Q8_0 rows in f32.
 Not built: the MTP block (a file that carries one runs its trunk; the block is not read,
 so it does not draft), the vision routing bias, one native call for the whole layer (the
 compressors and the indexer stay torch ops).
