@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "fk_common.h"   /* fk_h2f_portable */
 #include "fk_dsv4.h"
 
 #if defined(FK_X86) && defined(__GNUC__) && !defined(__clang__)
@@ -149,28 +150,10 @@ void fk_rope_tail(float *x, int64_t m, int64_t heads, int64_t d, const float *cs
  * sums of its products, lane l = (q[l] x[l] + q[l+8] x[l+8]) + (q[l+16] x[l+16] + q[l+24] x[l+24]),
  * times its scale, join eight running sums, added pairwise at the end. The AVX2 form and the
  * portable one compute exactly that (no FMA), so both give the same bits. */
-static inline float f16_value(const uint8_t *p) {
+static inline float f16_value(const uint8_t *p) {   /* a block's little-endian f16 scale */
     uint16_t h;
     memcpy(&h, p, 2);
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (!man) {
-        bits = sign;
-    } else {   /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return fk_h2f_portable(h);
 }
 
 static float lanes_sum(const float a[8]) {

@@ -789,7 +789,7 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     }
     *p = head;
     p->layers = layers;
-    int64_t n_bank = 0;
+    int64_t n_bank = 0, n_none = 0;
     for (long long i = 0; i < L; i++) {
         fk_layer *y = layers + i;
         FK_LAYER_FIELDS(FK_READ)
@@ -808,13 +808,13 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "plan: more than %d banked layers", FK_RES_MAX);
             return NULL;
         }
-        if (y->mixer == FK_MIXER_NONE) p->ffn_only = 1;
+        n_none += y->mixer == FK_MIXER_NONE;
         layer_widths(y, &nqkv, &nq);
         if (nq > p->max_q) p->max_q = nq;
         if (nqkv > p->max_qkv) p->max_qkv = nqkv;
     }
-    int64_t n_none = 0;   /* an ffn-only plan is all FK_MIXER_NONE layers; the clamped act is its alone */
-    for (long long i = 0; i < L; i++) n_none += layers[i].mixer == FK_MIXER_NONE;
+    /* an ffn-only plan is all FK_MIXER_NONE layers; the clamped act is its alone */
+    p->ffn_only = n_none > 0;
     if ((n_none && n_none != L) || (p->act == FK_ACT_SWIGLU_CLAMP && !n_none)) {
         free(layers);
         free(p);
@@ -829,14 +829,18 @@ static PyObject *py_plan_new(PyObject *self, PyObject *args) {
     return cap;
 }
 
-static int run_step(fk_step_args *a) {
+/* the ISA in force runs every layer (ffn 0) or one layer's ffn (ffn 1) of the plan, the GIL released */
+static int run_step(fk_step_args *a, int ffn) {
     a->nthreads = g_threads;
     a->prefill = prefill_for_isa();
     a->matmul = g_isa->matmul;
     a->status = 0;
     const fk_isa *isa = g_isa;
     Py_BEGIN_ALLOW_THREADS
-    isa->step(a);
+    if (ffn)
+        isa->ffn(a);
+    else
+        isa->step(a);
     Py_END_ALLOW_THREADS
     return a->status;
 }
@@ -913,7 +917,7 @@ static PyObject *step_entry(const char *fn, const char *what, int (*rows)(fk_ste
         PyErr_Format(PyExc_ValueError, "%s: inconsistent positions, %s or RoPE table", fn, what);
         return NULL;
     }
-    const int status = run_step(&a);
+    const int status = run_step(&a, 0);
     if (status == -2) {
         PyErr_Format(PyExc_ValueError, "%s: a residual hook refused the call (not bound to these rows)", fn);
         return NULL;
@@ -967,14 +971,7 @@ static PyObject *py_ffn(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     } else {
         a.ids = NULL;
     }
-    a.nthreads = g_threads;
-    a.prefill = prefill_for_isa();
-    a.matmul = g_isa->matmul;
-    const fk_isa *isa = g_isa;
-    Py_BEGIN_ALLOW_THREADS
-    isa->ffn(&a);
-    Py_END_ALLOW_THREADS
-    if (a.status) return PyErr_NoMemory();
+    if (run_step(&a, 1)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

@@ -391,6 +391,12 @@ class QuantKernel:
         return self.run(x)
 
 
+def direct_kernel(weight) -> "QuantKernel | None":
+    """The weight's kernel when a fused native call may read its rows directly: attached, and
+    no unmerged LoRA beside it (that update runs in the weight's own call)."""
+    return None if getattr(weight, "lora", None) is not None else getattr(weight, "kernel", None)
+
+
 def attach(weight) -> None:
     """Give `weight` a native kernel when its format has one (else keep the reference path)."""
     weight.kernel = None

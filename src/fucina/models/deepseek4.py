@@ -76,7 +76,7 @@ class HC:
     @property
     def fused(self):
         """fn's native kernel when one call may run norm, projection and mixer (no LoRA on fn)."""
-        return None if getattr(self.fn, "lora", None) is not None else getattr(self.fn, "kernel", None)
+        return kernels.direct_kernel(self.fn)
 
 
 class Layer(FusedParts):
@@ -116,10 +116,9 @@ class Layer(FusedParts):
         if i < c.n_hash:
             info = tensors[f"blk.{i}.ffn_gate_tid2eid.weight"]
             table = np.frombuffer(info.data, dtype=np.int32).reshape(c.n_vocab, c.n_expert_used)
-            self.tid2eid = torch.from_numpy(table.astype(np.int64))
+            self.tid2eid = torch.from_numpy(table.copy())   # int32, as the native ffn reads it
             if int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= c.n_expert:
                 raise FucinaError(f"blk.{i}.ffn_gate_tid2eid holds expert ids outside [0, {c.n_expert})")
-            self.tid2eid_i32 = torch.from_numpy(table.copy())   # the native ffn's copy
 
 
 def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -268,7 +267,7 @@ class Model(llama.Model):
         for i, L in enumerate(self.layers):
             ex = L.experts
             shared = (dict(gate_up=L.sh_gate_up) if L.sh_gate_up is not None else dict(gate=L.sh_gate, up=L.sh_up))
-            hashed = dict(tid2eid=L.tid2eid_i32) if L.tid2eid is not None else dict(exp_probs_b=L.exp_bias)
+            hashed = dict(tid2eid=L.tid2eid) if L.tid2eid is not None else dict(exp_probs_b=L.exp_bias)
             store = moe.store_fields(self, i) if ex.on_use is not None else {}
             layers.append(dict(mixer="none", ffn="moe", n_expert=c.n_expert, n_expert_used=c.n_expert_used,
                                n_ff_exp=ex.gate.out_features, moe_norm=int(c.expert_weights_norm),
@@ -382,7 +381,7 @@ class Model(llama.Model):
         if L.tid2eid is not None:
             if ids is None or ids.numel() != x.shape[0]:
                 raise FucinaError(f"deepseek4 layer {i} routes by token id: the rows' ids are needed")
-            chosen = L.tid2eid[ids]
+            chosen = L.tid2eid[ids].long()
         else:
             chosen = (probs + L.exp_bias).topk(c.n_expert_used, dim=-1).indices
         w = probs.gather(1, chosen)
@@ -413,7 +412,7 @@ class Model(llama.Model):
         pos = torch.arange(pos0, pos0 + m) if m > 1 else None
         cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
         ys = L.w_in(x).split(L.split, dim=-1) if L.w_in is not None else [w(x) for w in L.parts]
-        q_b = None if getattr(L.q_b, "lora", None) is not None else getattr(L.q_b, "kernel", None)
+        q_b = kernels.direct_kernel(L.q_b)
         if m == 1 and q_b is not None and self._native(x) and mem.raw.dtype is torch.float16:
             # the query and the K=V row in one call, the row written into the cache
             qr, q = hc_native.qkv_row(ys[0], ys[1], L.q_a_norm, L.kv_norm, q_b, torch.view_as_real(cis[0, 0]),
