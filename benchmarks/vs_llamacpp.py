@@ -14,7 +14,8 @@ of each side and of the per-round ratio fucina / llama.cpp (> 1: fucina is faste
 Absolute tokens/s drift on a shared machine; the paired ratio is the figure to quote.
 
 --isa avx2 runs both engines at the AVX2 level on an AVX-512 host: fucina with
-FUCINA_ISA=avx2, llama.cpp from a folder holding only its AVX2 (haswell) CPU backend.
+FUCINA_ISA=avx2 (and torch's own ops with ATEN_CPU_CAPABILITY=avx2, unless set), llama.cpp
+from a folder holding only its AVX2 (haswell) CPU backend.
 
 --sweep writes (once, into --dir) Qwen3-shaped models with random weights, F16, and
 quantizes them with llama-quantize: the 0.6B shape (28 layers, 1024 wide, FFN 3072,
@@ -98,6 +99,8 @@ def fucina_side(a, model: str, isa: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     if isa != "native":
         env["FUCINA_ISA"] = isa
+        if isa in ("avx2", "avx512"):   # torch's glue at the same level as our kernels
+            env.setdefault("ATEN_CPU_CAPABILITY", isa)
     fucina = shlex.split(a.fucina) if a.fucina else [sys.executable, "-m", "fucina"]
     got = {}
     common = ["--reps", str(a.reps), "--threads", str(a.threads), "--json"]
