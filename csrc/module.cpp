@@ -348,14 +348,33 @@ static PyObject *py_rope_tail(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static thread_local void *qkv_buf;
+static thread_local size_t qkv_cap;
+
+/* the query row and the K=V cache row of one decode position (dsv4_qkv's arithmetic; shapes
+ * checked by the caller): qr = rms_norm(ys0, q_a_norm); q = q_b(qr), each head RMS-normed and
+ * its tail RoPE'd by cs; kv = rms_norm(ys1, kv_norm), its tail RoPE'd, stored f16 in raw.
+ * False when the scratch row could not be had. */
+static bool dsv4_qkv_core(const float *ys0, const float *ys1, const float *q_a_norm, const float *kv_norm, int qb_type,
+                          const uint8_t *q_b, long long qb_rb, const float *cs, float *qr, float *q, uint16_t *raw,
+                          long long rank, long long heads, long long hd, long long n_rot, float eps) {
+    float *kv = (float *)scratch(&qkv_buf, &qkv_cap, (size_t)hd * sizeof(float));
+    if (!kv) return false;
+    fk_rms_norm(ys0, q_a_norm, 1, rank, eps, qr);
+    isa_matmul(qb_type, q_b, qb_rb, heads * hd, rank, qr, 1, q);
+    fk_rms_norm(q, NULL, heads, hd, eps, q);
+    fk_rope_tail(q, 1, heads, hd, cs, n_rot, 0);
+    fk_rms_norm(ys1, kv_norm, 1, hd, eps, kv);
+    fk_rope_tail(kv, 1, 1, hd, cs, n_rot, 0);
+    for (long long i = 0; i < hd; i++) raw[i] = fk_f2h_portable(kv[i]);
+    return true;
+}
+
 /* dsv4_qkv(ys0, ys1, q_a_norm, kv_norm, qtype, q_b, row_bytes, cs, qr, q, raw_row, rank, heads,
  * hd, n_rot, eps): one decode row's query and K=V row, as the Python steps in turn:
  * qr = rms_norm(ys0, q_a_norm) [rank]; q = q_b qr, each head RMS-normed (no weight), its tail
  * RoPE'd by cs [n_rot / 2, 2]; kv = rms_norm(ys1, kv_norm) [hd], its tail RoPE'd, stored f16
  * (round to nearest even) at raw_row */
-static thread_local void *qkv_buf;
-static thread_local size_t qkv_cap;
-
 static PyObject *py_dsv4_qkv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[15];
@@ -372,18 +391,11 @@ static PyObject *py_dsv4_qkv(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_ValueError, "dsv4_qkv: bad shape or weight");
         return NULL;
     }
-    float *kv = (float *)scratch(&qkv_buf, &qkv_cap, (size_t)hd * sizeof(float));
-    if (!kv) return PyErr_NoMemory();
-    float *qr = (float *)(uintptr_t)v[8], *q = (float *)(uintptr_t)v[9];
-    const float *cs = (const float *)(uintptr_t)v[7];
-    fk_rms_norm((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[2], 1, rank, (float)eps, qr);
-    isa_matmul((int)v[4], (const uint8_t *)(uintptr_t)v[5], v[6], heads * hd, rank, qr, 1, q);
-    fk_rms_norm(q, NULL, heads, hd, (float)eps, q);
-    fk_rope_tail(q, 1, heads, hd, cs, n_rot, 0);
-    fk_rms_norm((const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[3], 1, hd, (float)eps, kv);
-    fk_rope_tail(kv, 1, 1, hd, cs, n_rot, 0);
-    uint16_t *raw = (uint16_t *)(uintptr_t)v[10];
-    for (long long i = 0; i < hd; i++) raw[i] = fk_f2h_portable(kv[i]);
+    if (!dsv4_qkv_core((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], (const float *)(uintptr_t)v[2],
+                       (const float *)(uintptr_t)v[3], (int)v[4], (const uint8_t *)(uintptr_t)v[5], v[6],
+                       (const float *)(uintptr_t)v[7], (float *)(uintptr_t)v[8], (float *)(uintptr_t)v[9],
+                       (uint16_t *)(uintptr_t)v[10], rank, heads, hd, n_rot, (float)eps))
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -412,6 +424,37 @@ static PyObject *py_q8_0_grouped(PyObject *self, PyObject *const *args, Py_ssize
 static thread_local void *dsv4_buf;
 static thread_local size_t dsv4_cap;
 
+/* one query row q [H, d] over the raw rows raw [n_raw, d] and n_comp compressed rows of comp
+ * (rows[j], or with rows NULL row j * ratio + ratio - 1), V = K, with the sinks: the keys
+ * gathered into one f16 block for the ISA's decode attention. Every index checked by the
+ * caller. False when the block could not be had. */
+static bool dsv4_attend_core(const float *q, long long H, long long d, const uint16_t *raw, long long n_raw,
+                             const uint16_t *comp, const int64_t *rows, long long n_comp, long long ratio,
+                             const int64_t *blocks, const float *sinks, float scale, float *out) {
+    uint16_t *keys = (uint16_t *)scratch(&dsv4_buf, &dsv4_cap, (size_t)((n_raw + n_comp) * d) * sizeof(uint16_t));
+    if (!keys) return false;
+    if (n_raw) memcpy(keys, raw, (size_t)(n_raw * d) * sizeof(uint16_t));
+    for (long long j = 0; j < n_comp; j++) {
+        const long long r = rows ? rows[j] : ((blocks ? blocks[j] : j) + 1) * ratio - 1;
+        memcpy(keys + (n_raw + j) * d, comp + r * d, (size_t)d * sizeof(uint16_t));
+    }
+    fk_attn_args a;
+    a.q = q;
+    a.k = a.v = keys;
+    a.out = out;
+    a.n = n_raw + n_comp;
+    a.row_stride = d;
+    a.n_head = (int)H;
+    a.kv_heads = 1;
+    a.d = (int)d;
+    a.scale = scale;
+    a.nthreads = g_threads;
+    a.pos0 = 0;
+    a.sinks = sinks;
+    g_isa->attn_decode(&a);
+    return true;
+}
+
 static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[11];
@@ -433,25 +476,122 @@ static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_
                          comp_len);
             return NULL;
         }
-    uint16_t *dsv4_keys = (uint16_t *)scratch(&dsv4_buf, &dsv4_cap, (size_t)((n_raw + n_comp) * d) * sizeof(uint16_t));
-    if (!dsv4_keys) return PyErr_NoMemory();
-    if (n_raw) memcpy(dsv4_keys, raw, (size_t)(n_raw * d) * sizeof(uint16_t));
-    for (long long j = 0; j < n_comp; j++)
-        memcpy(dsv4_keys + (n_raw + j) * d, comp + rows[j] * d, (size_t)d * sizeof(uint16_t));
-    fk_attn_args a;
-    a.q = (const float *)(uintptr_t)v[0];
-    a.k = a.v = dsv4_keys;
-    a.out = (float *)(uintptr_t)v[10];
-    a.n = n_raw + n_comp;
-    a.row_stride = d;
-    a.n_head = (int)H;
-    a.kv_heads = 1;
-    a.d = (int)d;
-    a.scale = (float)scale;
-    a.nthreads = g_threads;
-    a.pos0 = 0;
-    a.sinks = (const float *)(uintptr_t)v[9];
-    g_isa->attn_decode(&a);
+    if (!dsv4_attend_core((const float *)(uintptr_t)v[0], H, d, raw, n_raw, comp, rows, n_comp, 0, 0,
+                          (const float *)(uintptr_t)v[9], (float)scale, (float *)(uintptr_t)v[10]))
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* a weight's shape check: n rows of k values of type qt in rows of rb bytes */
+static bool weight_ok(long long qt, long long rb, long long n, long long k) {
+    long bs, ts;
+    return qt >= 0 && qt < FK_PTQTP_BASE && type_block(qt, &bs, &ts) && n >= 1 && n <= (1LL << 24) && k >= 1 &&
+           k <= (1LL << 24) && k % bs == 0 && rb == k / bs * ts;
+}
+
+/* dsv4_attn_in(x, w_type, w, w_rb, n_in, rank, hd, q_a_norm, kv_norm, qb_type, q_b, qb_rb, cs, heads, n_rot,
+ * raw_row, st_w, st_kv, st_sc, comp_ape, lid_w, lid_kv, lid_sc, idx_ape, n_idx, idx_out, qr, q, eps):
+ * a deepseek4 decode row's attention input in one call. ys = w x, the layer's fused input
+ * projections [rank | hd | st_w | st_w | lid_w | lid_w | n_idx] (q_a, kv, the compressor's kv and
+ * score, the indexer compressor's kv and score, the indexer's head weights); then dsv4_qkv on
+ * the first two (qr, q, the f16 K=V row at raw_row); the compressor state rows (kv as is,
+ * score plus the position's ape row) when st_w (and lid_w) is not 0; the head weights into
+ * idx_out when n_idx is not 0. Each part the separate calls' arithmetic. */
+static thread_local void *attn_in_buf;
+static thread_local size_t attn_in_cap;
+
+static PyObject *py_dsv4_attn_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[28];
+    if (!int_args("dsv4_attn_in", args, nargs, 29, 0, 28, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[28]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    const long long n_in = v[4], rank = v[5], hd = v[6], heads = v[13], n_rot = v[14];
+    const long long st_w = v[16], lid_w = v[20], n_idx = v[24];
+    const int need[] = {0, 2, 7, 8, 10, 12, 15, 26, 27};
+    for (int i : need)
+        if (!v[i]) { PyErr_SetString(PyExc_ValueError, "dsv4_attn_in: null pointer"); return NULL; }
+    if (rank < 1 || rank > (1LL << 20) || heads < 1 || heads > 4096 || hd < 2 || hd > 4096 || n_rot < 2 ||
+        n_rot % 2 || n_rot > hd || st_w < 0 || st_w > (1LL << 20) || lid_w < 0 || lid_w > (1LL << 20) || n_idx < 0 ||
+        n_idx > 4096 || (st_w && (!v[17] || !v[18] || !v[19])) || (lid_w && (!v[21] || !v[22] || !v[23])) ||
+        (n_idx && !v[25])) {
+        PyErr_SetString(PyExc_ValueError, "dsv4_attn_in: bad shape or a missing state row");
+        return NULL;
+    }
+    const long long n_out = rank + hd + 2 * st_w + 2 * lid_w + n_idx;
+    if (!weight_ok(v[1], v[3], n_out, n_in) || !weight_ok(v[9], v[11], heads * hd, rank)) {
+        PyErr_SetString(PyExc_ValueError, "dsv4_attn_in: a weight's type or shape does not match");
+        return NULL;
+    }
+    float *ys = (float *)scratch(&attn_in_buf, &attn_in_cap, (size_t)n_out * sizeof(float));
+    if (!ys) return PyErr_NoMemory();
+    isa_matmul((int)v[1], (const uint8_t *)(uintptr_t)v[2], v[3], n_out, n_in, (const float *)(uintptr_t)v[0], 1, ys);
+    if (!dsv4_qkv_core(ys, ys + rank, (const float *)(uintptr_t)v[7], (const float *)(uintptr_t)v[8], (int)v[9],
+                       (const uint8_t *)(uintptr_t)v[10], v[11], (const float *)(uintptr_t)v[12],
+                       (float *)(uintptr_t)v[26], (float *)(uintptr_t)v[27], (uint16_t *)(uintptr_t)v[15], rank, heads,
+                       hd, n_rot, (float)eps))
+        return PyErr_NoMemory();
+    const float *y = ys + rank + hd;
+    const long long widths[2] = {st_w, lid_w};
+    for (int part = 0; part < 2; part++) {   /* the compressor's state, then the indexer compressor's */
+        const long long w = widths[part];
+        if (!w) continue;
+        float *kv = (float *)(uintptr_t)v[17 + 4 * part], *sc = (float *)(uintptr_t)v[18 + 4 * part];
+        const float *ape = (const float *)(uintptr_t)v[19 + 4 * part];
+        memcpy(kv, y, (size_t)w * sizeof(float));
+        for (long long i = 0; i < w; i++) sc[i] = y[w + i] + ape[i];
+        y += 2 * w;
+    }
+    if (n_idx) memcpy((float *)(uintptr_t)v[25], y, (size_t)n_idx * sizeof(float));
+    Py_RETURN_NONE;
+}
+
+/* dsv4_attn_out(q, H, d, raw, n_raw, comp, comp_len, ratio, n_vis, blocks, n_blocks, sinks, cs, n_rot, wo_a, g,
+ * o_rank, wob_type, wo_b, wob_rb, n_embd, out, scale): a deepseek4 decode row's attention and
+ * output in one call: the query q [H, d] over the raw rows and the compressed keys (blocks
+ * [n_blocks] when the indexer chose, else all n_vis visible blocks; block b's key at row
+ * (b + 1) ratio - 1 of comp, every index checked), the inverse RoPE of each head's tail by cs,
+ * attn_output_a (Q8_0 rows, f32 activations, q8_0_grouped) and attn_output_b into out [n_embd]. */
+static thread_local void *attn_out_buf;
+static thread_local size_t attn_out_cap;
+
+static PyObject *py_dsv4_attn_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[22];
+    if (!int_args("dsv4_attn_out", args, nargs, 23, 0, 22, v)) return NULL;
+    const double scale = PyFloat_AsDouble(args[22]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    const long long H = v[1], d = v[2], n_raw = v[4], comp_len = v[6], ratio = v[7], n_vis = v[8];
+    const long long n_blocks = v[10], n_rot = v[13], g = v[15], o_rank = v[16], n_embd = v[20];
+    const int64_t *blocks = (const int64_t *)(uintptr_t)v[9];
+    const long long n_comp = ratio ? (blocks ? n_blocks : n_vis) : 0;
+    if (!v[0] || !v[11] || !v[12] || !v[14] || !v[18] || !v[21] || H < 1 || H > FK_ATTN_MAX_GROUP || d < 16 ||
+        d % 16 || d > FK_ATTN_MAX_D || n_raw < 0 || (n_raw && !v[3]) || ratio < 0 || n_vis < 0 || n_blocks < 0 ||
+        n_comp < 0 || n_raw + n_comp < 1 || n_raw + n_comp > (1LL << 24) || (n_comp && !v[5]) || n_rot < 2 ||
+        n_rot % 2 || n_rot > d || g < 1 || o_rank < 1 || (H * d) % g || (H * d / g) % 32 || g * o_rank > (1LL << 24) ||
+        !weight_ok(v[17], v[19], n_embd, g * o_rank)) {
+        PyErr_SetString(PyExc_ValueError, "dsv4_attn_out: null pointer or bad shape");
+        return NULL;
+    }
+    for (long long j = 0; j < n_comp; j++) {   /* every compressed key's row inside comp */
+        const long long b = blocks ? blocks[j] : j;
+        if (b < 0 || b >= n_vis || (b + 1) * ratio - 1 >= comp_len) {
+            PyErr_Format(PyExc_ValueError, "dsv4_attn_out: block %lld outside the %lld visible", b, n_vis);
+            return NULL;
+        }
+    }
+    float *h = (float *)scratch(&attn_out_buf, &attn_out_cap, (size_t)(H * d + g * o_rank) * sizeof(float));
+    if (!h) return PyErr_NoMemory();
+    float *mid = h + H * d;
+    if (!dsv4_attend_core((const float *)(uintptr_t)v[0], H, d, (const uint16_t *)(uintptr_t)v[3], n_raw,
+                          (const uint16_t *)(uintptr_t)v[5], NULL, n_comp, ratio, blocks, (const float *)(uintptr_t)v[11],
+                          (float)scale, h))
+        return PyErr_NoMemory();
+    fk_rope_tail(h, 1, H, d, (const float *)(uintptr_t)v[12], n_rot, 1);
+    fk_q8_0_grouped((const uint8_t *)(uintptr_t)v[14], g, o_rank, H * d / g, h, 1, mid, g_threads,
+                    g_isa != &fk_isa_scalar);
+    isa_matmul((int)v[17], (const uint8_t *)(uintptr_t)v[18], v[19], n_embd, g * o_rank, mid, 1,
+               (float *)(uintptr_t)v[21]);
     Py_RETURN_NONE;
 }
 
@@ -1212,6 +1352,13 @@ static PyMethodDef methods[] = {
      "deepseek4's decode query and K=V row"},
     {"q8_0_grouped", (PyCFunction)(void (*)(void))py_q8_0_grouped, METH_FASTCALL,
      "q8_0_grouped(w, g, rank, in, x, m, y): deepseek4's grouped output projection, Q8_0 weights, f32 rows"},
+    {"dsv4_attn_in", (PyCFunction)(void (*)(void))py_dsv4_attn_in, METH_FASTCALL,
+     "dsv4_attn_in(x, w_type, w, w_rb, n_in, rank, hd, q_a_norm, kv_norm, qb_type, q_b, qb_rb, cs, heads, n_rot, "
+     "raw_row, st_w, st_kv, st_sc, comp_ape, lid_w, lid_kv, lid_sc, idx_ape, n_idx, idx_out, qr, q, eps): "
+     "deepseek4's decode attention input"},
+    {"dsv4_attn_out", (PyCFunction)(void (*)(void))py_dsv4_attn_out, METH_FASTCALL,
+     "dsv4_attn_out(q, H, d, raw, n_raw, comp, comp_len, ratio, n_vis, blocks, n_blocks, sinks, cs, n_rot, wo_a, g, "
+     "o_rank, wob_type, wo_b, wob_rb, n_embd, out, scale): deepseek4's decode attention and output projections"},
     {"dsv4_attend", (PyCFunction)(void (*)(void))py_dsv4_attend, METH_FASTCALL,
      "dsv4_attend(q, H, d, raw, n_raw, comp, comp_len, rows, n_comp, sinks, out, scale): deepseek4's decode attention row"},
     {"plan_schema", py_plan_schema, METH_NOARGS, "plan_schema(): the plan's and a layer's (name, kind) fields"},

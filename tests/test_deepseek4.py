@@ -129,6 +129,38 @@ def test_native_mixer_with_its_projection_is_the_three_calls(model, tmp_path, qt
 
 
 @pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
+def test_decode_attention_in_two_native_calls_is_the_calls_in_turn(tmp_path, monkeypatch):
+    """A decode row's attention as attn_in / attn_out (around the compressors and the indexer)
+    gives the logits of the call-by-call route bit for bit, over decode steps that complete
+    CSA and HCA blocks and pass the indexer's top-k; and it is the route decode rows take."""
+    m = load_model(write_deepseek4(tmp_path / "q.gguf", seed=2, qtype=Q.Q8_0))
+    ids = torch.randint(0, m.config.n_vocab, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    calls = []
+    real = hc_native.attn_out
+    monkeypatch.setattr(hc_native, "attn_out", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def decode(fused: bool) -> list[torch.Tensor]:
+        m.fused_attention = fused
+        cache = m.init_cache(64)
+        out = [m.forward_step(cache, ids[:20], 0)]   # a prompt past ROWWISE_MAX: the rows' route
+        out += [m.forward_step(cache, ids[20:23], 20)]   # a verify-sized step: its decode rows
+        out += [m.forward_step(cache, [t], cache.len) for t in ids[23:]]
+        return out
+    apart = decode(False)
+    assert not calls
+    fused = decode(True)
+    assert len(calls) == len(m.layers) * (len(ids) - 20)   # every decode row of every layer
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+    L, c = m.layers[1], m.config   # a CSA layer: a bad block index is refused before a key is read
+    with pytest.raises(KernelError):
+        hc_native.attn_out(torch.zeros(c.n_head, c.head_dim), torch.zeros(4, c.head_dim, dtype=torch.float16),
+                           torch.zeros(8, c.head_dim, dtype=torch.float16), 4, 2, torch.tensor([0, 2]), L.sinks,
+                           torch.zeros(m.rope_comp.n_rot // 2, 2), m.rope_comp.n_rot, L.wo_a_q8, c.o_groups, c.o_lora,
+                           kernels.direct_kernel(L.wo_b), 1.0)
+
+
+@pytest.mark.skipif(not hc_native.available(), reason="native kernels not built or turned off")
 def test_native_query_row_is_the_steps_in_turn(model):
     """qkv_row (a decode row's query and K=V row in one call) is bit for bit the norm, q_b,
     head norms and RoPE tails called in turn, and the cache row the put's f16 rounding."""

@@ -188,3 +188,76 @@ def qkv_row(ys0: torch.Tensor, ys1: torch.Tensor, q_a_norm: torch.Tensor, kv_nor
     except ValueError as e:
         raise KernelError(str(e)) from None
     return qr, q
+
+
+def _row_ok(t: torch.Tensor | None, n: int, dtype: torch.dtype = torch.float32) -> bool:
+    return t is not None and t.dtype is dtype and t.is_cpu and t.is_contiguous() and t.numel() == n
+
+
+def attn_in(x: torch.Tensor, w_in, split: list[int], q_a_norm: torch.Tensor, kv_norm: torch.Tensor, q_b,
+            cs: torch.Tensor, heads: int, n_rot: int, eps: float, raw_row: torch.Tensor,
+            st: tuple | None = None, lid: tuple | None = None):
+    """A decode row's attention input in one call: ys = w_in(x) split as `split` (q_a | kv [|
+    compressor kv | score [| indexer compressor kv | score | indexer head weights]]); qkv_row on
+    the first two parts (raw_row written); `st` = (kv_row, score_row, ape_row) and `lid` likewise
+    receive the compressor state rows (score + ape). Returns qr [1, rank], q [1, heads, hd] and
+    the indexer's head weights [1, n_idx] (None without `lid`). Bit for bit the separate calls."""
+    rank, hd = split[0], split[1]
+    st_w = split[2] if st is not None else 0
+    lid_w = split[4] if lid is not None else 0
+    n_idx = split[6] if lid is not None else 0
+    want = [rank, hd] + ([st_w, st_w] if st is not None else []) + ([lid_w, lid_w, n_idx] if lid is not None else [])
+    if (list(split) != want or lid is not None and st is None or not _row_ok(x, w_in.k) or w_in.n != sum(split)
+            or not _row_ok(q_a_norm, rank) or not _row_ok(kv_norm, hd) or not _f32(cs) or cs.shape != (n_rot // 2, 2)
+            or q_b.k != rank or q_b.n != heads * hd or not _row_ok(raw_row, hd, torch.float16)
+            or (st is not None and not all(_row_ok(t, st_w) for t in st))
+            or (lid is not None and not all(_row_ok(t, lid_w) for t in lid))):
+        raise KernelError("dsv4.attn_in: x [1, k], the fused input weight of rows `split`, the norms, cs [n_rot / 2, "
+                          "2], q_b [heads hd, rank], an f16 raw row and f32 state rows of the split's widths")
+    qr, q = torch.empty(1, rank), torch.empty(1, heads, hd)
+    idx = torch.empty(1, n_idx) if n_idx else None
+    z = (0, 0, 0)
+    sk, ss, sa = (t.data_ptr() for t in st) if st is not None else z
+    lk, ls, la = (t.data_ptr() for t in lid) if lid is not None else z
+    try:
+        _native.dsv4_attn_in(x.data_ptr(), w_in.qtype, w_in.ptr, w_in.rb, w_in.k, rank, hd, q_a_norm.data_ptr(),
+                             kv_norm.data_ptr(), q_b.qtype, q_b.ptr, q_b.rb, cs.data_ptr(), heads, n_rot,
+                             raw_row.data_ptr(), st_w, sk, ss, sa, lid_w, lk, ls, la, n_idx,
+                             0 if idx is None else idx.data_ptr(), qr.data_ptr(), q.data_ptr(), float(eps))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    return qr, q, idx
+
+
+def attn_out(q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, ratio: int, n_vis: int,
+             blocks: torch.Tensor | None, sinks: torch.Tensor, cs: torch.Tensor, n_rot: int, wo_a: torch.Tensor,
+             groups: int, o_rank: int, wo_b, scale: float) -> torch.Tensor:
+    """A decode row's attention and output projections in one call: attend_row over the raw
+    window rows raw [n, d] and the compressed keys (the chosen `blocks`, else all n_vis visible;
+    block b's key at comp row (b + 1) ratio - 1), the inverse RoPE of the heads' tails by cs,
+    q8_0_grouped(wo_a) and wo_b -> [1, n_embd]. Bit for bit the separate calls."""
+    H, d = q.shape[-2], q.shape[-1]
+    if blocks is not None and blocks.numel() == 0:   # the indexer kept no block: the raw window alone
+        blocks, n_vis = None, 0
+    n_comp = 0 if not ratio else (n_vis if blocks is None else blocks.numel())
+    width = H * d // groups if groups > 0 else 0
+    if (not attend_row_ok(H, d) or not _row_ok(q, H * d) or not _row_ok(sinks, H) or raw.dtype is not torch.float16
+            or not raw.is_contiguous() or raw.dim() != 2 or raw.shape[1] != d
+            or (n_comp and (comp is None or comp.dtype is not torch.float16 or not comp.is_contiguous()
+                            or comp.dim() != 2 or comp.shape[1] != d))
+            or (blocks is not None and (blocks.dtype is not torch.int64 or not blocks.is_contiguous()))
+            or not _f32(cs) or cs.shape != (n_rot // 2, 2) or groups < 1 or H * d != groups * width or width % 32
+            or wo_a.dtype is not torch.uint8 or not wo_a.is_contiguous()
+            or wo_a.numel() != groups * o_rank * width // 32 * 34 or wo_b.k != groups * o_rank):
+        raise KernelError("dsv4.attn_out: q [H, d] f32, raw [n, d] and comp [cap, d] f16, int64 blocks, sinks [H], "
+                          "cs [n_rot / 2, 2], Q8_0 wo_a of groups * o_rank rows, wo_b [n_embd, groups * o_rank]")
+    out = torch.empty(1, wo_b.n)
+    try:   # the module checks every block against n_vis and comp's length before reading a key
+        _native.dsv4_attn_out(q.data_ptr(), H, d, raw.data_ptr(), raw.shape[0], comp.data_ptr() if n_comp else 0,
+                              comp.shape[0] if n_comp else 0, ratio, n_vis,
+                              0 if blocks is None else blocks.data_ptr(), 0 if blocks is None else blocks.numel(),
+                              sinks.data_ptr(), cs.data_ptr(), n_rot, wo_a.data_ptr(), groups, o_rank, wo_b.qtype,
+                              wo_b.ptr, wo_b.rb, wo_b.n, out.data_ptr(), float(scale))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    return out

@@ -253,6 +253,7 @@ class Model(llama.Model):
         self.lid_rot = sylvester(n)
         self._ids: tuple[int, torch.Tensor] = (0, torch.zeros(0, dtype=torch.long))
         self.hc_native = hc_native.available()   # mixers, norms, SwiGLU as native calls (csrc/fk_dsv4.cpp)
+        self.fused_attention = True   # a decode row's attention as two native calls (False: call by call)
         self.ffn_plan = self.build_ffn_plan()
 
     # -- the native ffn ------------------------------------------------------------------
@@ -408,6 +409,10 @@ class Model(llama.Model):
     def attention(self, i: int, L: Layer, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         c, m = self.config, x.shape[0]
         mem: DSV4Memory = cache.memories[i]
+        if m == 1 and self.fused_attention and self._native(x) and mem.raw.dtype is torch.float16:
+            ks = self._row_kernels(L)
+            if ks is not None:
+                return self._attention_row(L, x, mem, pos0, *ks)
         rope = self.rope_comp if L.ratio else self.rope
         pos = torch.arange(pos0, pos0 + m) if m > 1 else None
         cis = rope._table(pos0 + m)[pos0:pos0 + m, None, :]                  # the rows' rotations
@@ -442,6 +447,34 @@ class Model(llama.Model):
             return L.wo_b(hc_native.q8_0_grouped(L.wo_a_q8, g, c.o_lora, out.reshape(m, -1)))
         oa = torch.bmm(out.reshape(m, g, -1).transpose(0, 1), L.wo_a.transpose(1, 2))   # [groups, m, rank]
         return L.wo_b(oa.transpose(0, 1).reshape(m, -1))
+
+    def _row_kernels(self, L: Layer):
+        """(w_in, q_b, wo_b) kernels when a decode row's attention may run as two native calls
+        (every weight read directly, no LoRA beside it; attn_output_a on its Q8_0 rows), else None."""
+        if L.w_in is None or L.wo_a_q8 is None or not hc_native.attend_row_ok(self.config.n_head, self.config.head_dim):
+            return None
+        ks = (kernels.direct_kernel(L.w_in), kernels.direct_kernel(L.q_b), kernels.direct_kernel(L.wo_b))
+        return None if None in ks else ks
+
+    def _attention_row(self, L: Layer, x: torch.Tensor, mem: DSV4Memory, p: int, w_in, q_b, wo_b) -> torch.Tensor:
+        """One decode row's attention as `attention` computes it, in two native calls around the
+        compressors and the indexer (hc_native.attn_in / attn_out): bit for bit the same."""
+        c = self.config
+        rope = self.rope_comp if L.ratio else self.rope
+        cs = torch.view_as_real(rope._table(p + 1)[p])   # the row's (cos, sin) pairs
+        st = (mem.row("st_kv", p), mem.row("st_sc", p), L.comp_ape[p % L.ratio]) if L.ratio else None
+        lid = (mem.row("lid_kv", p), mem.row("lid_sc", p), L.idx_ape[p % CSA]) if L.ratio == CSA else None
+        qr, q, proj = hc_native.attn_in(x, w_in, L.split, L.q_a_norm, L.kv_norm, q_b, cs, c.n_head, rope.n_rot,
+                                        c.rms_eps, mem.row("raw", p), st, lid)
+        blocks = None
+        if L.ratio:
+            self._compress(mem, L, p, 1, "st_kv", "st_sc", "comp", c.head_dim, L.comp_norm)
+        if L.ratio == CSA:
+            self._compress(mem, L, p, 1, "lid_kv", "lid_sc", "lid", c.idx_dim, L.idx_norm, self.lid_rot)
+            blocks = self._indexer(L, proj, qr, mem, p)[0]
+        return hc_native.attn_out(q, mem.raw[max(0, p - c.window + 1):p + 1], mem.comp if L.ratio else None, L.ratio,
+                                  (p + 1) // L.ratio if L.ratio else 0, blocks, L.sinks, cs, rope.n_rot, L.wo_a_q8,
+                                  c.o_groups, c.o_lora, wo_b, self.scale)
 
     def rope_tail(self, rope: Rope, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """rotate_tail; with the native kernels in place on x (a fresh [m, heads, d] here)."""
