@@ -566,7 +566,8 @@ static PyObject *py_dsv4_attn_out(PyObject *self, PyObject *const *args, Py_ssiz
     const int64_t *blocks = (const int64_t *)(uintptr_t)v[9];
     const long long n_comp = ratio ? (blocks ? n_blocks : n_vis) : 0;
     if (!v[0] || !v[11] || !v[12] || !v[14] || !v[18] || !v[21] || H < 1 || H > FK_ATTN_MAX_GROUP || d < 16 ||
-        d % 16 || d > FK_ATTN_MAX_D || n_raw < 0 || (n_raw && !v[3]) || ratio < 0 || n_vis < 0 || n_blocks < 0 ||
+        d % 16 || d > FK_ATTN_MAX_D || n_raw < 0 || (n_raw && !v[3]) || ratio < 0 || ratio > (1LL << 24) || n_vis < 0 ||
+        n_vis > (1LL << 24) || n_blocks < 0 ||
         n_comp < 0 || n_raw + n_comp < 1 || n_raw + n_comp > (1LL << 24) || (n_comp && !v[5]) || n_rot < 2 ||
         n_rot % 2 || n_rot > d || g < 1 || o_rank < 1 || (H * d) % g || (H * d / g) % 32 || g * o_rank > (1LL << 24) ||
         !weight_ok(v[17], v[19], n_embd, g * o_rank)) {
