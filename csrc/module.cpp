@@ -255,6 +255,19 @@ static void isa_matmul(int qtype, const uint8_t *w, long long row_bytes, int64_t
     g_isa->matmul(&a);
 }
 
+/* a weight's shape check: n rows of k values of type qt in rows of rb bytes */
+static bool weight_ok(long long qt, long long rb, long long n, long long k) {
+    long bs, ts;
+    return qt >= 0 && qt < FK_PTQTP_BASE && type_block(qt, &bs, &ts) && n >= 1 && n <= (1LL << 24) && k >= 1 &&
+           k <= (1LL << 24) && k % bs == 0 && rb == k / bs * ts;
+}
+
+/* a deepseek4 query row's geometry: q_a rank, heads of hd values, RoPE on each tail's n_rot */
+static bool qkv_shape_ok(long long rank, long long heads, long long hd, long long n_rot) {
+    return rank >= 1 && rank <= (1LL << 20) && heads >= 1 && heads <= 4096 && hd >= 2 && hd <= 4096 && n_rot >= 2 &&
+           n_rot % 2 == 0 && n_rot <= hd;
+}
+
 /* hc_pre_full(x, qtype, w, row_bytes, scale, base, h, post, comb, m, n, iters, norm_eps, eps): hc_pre
  * with its input made here too: the streams x [m, 4 n] RMS-normed (fk_rms_norm), then the
  * mixer's projection w [24, 4 n] (the ISA's matmul), then fk_hc_pre: one call a mixer */
@@ -268,11 +281,10 @@ static PyObject *py_hc_pre_full(PyObject *self, PyObject *const *args, Py_ssize_
     const double norm_eps = PyFloat_AsDouble(args[12]), eps = PyFloat_AsDouble(args[13]);
     if (PyErr_Occurred()) return NULL;
     const long long m = v[9], n = v[10], k = 4 * n;
-    long bs, ts;
     for (int i = 0; i < 9; i++)
         if (i != 1 && !v[i]) { PyErr_SetString(PyExc_ValueError, "hc_pre_full: null pointer"); return NULL; }
     if (m < 1 || m > (1LL << 24) || n < 1 || n > (1LL << 24) || v[11] < 1 || v[11] > 1000 ||
-        !type_block(v[1], &bs, &ts) || v[1] >= FK_PTQTP_BASE || k % bs || v[3] != k / bs * ts) {
+        !weight_ok(v[1], v[3], 24, k)) {
         PyErr_SetString(PyExc_ValueError, "hc_pre_full: bad rows, width, iteration count or weight");
         return NULL;
     }
@@ -382,12 +394,9 @@ static PyObject *py_dsv4_qkv(PyObject *self, PyObject *const *args, Py_ssize_t n
     const double eps = PyFloat_AsDouble(args[15]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
     const long long rank = v[11], heads = v[12], hd = v[13], n_rot = v[14];
-    long bs, ts;
     for (int i = 0; i < 11; i++)
         if (i != 4 && !v[i]) { PyErr_SetString(PyExc_ValueError, "dsv4_qkv: null pointer"); return NULL; }
-    if (rank < 1 || rank > (1LL << 20) || heads < 1 || heads > 4096 || hd < 2 || hd > 4096 || n_rot < 2 ||
-        n_rot % 2 || n_rot > hd || !type_block(v[4], &bs, &ts) || v[4] >= FK_PTQTP_BASE || rank % bs ||
-        v[6] != rank / bs * ts) {
+    if (!qkv_shape_ok(rank, heads, hd, n_rot) || !weight_ok(v[4], v[6], heads * hd, rank)) {
         PyErr_SetString(PyExc_ValueError, "dsv4_qkv: bad shape or weight");
         return NULL;
     }
@@ -482,13 +491,6 @@ static PyObject *py_dsv4_attend(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* a weight's shape check: n rows of k values of type qt in rows of rb bytes */
-static bool weight_ok(long long qt, long long rb, long long n, long long k) {
-    long bs, ts;
-    return qt >= 0 && qt < FK_PTQTP_BASE && type_block(qt, &bs, &ts) && n >= 1 && n <= (1LL << 24) && k >= 1 &&
-           k <= (1LL << 24) && k % bs == 0 && rb == k / bs * ts;
-}
-
 /* dsv4_attn_in(x, w_type, w, w_rb, n_in, rank, hd, q_a_norm, kv_norm, qb_type, q_b, qb_rb, cs, heads, n_rot,
  * raw_row, st_w, st_kv, st_sc, comp_ape, lid_w, lid_kv, lid_sc, idx_ape, n_idx, idx_out, qr, q, eps):
  * a deepseek4 decode row's attention input in one call. ys = w x, the layer's fused input
@@ -511,8 +513,8 @@ static PyObject *py_dsv4_attn_in(PyObject *self, PyObject *const *args, Py_ssize
     const int need[] = {0, 2, 7, 8, 10, 12, 15, 26, 27};
     for (int i : need)
         if (!v[i]) { PyErr_SetString(PyExc_ValueError, "dsv4_attn_in: null pointer"); return NULL; }
-    if (rank < 1 || rank > (1LL << 20) || heads < 1 || heads > 4096 || hd < 2 || hd > 4096 || n_rot < 2 ||
-        n_rot % 2 || n_rot > hd || st_w < 0 || st_w > (1LL << 20) || lid_w < 0 || lid_w > (1LL << 20) || n_idx < 0 ||
+    if (!qkv_shape_ok(rank, heads, hd, n_rot) || st_w < 0 || st_w > (1LL << 20) || lid_w < 0 || lid_w > (1LL << 20) ||
+        n_idx < 0 ||
         n_idx > 4096 || (st_w && (!v[17] || !v[18] || !v[19])) || (lid_w && (!v[21] || !v[22] || !v[23])) ||
         (n_idx && !v[25])) {
         PyErr_SetString(PyExc_ValueError, "dsv4_attn_in: bad shape or a missing state row");

@@ -36,9 +36,11 @@ With the native kernels the layer stays this Python code, its pieces native call
 mixer with its norm and projection (hc_pre_full), every RMS norm and RoPE tail, the routed
 ffn of a layer as one call of an ffn-only plan (kernels.DecoderPlan with "none" mixers:
 sqrt-softplus or hash routing, the clamped-SwiGLU experts and the shared expert), and on
-decode rows the query and K=V row (qkv_row), the attention row (the raw window and the
-chosen compressed keys gathered for the decode attention kernel, sinks joining) and
-attn_output_a on its Q8_0 rows in f32.
+decode rows the whole attention sublayer as two calls around the compressors and the indexer
+(attn_in: the input projections, the query and K=V row, the compressor state rows; attn_out:
+the attention row over the raw window and the chosen compressed keys, sinks joining, the
+inverse RoPE, attn_output_a on its Q8_0 rows in f32 and attn_output_b), or call by call
+(qkv_row, attend_row, q8_0_grouped) where a weight carries an unmerged LoRA.
 Not built: the MTP block (a file that carries one runs its trunk; the block is not read,
 so it does not draft), the vision routing bias, one native call for the whole layer (the
 compressors and the indexer stay torch ops).
