@@ -24,7 +24,8 @@ a synthetic byte-level one of Qwen3's 151,936 ids unless --vocab copies a real o
 Then it times prompt lengths 1, 4, 16, 32, 64, 128, 256, 512 and decode at depths 0, 512
 and 2048 on each, at both ISA levels, and prints the scoreboard table BENCHMARK.md shows,
 with the CPU, the date and the commit. Decode also gets GB/s: the bytes a token reads
-(every tensor but the embedding rows; the tied output matrix counts once) times tokens/s.
+(every tensor but the embedding rows; the tied output matrix counts once; of a MoE's
+stacked expert tensors, the routed share) times tokens/s.
 """
 from __future__ import annotations
 
@@ -147,7 +148,12 @@ def read_bytes(model: str) -> int:
     f = GGUFFile(model)
     names = {t.name: t.nbytes for t in f.tensors.values()}
     tied = "output.weight" not in names
-    return sum(n for k, n in names.items() if k != "token_embd.weight" or tied)
+    arch = f.metadata.get("general.architecture", "")
+    used, count = f.metadata.get(f"{arch}.expert_used_count"), f.metadata.get(f"{arch}.expert_count")
+    # a MoE token reads only its routed experts' slices of the stacked "_exps" tensors
+    share = used / count if used and count else 1.0
+    return int(sum(n * (share if "_exps." in k else 1.0) for k, n in names.items()
+                   if k != "token_embd.weight" or tied))
 
 
 def compare(a, model: str, isa: str, bench: Path) -> list[dict]:
