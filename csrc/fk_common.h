@@ -40,6 +40,9 @@ enum { FK_PTQTP_FOLD = FK_PTQTP_BASE + 16 };
 /* TQ2_0 rows repacked in groups of 8 for the AVX2 decode GEMV (generic/tq2x8_impl.inc):
  * the same bytes as TQ2_0 per 8 rows, row_bytes TQ2_0's; not a GGML type */
 enum { FK_TQ2_X8 = FK_PTQTP_BASE + 32 };
+/* Q4_K rows repacked in groups of 16 for the AVX-512 and AVX2 decode GEMVs (generic/q4kx16_impl.inc):
+ * the same bytes as Q4_K per 16 rows, row_bytes Q4_K's; not a GGML type */
+enum { FK_Q4K_X16 = FK_PTQTP_BASE + 33 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
 typedef struct {

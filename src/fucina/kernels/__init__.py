@@ -372,12 +372,14 @@ class QuantKernel:
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
         out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
         qtype, raw, n, sel = self.qtype, self.raw, self.n, ids
-        if qtype == TQ2_X8:   # the ids' 8-row groups back to TQ2_0 rows, then the rows as any
+        if qtype in (TQ2_X8, Q4K_X16):   # the ids' row groups back to rows, then the rows as any
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
                 raise KernelError(f"dequant_rows: a row out of range [0, {n})")
-            groups = raw.view(-1, 8 * self.rb)[ids // 8]
-            raw = tq2_deinterleave(groups.reshape(-1, self.rb), 8 * ids.numel())
-            qtype, n, sel = int(GGMLType.TQ2_0), max(8 * ids.numel(), 1), torch.arange(ids.numel()) * 8 + ids % 8
+            gr, undo, qtype = ((8, tq2_deinterleave, int(GGMLType.TQ2_0)) if qtype == TQ2_X8
+                               else (16, q4k_deinterleave, int(GGMLType.Q4_K)))
+            groups = raw.view(-1, gr * self.rb)[ids // gr]
+            raw = undo(groups.reshape(-1, self.rb), gr * ids.numel())
+            n, sel = max(gr * ids.numel(), 1), torch.arange(ids.numel()) * gr + ids % gr
         try:
             _native.dequant_rows(qtype, raw.data_ptr(), self.rb, n, self.k, sel.data_ptr(), sel.numel(),
                                  out.data_ptr())
@@ -445,18 +447,25 @@ _X8_ISAS = ("avx2", "avx2vnni")
 _TQ2_BYTES = 66
 
 
+def _group_rows(raw: torch.Tensor, n: int, unit: int, group: int, fmt: str) -> torch.Tensor:
+    """raw as [ceil(n / group) * group, rb] rows of `fmt` (`unit` bytes a superblock), the
+    added rows zero; a typed error (naming the caller) when raw is not such rows."""
+    rb = raw.shape[-1]
+    if raw.dtype != torch.uint8 or rb % unit or raw.numel() != n * rb:
+        caller = "tq2_interleave" if fmt == "TQ2_0" else "q4k_interleave"
+        raise KernelError(f"{caller}: {tuple(raw.shape)} {raw.dtype} is not {fmt} rows")
+    rows, pad = raw.reshape(n, rb), -n % group
+    return torch.cat([rows, rows.new_zeros(pad, rb)]) if pad else rows
+
+
 def tq2_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     """TQ2_0 rows [n, rb] -> their 8-row groups (csrc/generic/tq2x8_impl.inc), [ceil8(n), rb]
     uint8: per group, superblock s's 16 qs dwords of the 8 rows (dword e of row r at 512 s +
     32 e + 4 r), then the 8 rows' f16 scales of each superblock (at 512 nsb + 16 s + 2 r).
     The rows past n are zeros. A byte permutation: tq2_deinterleave undoes it."""
-    rb = raw.shape[-1]
-    nsb, groups = rb // _TQ2_BYTES, -(-n // 8)
-    if raw.dtype != torch.uint8 or rb % _TQ2_BYTES or raw.numel() != n * rb:
-        raise KernelError(f"tq2_interleave: {tuple(raw.shape)} {raw.dtype} is not TQ2_0 rows")
-    rows = raw.reshape(n, rb)
-    if groups * 8 != n:
-        rows = torch.cat([rows, rows.new_zeros(groups * 8 - n, rb)])
+    rows = _group_rows(raw, n, _TQ2_BYTES, 8, "TQ2_0")
+    rb = rows.shape[-1]
+    nsb, groups = rb // _TQ2_BYTES, rows.shape[0] // 8
     b = rows.view(groups, 8, nsb, _TQ2_BYTES)
     qs = b[..., :64].reshape(groups, 8, nsb, 16, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb * 512)
     d = b[..., 64:].permute(0, 2, 1, 3).reshape(groups, nsb * 16)
@@ -475,20 +484,66 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
 
 
+#: the kernels' pseudo type of Q4_K rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc)
+Q4K_X16 = PTQTP_BASE + 33
+#: the ISA levels whose decode GEMV reads that layout (the scalar unit reads it through panels)
+_X16_ISAS = ("avx512", "avx2", "avx2vnni")
+_Q4K_BYTES = 144
+
+
+def q4k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q4_K rows [n, rb] -> their 16-row groups (csrc/generic/q4kx16_impl.inc), [ceil16(n), rb]
+    uint8: per group and superblock (2304 bytes), the 16 rows' d | dmin dwords, their three
+    scale dwords (dword i of every row together), then the 32 qs dwords of the 16 rows as
+    columns (qs dword e of row r at 256 + 64 e + 4 r). The rows past n are zeros. A byte
+    permutation: q4k_deinterleave undoes it."""
+    rows = _group_rows(raw, n, _Q4K_BYTES, 16, "Q4_K")
+    rb = rows.shape[-1]
+    nsb, groups = rb // _Q4K_BYTES, rows.shape[0] // 16
+    dwords = rows.view(groups, 16, nsb, _Q4K_BYTES // 4, 4)      # 36 dwords a superblock
+    return dwords.permute(0, 2, 3, 1, 4).reshape(groups * 16, rb).contiguous()
+
+
+def q4k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q4k_interleave's inverse: the first n Q4_K rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    rb = x16.shape[-1]
+    nsb, groups = rb // _Q4K_BYTES, x16.numel() // (16 * rb)
+    if x16.dtype != torch.uint8 or rb % _Q4K_BYTES or x16.numel() != groups * 16 * rb or n > groups * 16:
+        raise KernelError(f"q4k_deinterleave: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
+    cols = x16.reshape(groups, nsb, _Q4K_BYTES // 4, 16, 4)
+    return cols.permute(0, 3, 1, 2, 4).reshape(groups * 16, rb)[:n].contiguous()
+
+
+def deinterleave(kernel) -> torch.Tensor:
+    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16)."""
+    if kernel.qtype == TQ2_X8:
+        return tq2_deinterleave(kernel.raw, kernel.n)
+    if kernel.qtype == Q4K_X16:
+        return q4k_deinterleave(kernel.raw, kernel.n)
+    raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
+
+
 def interleave(weight) -> bool:
-    """Give a TQ2_0 weight's kernel its bytes in 8-row groups when the ISA in force is an AVX2
-    level: its decode GEMV then loads the rows' dwords as they are where it shuffled 48
-    times a superblock (BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"); every route
-    (prefill panels, verify, scalar, AVX-512) reads the layout too and gives the same bits
-    as the rows it came from. The kernel holds the copy (weight.raw keeps the TQ2_0 rows:
-    the reference path, training and the file's pages read those); True when repacked.
-    FUCINA_TQ2_X8=0 keeps the rows."""
+    """Give a weight's kernel its bytes in row groups where the ISA in force has a decode GEMV
+    that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
+    times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K in 16-row
+    groups at AVX-512 (no add tree and no scale copies: "Q4_K decode at AVX-512: 16-row
+    groups"). Every route (prefill panels, verify, the other ISA units) reads the layouts too
+    and gives the same bits as the rows they came from. The kernel holds the copy (weight.raw
+    keeps the rows: the reference path, training and the file's pages read those); True when
+    repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 keep the rows."""
     k = getattr(weight, "kernel", None)
-    if (type(k) is not QuantKernel or k.qtype != int(GGMLType.TQ2_0) or isa() not in _X8_ISAS
-            or os.environ.get("FUCINA_TQ2_X8", "1") == "0"):
+    if type(k) is not QuantKernel:
         return False
-    k.raw = tq2_interleave(k.raw, k.n)
-    k.qtype, k.ptr = TQ2_X8, k.raw.data_ptr()
+    if (k.qtype == int(GGMLType.TQ2_0) and isa() in _X8_ISAS
+            and os.environ.get("FUCINA_TQ2_X8", "1") != "0"):
+        k.raw, k.qtype = tq2_interleave(k.raw, k.n), TQ2_X8
+    elif (k.qtype == int(GGMLType.Q4_K) and isa() in _X16_ISAS
+            and os.environ.get("FUCINA_Q4K_X16", "1") != "0"):
+        k.raw, k.qtype = q4k_interleave(k.raw, k.n), Q4K_X16
+    else:
+        return False
+    k.ptr = k.raw.data_ptr()
     return True
 
 

@@ -78,11 +78,11 @@ def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None):
     """Open a GGUF and build its family's Model (weights stay in the mmap); `checked`: the
     table `check(f)` returned for this file (the build then checks nothing again)."""
     from fucina import kernels
-    from fucina.weights.tq2x8 import interleave_model
+    from fucina.weights.row_groups import interleave_model
 
     kernels.warn_if_missing()
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     model = family(f.architecture).Model(f, checked)
     model.gguf = f
-    interleave_model(model)   # TQ2_0 weights in the AVX2 GEMV's 8-row groups (fucina.weights.tq2x8)
+    interleave_model(model)   # row groups where the ISA's decode GEMV reads them (fucina.weights.row_groups)
     return model

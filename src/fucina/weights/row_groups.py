@@ -1,11 +1,12 @@
-"""TQ2_0 weights in 8-row groups for the AVX2 decode GEMV, made once when a model loads.
+"""Weights in row groups for the decode GEMV, made once when a model loads.
 
-`interleave_model(model)` gives each TQ2_0 weight the model computes with (the fused QKV /
-gate-up, not the parts they were stacked from; the head) its kernel's bytes in the layout
-of `fucina.kernels.tq2_interleave` when the kernels run an AVX2 level, then rebuilds the
-native layer plan on them. Every route gives the bits of the rows they came from, so the
-model's output is unchanged; the decode is faster (BENCHMARK.md "TQ2_0 decode at AVX2:
-8-row groups"). Memory: the groups replace the rows. A weight read from the file has its
+`interleave_model(model)` gives each weight the model computes with (the fused QKV /
+gate-up, not the parts they were stacked from; the head) its kernel's bytes in row groups
+where the ISA in force reads them faster (`fucina.kernels.interleave`: TQ2_0 in 8-row groups
+at an AVX2 level, Q4_K in 16-row groups at AVX-512), then rebuilds the native layer plan on
+them. Every route gives the bits of the rows they came from, so the model's output is
+unchanged; the decode is faster (BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups", "Q4_K
+decode at AVX-512: 16-row groups"). Memory: the groups replace the rows. A weight read from the file has its
 mapped pages dropped after the copy (a later read of `weight.raw` faults them back); a fused
 weight (its rows already a copy) drops that copy and becomes a `GroupedWeight`, whose `raw`
 gives the rows back from the groups on each read.
@@ -19,18 +20,18 @@ from fucina.weights.lora import weight_slots
 
 
 class GroupedWeight(LinearWeight):
-    """A TQ2_0 LinearWeight whose one copy of the bytes is its kernel's 8-row groups: `raw`
-    is the TQ2_0 rows rebuilt from them, a new tensor on each read (the reference path, a
+    """A LinearWeight whose one copy of the bytes is its kernel's row groups: `raw` is the
+    rows rebuilt from them, a new tensor on each read (the reference path, a
     dequantize, a LoRA merge read it; the hot path never does). Writing to it would not reach
     the kernel, so assigning `raw` is an error: build a LinearWeight from new bytes instead."""
 
     @property
     def raw(self):
-        return kernels.tq2_deinterleave(self.kernel.raw, self.out_features)
+        return kernels.deinterleave(self.kernel)
 
     @raw.setter
     def raw(self, value):
-        raise FucinaError(f"{self.name}: the bytes of a weight in 8-row groups are its kernel's; "
+        raise FucinaError(f"{self.name}: the bytes of a weight in row groups are its kernel's; "
                           "make a new LinearWeight from the new bytes")
 
     @property
@@ -39,13 +40,13 @@ class GroupedWeight(LinearWeight):
 
 
 def _drop_rows(w: LinearWeight) -> None:
-    """w's own copy of its TQ2_0 rows gone: w becomes a GroupedWeight (same attributes)."""
+    """w's own copy of its rows gone: w becomes a GroupedWeight (same attributes)."""
     del w.__dict__["raw"]
     w.__class__ = GroupedWeight
 
 
 def interleave_model(model) -> int:
-    """Repack the model's TQ2_0 weights in place (see the module); the count repacked."""
+    """Repack the model's weights in place (see the module); the count repacked."""
     ws = [w for L in getattr(model, "layers", []) for _, _, w in weight_slots(L)]
     out = getattr(model, "output", None)
     if isinstance(out, LinearWeight):

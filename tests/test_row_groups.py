@@ -1,0 +1,218 @@
+"""Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
+(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV) and Q4_K in 16-row groups
+(csrc/generic/q4kx16_impl.inc, the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
+and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
+panel route past them and on the other units) gives the bits of the rows it came from, on
+row counts that are not a multiple of the group; a model loaded at such a level computes on
+the groups and gives the same logits as its rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import fucina.kernels as K
+from fucina.gguf import GGMLType as T
+from test_batch_invariance import canonical_route  # noqa: F401  (autouse: the canonical route)
+from test_kernels import rand_weight
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
+
+
+@dataclass(frozen=True)
+class Layout:
+    fmt: T
+    pseudo: int
+    group: int
+    unit: int           # bytes a superblock
+    levels: tuple       # the ISA levels that repack (their GEMV reads the groups)
+    env: str            # the opt-out variable
+
+    def interleave(self, raw, n):
+        return K.tq2_interleave(raw, n) if self.fmt == T.TQ2_0 else K.q4k_interleave(raw, n)
+
+    def matmul(self, groups, n, k, x):
+        y = torch.empty(x.shape[0], n)
+        K._native.matmul(self.pseudo, groups.data_ptr(), k // 256 * self.unit, n, k, x.data_ptr(), x.shape[0],
+                         y.data_ptr(), n)
+        return y
+
+    def here(self):
+        return [i for i in self.levels if i in K.supported_isas()]
+
+
+TQ2 = Layout(T.TQ2_0, K.TQ2_X8, 8, 66, ("avx2", "avx2vnni"), "FUCINA_TQ2_X8")
+Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q4K_X16")
+LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K], ids=["tq2x8", "q4kx16"])
+
+
+def _raw(fmt, n: int, k: int, seed: int) -> torch.Tensor:
+    """random blocks (TQ2_0: every 2-bit field 0..3, ggml reads a 3 as 2 d; f16 scales)"""
+    return torch.from_numpy(rand_weight(fmt, n, k, np.random.default_rng(seed)))
+
+
+def _round_trip(lay: Layout, n: int, k: int):
+    """raw rows, their groups and the row count rounded up to the group: the shape, the
+    inverse, zero padding rows and a typed error on bytes that are not whole superblocks"""
+    undo = K.tq2_deinterleave if lay.fmt == T.TQ2_0 else K.q4k_deinterleave
+    raw = _raw(lay.fmt, n, k, n + k)
+    groups, g = lay.interleave(raw, n), -(-n // lay.group) * lay.group
+    assert tuple(groups.shape) == (g, raw.shape[1]) and groups.dtype is torch.uint8
+    assert torch.equal(undo(groups, n), raw)
+    assert int(undo(groups, g)[n:].count_nonzero()) == 0   # the padding rows
+    with pytest.raises(K.KernelError):
+        lay.interleave(raw[:, :lay.unit - 1].contiguous(), n)
+    with pytest.raises(K.KernelError):
+        undo(groups, g + 1)
+    return raw, groups, g
+
+
+@pytest.mark.parametrize("n,k", [(1, 256), (7, 256), (8, 512), (9, 256), (17, 768), (24, 256)])
+def test_tq2_interleave_round_trips(n, k):
+    raw, x8, _ = _round_trip(TQ2, n, k)
+    # the documented places: row r's qs dword e and scale of superblock s in group 0
+    nsb = k // 256
+    grp = x8[:8].reshape(-1)
+    for r, s, e in ((0, 0, 0), (min(n, 8) - 1, nsb - 1, 15), (min(n, 8) // 2, 0, 9)):
+        assert torch.equal(grp[512 * s + 32 * e + 4 * r:][:4], raw[r, 66 * s + 4 * e:][:4])
+        assert torch.equal(grp[512 * nsb + 16 * s + 2 * r:][:2], raw[r, 66 * s + 64:][:2])
+
+
+@pytest.mark.parametrize("n,k", [(1, 256), (15, 256), (16, 512), (17, 768), (40, 256)])
+def test_q4k_interleave_round_trips(n, k):
+    raw, x16, _ = _round_trip(Q4K, n, k)
+    # the documented places in group 0: d | dmin, scale dword i, qs dword e of row r
+    nsb = k // 256
+    grp = x16[:16].reshape(-1)
+    for r, s in ((0, 0), (min(n, 16) - 1, nsb - 1), (min(n, 16) // 2, nsb // 2)):
+        sb = grp[2304 * s:]
+        assert torch.equal(sb[4 * r:][:4], raw[r, 144 * s:][:4])
+        for i in range(3):
+            assert torch.equal(sb[64 + 64 * i + 4 * r:][:4], raw[r, 144 * s + 4 + 4 * i:][:4])
+        for e in (0, 7, 8, 31):
+            assert torch.equal(sb[256 + 64 * e + 4 * r:][:4], raw[r, 144 * s + 16 + 4 * e:][:4])
+
+
+@LAYOUTS
+@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (9, 256), (17, 256), (20, 768), (37, 1024)])
+def test_groups_equal_rows_bitwise(lay, n, k, isa):
+    """m = 1..8 (the GEMV where a level reads the groups), 9 and 20 (panels): == the rows on
+    this ISA == each activation row alone == the scalar unit's rows; close to the torch
+    reference."""
+    raw = _raw(lay.fmt, n, k, 7 * n + k)
+    groups = lay.interleave(raw, n)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(n))
+    K.set_isa("scalar")
+    try:
+        ref = K.matmul(raw, lay.fmt, n, k, x)
+    finally:
+        K.set_isa(isa)
+    alone = torch.cat([lay.matmul(groups, n, k, x[i:i + 1].contiguous()) for i in range(20)])
+    assert torch.equal(alone, ref), isa
+    for m in (*range(1, 9), 9, 20):
+        got = lay.matmul(groups, n, k, x[:m].contiguous())
+        assert torch.equal(got, K.matmul(raw, lay.fmt, n, k, x[:m])), f"n={n} k={k} m={m} on {isa}"
+        assert torch.equal(got, ref[:m]), f"n={n} k={k} m={m} on {isa}"
+    from fucina.quant import dequantize
+    w = dequantize(raw.reshape(-1), lay.fmt, n * k).reshape(n, k)
+    want = K.act_roundtrip(x).reshape(x.shape) @ w.T
+    torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-3 * float(want.abs().max()))
+
+
+@LAYOUTS
+def test_gemv_probe_takes_groups(lay):
+    if not lay.here():
+        pytest.skip("no level here reads these groups")
+    before = K.isa()
+    try:
+        for name in lay.here():
+            K.set_isa(name)
+            assert K._native.gemv_rows(lay.pseudo) == 8
+    finally:
+        K.set_isa(before)
+
+
+@LAYOUTS
+def test_weight_interleaves_where_its_gemv_reads_groups_and_keeps_rows(lay):
+    from fucina.weights import LinearWeight
+    n, k = 21, 512
+    raw = _raw(lay.fmt, n, k, 5)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([0, 20, 7, 8, 3, 16, 20])
+    before = K.isa()
+    try:
+        for name in K.supported_isas():
+            K.set_isa(name)
+            w = LinearWeight(raw.clone(), lay.fmt, n, k, "w")
+            K.attach(w)
+            canon, rows = w(x), w.rows(ids)
+            assert K.interleave(w) == (name in lay.levels)
+            assert torch.equal(w.raw, raw)    # the weight keeps its rows
+            assert torch.equal(w(x), canon) and torch.equal(w.rows(ids), rows)
+            if name in lay.levels:
+                assert w.kernel.qtype == lay.pseudo and torch.equal(K.deinterleave(w.kernel), raw)
+                with pytest.raises(K.KernelError):
+                    w.kernel.rows(torch.tensor([n]))
+                with pytest.raises(Exception):
+                    w.rows(torch.tensor([-1]))
+    finally:
+        K.set_isa(before)
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory):
+    import gguf
+    from synth import write_model
+    d = tmp_path_factory.mktemp("row_groups")
+    # TQ2_0: 260 ffn rows (gate/up fused: 520) and 36 kv rows; Q4_K: an untied head of 260
+    # rows: groups with a tail
+    return {T.TQ2_0: str(write_model(d / "tq2.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.TQ2_0, hidden=256,
+                                     heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=11)),
+            T.Q4_K: str(write_model(d / "q4k.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q4_K, hidden=256,
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=12, tied=False))}
+
+
+@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2")],
+                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2"])
+def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, level):
+    """load_model at a level that reads the groups repacks the layer weights (the native plan
+    computes on them): prefill, decode and a 3-row verify give the logits of the same model on
+    its rows."""
+    if level not in K.supported_isas():
+        pytest.skip(f"no {level} on this CPU")
+    from fucina.errors import FucinaError
+    from fucina.models import load_model
+    from fucina.weights.row_groups import GroupedWeight
+    before = K.isa()
+    try:
+        K.set_isa(level)
+        monkeypatch.setenv(lay.env, "0")
+        rows = load_model(model_paths[lay.fmt])
+        monkeypatch.delenv(lay.env)
+        grp = load_model(model_paths[lay.fmt])
+        L, R = grp.layers[0], rows.layers[0]
+        assert L.wqkv.kernel.qtype == lay.pseudo and L.w_gate_up.kernel.qtype == lay.pseudo
+        assert R.wqkv.kernel.qtype == int(lay.fmt)
+        assert L.wq.kernel.qtype == int(lay.fmt)   # a fused weight's parts are left as they are
+        if lay.fmt == T.Q4_K:
+            assert grp.output.kernel.qtype == lay.pseudo and grp.output.out_features == 260
+        # the fused weight's stacked rows are dropped; raw rebuilds them from the groups
+        assert isinstance(L.w_gate_up, GroupedWeight) and "raw" not in vars(L.w_gate_up)
+        assert torch.equal(L.w_gate_up.raw, R.w_gate_up.raw) and L.w_gate_up.nbytes == R.w_gate_up.nbytes
+        assert torch.equal(L.wqkv.dequantize(), R.wqkv.dequantize())
+        with pytest.raises(FucinaError, match="row groups"):
+            L.wqkv.raw = R.wqkv.raw
+        ids = torch.tensor([3, 17, 42, 5, 9, 100, 7])
+        outs = []
+        for m in (rows, grp):
+            c = m.init_cache(16)
+            a = m.forward_step_all_logits(c, ids[:4], 0)
+            b = m.forward_step(c, ids[4:5], 4)
+            v = m.forward_step_all_logits(c, ids[5:], 5)
+            outs.append((a, b, v))
+        for x, y in zip(*outs):
+            assert torch.equal(x, y)
+    finally:
+        K.set_isa(before)
