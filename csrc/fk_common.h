@@ -43,6 +43,8 @@ enum { FK_TQ2_X8 = FK_PTQTP_BASE + 32 };
 /* Q4_K rows repacked in groups of 16 for the AVX-512 and AVX2 decode GEMVs (generic/q4kx16_impl.inc):
  * the same bytes as Q4_K per 16 rows, row_bytes Q4_K's; not a GGML type */
 enum { FK_Q4K_X16 = FK_PTQTP_BASE + 33 };
+/* Q6_K rows repacked in groups of 16 likewise (generic/q6kx16_impl.inc) */
+enum { FK_Q6K_X16 = FK_PTQTP_BASE + 34 };
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */
 typedef struct {

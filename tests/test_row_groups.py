@@ -1,6 +1,6 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
-(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV) and Q4_K in 16-row groups
-(csrc/generic/q4kx16_impl.inc, the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
+(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K and Q6_K in 16-row groups
+(csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
 row counts that are not a multiple of the group; a model loaded at such a level computes on
@@ -28,10 +28,14 @@ class Layout:
     group: int
     unit: int           # bytes a superblock
     levels: tuple       # the ISA levels that repack (their GEMV reads the groups)
-    env: str            # the opt-out variable
+    env: str            # the variable that opts out (or in)
+    default: bool = True   # repacked without the variable
 
     def interleave(self, raw, n):
-        return K.tq2_interleave(raw, n) if self.fmt == T.TQ2_0 else K.q4k_interleave(raw, n)
+        return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave}[self.fmt](raw, n)
+
+    def undo(self, groups, n):
+        return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave}[self.fmt](groups, n)
 
     def matmul(self, groups, n, k, x):
         y = torch.empty(x.shape[0], n)
@@ -45,7 +49,8 @@ class Layout:
 
 TQ2 = Layout(T.TQ2_0, K.TQ2_X8, 8, 66, ("avx2", "avx2vnni"), "FUCINA_TQ2_X8")
 Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q4K_X16")
-LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K], ids=["tq2x8", "q4kx16"])
+Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16", default=False)
+LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K, Q6K], ids=["tq2x8", "q4kx16", "q6kx16"])
 
 
 def _raw(fmt, n: int, k: int, seed: int) -> torch.Tensor:
@@ -56,7 +61,7 @@ def _raw(fmt, n: int, k: int, seed: int) -> torch.Tensor:
 def _round_trip(lay: Layout, n: int, k: int):
     """raw rows, their groups and the row count rounded up to the group: the shape, the
     inverse, zero padding rows and a typed error on bytes that are not whole superblocks"""
-    undo = K.tq2_deinterleave if lay.fmt == T.TQ2_0 else K.q4k_deinterleave
+    undo = lay.undo
     raw = _raw(lay.fmt, n, k, n + k)
     groups, g = lay.interleave(raw, n), -(-n // lay.group) * lay.group
     assert tuple(groups.shape) == (g, raw.shape[1]) and groups.dtype is torch.uint8
@@ -80,19 +85,21 @@ def test_tq2_interleave_round_trips(n, k):
         assert torch.equal(grp[512 * nsb + 16 * s + 2 * r:][:2], raw[r, 66 * s + 64:][:2])
 
 
-@pytest.mark.parametrize("n,k", [(1, 256), (15, 256), (16, 512), (17, 768), (40, 256)])
-def test_q4k_interleave_round_trips(n, k):
-    raw, x16, _ = _round_trip(Q4K, n, k)
-    # the documented places in group 0: d | dmin, scale dword i, qs dword e of row r
-    nsb = k // 256
+@pytest.mark.parametrize("lay", [Q4K, Q6K], ids=["q4kx16", "q6kx16"])
+@pytest.mark.parametrize("n,k", [(1, 256), (15, 256), (16, 512), (33, 768)])
+def test_x16_interleave_round_trips(lay, n, k):
+    """the documented places in group 0: a superblock's dword e of row r at 64 e + 4 r (Q4_K:
+    d | dmin, the 3 scale dwords, the 32 qs dwords; Q6_K: the 52 dwords before d), Q6_K's d of
+    row r after them"""
+    raw, x16, _ = _round_trip(lay, n, k)
+    nsb, ncol = k // 256, lay.unit // 4
     grp = x16[:16].reshape(-1)
     for r, s in ((0, 0), (min(n, 16) - 1, nsb - 1), (min(n, 16) // 2, nsb // 2)):
-        sb = grp[2304 * s:]
-        assert torch.equal(sb[4 * r:][:4], raw[r, 144 * s:][:4])
-        for i in range(3):
-            assert torch.equal(sb[64 + 64 * i + 4 * r:][:4], raw[r, 144 * s + 4 + 4 * i:][:4])
-        for e in (0, 7, 8, 31):
-            assert torch.equal(sb[256 + 64 * e + 4 * r:][:4], raw[r, 144 * s + 16 + 4 * e:][:4])
+        sb = grp[16 * lay.unit * s:]
+        for e in range(ncol):
+            assert torch.equal(sb[64 * e + 4 * r:][:4], raw[r, lay.unit * s + 4 * e:][:4]), (r, s, e)
+        if lay.fmt == T.Q6_K:
+            assert torch.equal(sb[64 * ncol + 2 * r:][:2], raw[r, 210 * s + 208:][:2])
 
 
 @LAYOUTS
@@ -135,8 +142,15 @@ def test_gemv_probe_takes_groups(lay):
 
 
 @LAYOUTS
-def test_weight_interleaves_where_its_gemv_reads_groups_and_keeps_rows(lay):
+def test_weight_interleaves_where_its_gemv_reads_groups_and_keeps_rows(lay, monkeypatch):
     from fucina.weights import LinearWeight
+    if not lay.default:
+        with monkeypatch.context() as mp:   # an opt-in layout stays rows without its variable
+            mp.delenv(lay.env, raising=False)
+            w = LinearWeight(_raw(lay.fmt, 21, 512, 5), lay.fmt, 21, 512, "w")
+            K.attach(w)
+            assert not K.interleave(w)
+        monkeypatch.setenv(lay.env, "1")
     n, k = 21, 512
     raw = _raw(lay.fmt, n, k, 5)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
@@ -171,11 +185,13 @@ def model_paths(tmp_path_factory):
     return {T.TQ2_0: str(write_model(d / "tq2.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.TQ2_0, hidden=256,
                                      heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=11)),
             T.Q4_K: str(write_model(d / "q4k.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q4_K, hidden=256,
-                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=12, tied=False))}
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=12, tied=False)),
+            T.Q6_K: str(write_model(d / "q6k.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q6_K, hidden=256,
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=13, tied=False))}
 
 
-@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2")],
-                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2"])
+@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2"), (Q6K, "avx512"), (Q6K, "avx2")],
+                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2", "q6kx16-avx512", "q6kx16-avx2"])
 def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, level):
     """load_model at a level that reads the groups repacks the layer weights (the native plan
     computes on them): prefill, decode and a 3-row verify give the logits of the same model on
@@ -190,13 +206,13 @@ def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, le
         K.set_isa(level)
         monkeypatch.setenv(lay.env, "0")
         rows = load_model(model_paths[lay.fmt])
-        monkeypatch.delenv(lay.env)
+        monkeypatch.setenv(lay.env, "1")
         grp = load_model(model_paths[lay.fmt])
         L, R = grp.layers[0], rows.layers[0]
         assert L.wqkv.kernel.qtype == lay.pseudo and L.w_gate_up.kernel.qtype == lay.pseudo
         assert R.wqkv.kernel.qtype == int(lay.fmt)
         assert L.wq.kernel.qtype == int(lay.fmt)   # a fused weight's parts are left as they are
-        if lay.fmt == T.Q4_K:
+        if lay.fmt != T.TQ2_0:
             assert grp.output.kernel.qtype == lay.pseudo and grp.output.out_features == 260
         # the fused weight's stacked rows are dropped; raw rebuilds them from the groups
         assert isinstance(L.w_gate_up, GroupedWeight) and "raw" not in vars(L.w_gate_up)

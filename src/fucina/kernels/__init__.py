@@ -372,11 +372,11 @@ class QuantKernel:
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
         out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
         qtype, raw, n, sel = self.qtype, self.raw, self.n, ids
-        if qtype in (TQ2_X8, Q4K_X16):   # the ids' row groups back to rows, then the rows as any
+        if qtype in _GROUPED:   # the ids' row groups back to rows, then the rows as any
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
                 raise KernelError(f"dequant_rows: a row out of range [0, {n})")
-            gr, undo, qtype = ((8, tq2_deinterleave, int(GGMLType.TQ2_0)) if qtype == TQ2_X8
-                               else (16, q4k_deinterleave, int(GGMLType.Q4_K)))
+            gr, undo, fmt = _GROUPED[qtype]
+            qtype = int(fmt)
             groups = raw.view(-1, gr * self.rb)[ids // gr]
             raw = undo(groups.reshape(-1, self.rb), gr * ids.numel())
             n, sel = max(gr * ids.numel(), 1), torch.arange(ids.numel()) * gr + ids % gr
@@ -452,7 +452,7 @@ def _group_rows(raw: torch.Tensor, n: int, unit: int, group: int, fmt: str) -> t
     added rows zero; a typed error (naming the caller) when raw is not such rows."""
     rb = raw.shape[-1]
     if raw.dtype != torch.uint8 or rb % unit or raw.numel() != n * rb:
-        caller = "tq2_interleave" if fmt == "TQ2_0" else "q4k_interleave"
+        caller = {"TQ2_0": "tq2_interleave", "Q4_K": "q4k_interleave"}.get(fmt, "q6k_interleave")
         raise KernelError(f"{caller}: {tuple(raw.shape)} {raw.dtype} is not {fmt} rows")
     rows, pad = raw.reshape(n, rb), -n % group
     return torch.cat([rows, rows.new_zeros(pad, rb)]) if pad else rows
@@ -514,24 +514,61 @@ def q4k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     return cols.permute(0, 3, 1, 2, 4).reshape(groups * 16, rb)[:n].contiguous()
 
 
+#: Q6_K rows repacked in 16-row groups (csrc/generic/q6kx16_impl.inc), read at the levels of Q4K_X16
+Q6K_X16 = PTQTP_BASE + 34
+_Q6K_BYTES = 210
+
+
+def q6k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q6_K rows [n, rb] -> their 16-row groups (csrc/generic/q6kx16_impl.inc), [ceil16(n), rb]
+    uint8: per group and superblock (3360 bytes), the first 208 bytes of the 16 rows as 52
+    dword columns (dword e of row r at 64 e + 4 r: ql, qh, the int8 scales), then the 16 rows'
+    f16 d (at 3328 + 2 r). The rows past n are zeros. A byte permutation: q6k_deinterleave
+    undoes it."""
+    rows = _group_rows(raw, n, _Q6K_BYTES, 16, "Q6_K")
+    rb = rows.shape[-1]
+    nsb, groups = rb // _Q6K_BYTES, rows.shape[0] // 16
+    b = rows.view(groups, 16, nsb, _Q6K_BYTES)
+    cols = b[..., :208].reshape(groups, 16, nsb, 52, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb, 3328)
+    d = b[..., 208:].permute(0, 2, 1, 3).reshape(groups, nsb, 32)
+    return torch.cat([cols, d], dim=-1).reshape(groups * 16, rb)
+
+
+def q6k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q6k_interleave's inverse: the first n Q6_K rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    rb = x16.shape[-1]
+    nsb, groups = rb // _Q6K_BYTES, x16.numel() // (16 * rb)
+    if x16.dtype != torch.uint8 or rb % _Q6K_BYTES or x16.numel() != groups * 16 * rb or n > groups * 16:
+        raise KernelError(f"q6k_deinterleave: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
+    b = x16.reshape(groups, nsb, 16 * _Q6K_BYTES)
+    cols = b[..., :3328].reshape(groups, nsb, 52, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups, 16, nsb, 208)
+    d = b[..., 3328:].reshape(groups, nsb, 16, 2).permute(0, 2, 1, 3)
+    return torch.cat([cols, d], dim=-1).reshape(groups * 16, rb)[:n].contiguous()
+
+
+#: pseudo type -> (group rows, the undo, the GGML type of the rows)
+_GROUPED = {TQ2_X8: (8, tq2_deinterleave, GGMLType.TQ2_0), Q4K_X16: (16, q4k_deinterleave, GGMLType.Q4_K),
+            Q6K_X16: (16, q6k_deinterleave, GGMLType.Q6_K)}
+
+
 def deinterleave(kernel) -> torch.Tensor:
-    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16)."""
-    if kernel.qtype == TQ2_X8:
-        return tq2_deinterleave(kernel.raw, kernel.n)
-    if kernel.qtype == Q4K_X16:
-        return q4k_deinterleave(kernel.raw, kernel.n)
-    raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
+    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16, Q6K_X16)."""
+    if kernel.qtype not in _GROUPED:
+        raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
+    return _GROUPED[kernel.qtype][1](kernel.raw, kernel.n)
 
 
 def interleave(weight) -> bool:
     """Give a weight's kernel its bytes in row groups where the ISA in force has a decode GEMV
     that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
     times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K in 16-row
-    groups at AVX-512 (no add tree and no scale copies: "Q4_K decode at AVX-512: 16-row
-    groups"). Every route (prefill panels, verify, the other ISA units) reads the layouts too
-    and gives the same bits as the rows they came from. The kernel holds the copy (weight.raw
-    keeps the rows: the reference path, training and the file's pages read those); True when
-    repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 keep the rows."""
+    groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and Q6_K
+    decode: 16-row groups"), and Q6_K likewise only with FUCINA_Q6K_X16=1 (one or two rows
+    gain, a verify pass of 4-8 rows loses: the same section). Every route (prefill panels,
+    verify, the other ISA units) reads the layouts too and gives the same bits as the rows they
+    came from. The kernel holds the copy (weight.raw keeps the rows: the reference path,
+    training and the file's pages read those); True when repacked. FUCINA_TQ2_X8=0 /
+    FUCINA_Q4K_X16=0 keep the rows."""
     k = getattr(weight, "kernel", None)
     if type(k) is not QuantKernel:
         return False
@@ -541,6 +578,9 @@ def interleave(weight) -> bool:
     elif (k.qtype == int(GGMLType.Q4_K) and isa() in _X16_ISAS
             and os.environ.get("FUCINA_Q4K_X16", "1") != "0"):
         k.raw, k.qtype = q4k_interleave(k.raw, k.n), Q4K_X16
+    elif (k.qtype == int(GGMLType.Q6_K) and isa() in _X16_ISAS
+            and os.environ.get("FUCINA_Q6K_X16", "0") == "1"):   # opt-in: its GEMV loses past 2 rows
+        k.raw, k.qtype = q6k_interleave(k.raw, k.n), Q6K_X16
     else:
         return False
     k.ptr = k.raw.data_ptr()
