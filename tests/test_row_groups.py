@@ -28,8 +28,7 @@ class Layout:
     group: int
     unit: int           # bytes a superblock
     levels: tuple       # the ISA levels that repack (their GEMV reads the groups)
-    env: str            # the variable that opts out (or in)
-    default: bool = True   # repacked without the variable
+    env: str            # the variable that opts out
 
     def interleave(self, raw, n):
         return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave}[self.fmt](raw, n)
@@ -49,7 +48,7 @@ class Layout:
 
 TQ2 = Layout(T.TQ2_0, K.TQ2_X8, 8, 66, ("avx2", "avx2vnni"), "FUCINA_TQ2_X8")
 Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q4K_X16")
-Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16", default=False)
+Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16")
 LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K, Q6K], ids=["tq2x8", "q4kx16", "q6kx16"])
 
 
@@ -144,13 +143,7 @@ def test_gemv_probe_takes_groups(lay):
 @LAYOUTS
 def test_weight_interleaves_where_its_gemv_reads_groups_and_keeps_rows(lay, monkeypatch):
     from fucina.weights import LinearWeight
-    if not lay.default:
-        with monkeypatch.context() as mp:   # an opt-in layout stays rows without its variable
-            mp.delenv(lay.env, raising=False)
-            w = LinearWeight(_raw(lay.fmt, 21, 512, 5), lay.fmt, 21, 512, "w")
-            K.attach(w)
-            assert not K.interleave(w)
-        monkeypatch.setenv(lay.env, "1")
+    monkeypatch.delenv(lay.env, raising=False)
     n, k = 21, 512
     raw = _raw(lay.fmt, n, k, 5)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))

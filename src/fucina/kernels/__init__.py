@@ -561,14 +561,13 @@ def deinterleave(kernel) -> torch.Tensor:
 def interleave(weight) -> bool:
     """Give a weight's kernel its bytes in row groups where the ISA in force has a decode GEMV
     that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
-    times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K in 16-row
-    groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and Q6_K
-    decode: 16-row groups"), and Q6_K likewise only with FUCINA_Q6K_X16=1 (one or two rows
-    gain, a verify pass of 4-8 rows loses: the same section). Every route (prefill panels,
-    verify, the other ISA units) reads the layouts too and gives the same bits as the rows they
-    came from. The kernel holds the copy (weight.raw keeps the rows: the reference path,
-    training and the file's pages read those); True when repacked. FUCINA_TQ2_X8=0 /
-    FUCINA_Q4K_X16=0 keep the rows."""
+    times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K and Q6_K in
+    16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
+    Q6_K decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
+    reads the layouts too and gives the same bits as the rows they came from. The kernel holds
+    the copy (weight.raw keeps the rows: the reference path, training and the file's pages
+    read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0
+    keep the rows."""
     k = getattr(weight, "kernel", None)
     if type(k) is not QuantKernel:
         return False
@@ -579,7 +578,7 @@ def interleave(weight) -> bool:
             and os.environ.get("FUCINA_Q4K_X16", "1") != "0"):
         k.raw, k.qtype = q4k_interleave(k.raw, k.n), Q4K_X16
     elif (k.qtype == int(GGMLType.Q6_K) and isa() in _X16_ISAS
-            and os.environ.get("FUCINA_Q6K_X16", "0") == "1"):   # opt-in: its GEMV loses past 2 rows
+            and os.environ.get("FUCINA_Q6K_X16", "1") != "0"):
         k.raw, k.qtype = q6k_interleave(k.raw, k.n), Q6K_X16
     else:
         return False
