@@ -16,6 +16,7 @@ and the kernels share one pool; `set_threads(n)` sets both.
 from __future__ import annotations
 
 import os
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch  # first: loads torch's libgomp, which the native module then shares
@@ -375,10 +376,10 @@ class QuantKernel:
         if qtype in _GROUPED:   # the ids' row groups back to rows, then the rows as any
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
                 raise KernelError(f"dequant_rows: a row out of range [0, {n})")
-            gr, undo, fmt = _GROUPED[qtype]
-            qtype = int(fmt)
+            fmt, lay = _GROUPED[qtype]
+            qtype, gr = int(fmt), lay.group
             groups = raw.view(-1, gr * self.rb)[ids // gr]
-            raw = undo(groups.reshape(-1, self.rb), gr * ids.numel())
+            raw = lay.unpack(groups.reshape(-1, self.rb), gr * ids.numel())
             n, sel = max(gr * ids.numel(), 1), torch.arange(ids.numel()) * gr + ids % gr
         try:
             _native.dequant_rows(qtype, raw.data_ptr(), self.rb, n, self.k, sel.data_ptr(), sel.numel(),
@@ -447,12 +448,11 @@ _X8_ISAS = ("avx2", "avx2vnni")
 _TQ2_BYTES = 66
 
 
-def _group_rows(raw: torch.Tensor, n: int, unit: int, group: int, fmt: str) -> torch.Tensor:
+def _group_rows(raw: torch.Tensor, n: int, unit: int, group: int, fmt: str, caller: str) -> torch.Tensor:
     """raw as [ceil(n / group) * group, rb] rows of `fmt` (`unit` bytes a superblock), the
-    added rows zero; a typed error (naming the caller) when raw is not such rows."""
+    added rows zero; a typed error naming `caller` when raw is not such rows."""
     rb = raw.shape[-1]
     if raw.dtype != torch.uint8 or rb % unit or raw.numel() != n * rb:
-        caller = {"TQ2_0": "tq2_interleave", "Q4_K": "q4k_interleave"}.get(fmt, "q6k_interleave")
         raise KernelError(f"{caller}: {tuple(raw.shape)} {raw.dtype} is not {fmt} rows")
     rows, pad = raw.reshape(n, rb), -n % group
     return torch.cat([rows, rows.new_zeros(pad, rb)]) if pad else rows
@@ -463,7 +463,7 @@ def tq2_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     uint8: per group, superblock s's 16 qs dwords of the 8 rows (dword e of row r at 512 s +
     32 e + 4 r), then the 8 rows' f16 scales of each superblock (at 512 nsb + 16 s + 2 r).
     The rows past n are zeros. A byte permutation: tq2_deinterleave undoes it."""
-    rows = _group_rows(raw, n, _TQ2_BYTES, 8, "TQ2_0")
+    rows = _group_rows(raw, n, _TQ2_BYTES, 8, "TQ2_0", "tq2_interleave")
     rb = rows.shape[-1]
     nsb, groups = rb // _TQ2_BYTES, rows.shape[0] // 8
     b = rows.view(groups, 8, nsb, _TQ2_BYTES)
@@ -484,78 +484,90 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
 
 
-#: the kernels' pseudo type of Q4_K rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc)
+#: the kernels' pseudo types of Q4_K and Q6_K rows repacked in 16-row groups
+#: (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
-#: the ISA levels whose decode GEMV reads that layout (the scalar unit reads it through panels)
+Q6K_X16 = PTQTP_BASE + 34
+#: the ISA levels whose decode GEMV reads those layouts (the scalar unit reads them through panels)
 _X16_ISAS = ("avx512", "avx2", "avx2vnni")
-_Q4K_BYTES = 144
+_X16_UNIT = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
+
+
+def _x16_interleave(raw: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
+    """K-quant rows [n, rb] -> 16-row groups [ceil16(n), rb] uint8: per group and superblock
+    (16 x its bytes) the superblock's whole dwords of the 16 rows as columns (dword e of row r
+    at 64 e + 4 r), then the bytes past them (Q6_K's f16 d) row by row. The rows past n are
+    zeros. A byte permutation: _x16_deinterleave undoes it."""
+    unit = _X16_UNIT[fmt]
+    rows = _group_rows(raw, n, unit, 16, fmt.name, caller)
+    rb = rows.shape[-1]
+    nsb, groups, ncol = rb // unit, rows.shape[0] // 16, unit // 4
+    b = rows.view(groups, 16, nsb, unit)
+    cols = b[..., :4 * ncol].reshape(groups, 16, nsb, ncol, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb, 64 * ncol)
+    tail = b[..., 4 * ncol:].permute(0, 2, 1, 3).reshape(groups, nsb, 16 * (unit - 4 * ncol))
+    return torch.cat([cols, tail], dim=-1).reshape(groups * 16, rb)
+
+
+def _x16_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
+    """_x16_interleave's inverse: the first n rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    unit, rb = _X16_UNIT[fmt], x16.shape[-1]
+    nsb, groups, ncol = rb // unit, x16.numel() // (16 * rb), unit // 4
+    if x16.dtype != torch.uint8 or rb % unit or x16.numel() != groups * 16 * rb or n > groups * 16:
+        raise KernelError(f"{caller}: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
+    b = x16.reshape(groups, nsb, 16 * unit)
+    cols = b[..., :64 * ncol].reshape(groups, nsb, ncol, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups, 16, nsb, 4 * ncol)
+    tail = b[..., 64 * ncol:].reshape(groups, nsb, 16, -1).permute(0, 2, 1, 3)
+    return torch.cat([cols, tail], dim=-1).reshape(groups * 16, rb)[:n].contiguous()
 
 
 def q4k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     """Q4_K rows [n, rb] -> their 16-row groups (csrc/generic/q4kx16_impl.inc), [ceil16(n), rb]
-    uint8: per group and superblock (2304 bytes), the 16 rows' d | dmin dwords, their three
-    scale dwords (dword i of every row together), then the 32 qs dwords of the 16 rows as
-    columns (qs dword e of row r at 256 + 64 e + 4 r). The rows past n are zeros. A byte
-    permutation: q4k_deinterleave undoes it."""
-    rows = _group_rows(raw, n, _Q4K_BYTES, 16, "Q4_K")
-    rb = rows.shape[-1]
-    nsb, groups = rb // _Q4K_BYTES, rows.shape[0] // 16
-    dwords = rows.view(groups, 16, nsb, _Q4K_BYTES // 4, 4)      # 36 dwords a superblock
-    return dwords.permute(0, 2, 3, 1, 4).reshape(groups * 16, rb).contiguous()
+    uint8: per group and superblock (2304 bytes) the 36 dwords of the 16 rows as columns (the
+    d | dmin dwords, the three scale dwords, then the 32 qs dwords: dword e of row r at 64 e +
+    4 r). The rows past n are zeros; q4k_deinterleave undoes it."""
+    return _x16_interleave(raw, n, GGMLType.Q4_K, "q4k_interleave")
 
 
 def q4k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     """q4k_interleave's inverse: the first n Q4_K rows [n, rb] of 16-row groups [ceil16(n), rb]."""
-    rb = x16.shape[-1]
-    nsb, groups = rb // _Q4K_BYTES, x16.numel() // (16 * rb)
-    if x16.dtype != torch.uint8 or rb % _Q4K_BYTES or x16.numel() != groups * 16 * rb or n > groups * 16:
-        raise KernelError(f"q4k_deinterleave: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
-    cols = x16.reshape(groups, nsb, _Q4K_BYTES // 4, 16, 4)
-    return cols.permute(0, 3, 1, 2, 4).reshape(groups * 16, rb)[:n].contiguous()
-
-
-#: Q6_K rows repacked in 16-row groups (csrc/generic/q6kx16_impl.inc), read at the levels of Q4K_X16
-Q6K_X16 = PTQTP_BASE + 34
-_Q6K_BYTES = 210
+    return _x16_deinterleave(x16, n, GGMLType.Q4_K, "q4k_deinterleave")
 
 
 def q6k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     """Q6_K rows [n, rb] -> their 16-row groups (csrc/generic/q6kx16_impl.inc), [ceil16(n), rb]
     uint8: per group and superblock (3360 bytes), the first 208 bytes of the 16 rows as 52
     dword columns (dword e of row r at 64 e + 4 r: ql, qh, the int8 scales), then the 16 rows'
-    f16 d (at 3328 + 2 r). The rows past n are zeros. A byte permutation: q6k_deinterleave
-    undoes it."""
-    rows = _group_rows(raw, n, _Q6K_BYTES, 16, "Q6_K")
-    rb = rows.shape[-1]
-    nsb, groups = rb // _Q6K_BYTES, rows.shape[0] // 16
-    b = rows.view(groups, 16, nsb, _Q6K_BYTES)
-    cols = b[..., :208].reshape(groups, 16, nsb, 52, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb, 3328)
-    d = b[..., 208:].permute(0, 2, 1, 3).reshape(groups, nsb, 32)
-    return torch.cat([cols, d], dim=-1).reshape(groups * 16, rb)
+    f16 d (at 3328 + 2 r). The rows past n are zeros; q6k_deinterleave undoes it."""
+    return _x16_interleave(raw, n, GGMLType.Q6_K, "q6k_interleave")
 
 
 def q6k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     """q6k_interleave's inverse: the first n Q6_K rows [n, rb] of 16-row groups [ceil16(n), rb]."""
-    rb = x16.shape[-1]
-    nsb, groups = rb // _Q6K_BYTES, x16.numel() // (16 * rb)
-    if x16.dtype != torch.uint8 or rb % _Q6K_BYTES or x16.numel() != groups * 16 * rb or n > groups * 16:
-        raise KernelError(f"q6k_deinterleave: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
-    b = x16.reshape(groups, nsb, 16 * _Q6K_BYTES)
-    cols = b[..., :3328].reshape(groups, nsb, 52, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups, 16, nsb, 208)
-    d = b[..., 3328:].reshape(groups, nsb, 16, 2).permute(0, 2, 1, 3)
-    return torch.cat([cols, d], dim=-1).reshape(groups * 16, rb)[:n].contiguous()
+    return _x16_deinterleave(x16, n, GGMLType.Q6_K, "q6k_deinterleave")
 
 
-#: pseudo type -> (group rows, the undo, the GGML type of the rows)
-_GROUPED = {TQ2_X8: (8, tq2_deinterleave, GGMLType.TQ2_0), Q4K_X16: (16, q4k_deinterleave, GGMLType.Q4_K),
-            Q6K_X16: (16, q6k_deinterleave, GGMLType.Q6_K)}
+class _Layout(NamedTuple):
+    pseudo: int          # the kernels' type of the repacked bytes
+    group: int           # rows a group
+    levels: tuple        # the ISA levels whose decode GEMV reads the groups
+    env: str             # "0" keeps the rows
+    pack: Callable[[torch.Tensor, int], torch.Tensor]
+    unpack: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+#: GGML type -> its row-group layout
+_LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
+            GGMLType.Q4_K: _Layout(Q4K_X16, 16, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
+            GGMLType.Q6_K: _Layout(Q6K_X16, 16, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave)}
+#: pseudo type -> (the GGML type of the rows, its layout)
+_GROUPED = {lay.pseudo: (fmt, lay) for fmt, lay in _LAYOUTS.items()}
 
 
 def deinterleave(kernel) -> torch.Tensor:
     """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16, Q6K_X16)."""
     if kernel.qtype not in _GROUPED:
         raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
-    return _GROUPED[kernel.qtype][1](kernel.raw, kernel.n)
+    return _GROUPED[kernel.qtype][1].unpack(kernel.raw, kernel.n)
 
 
 def interleave(weight) -> bool:
@@ -569,19 +581,10 @@ def interleave(weight) -> bool:
     read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0
     keep the rows."""
     k = getattr(weight, "kernel", None)
-    if type(k) is not QuantKernel:
+    lay = _LAYOUTS.get(k.qtype) if type(k) is QuantKernel else None   # an IntEnum key: k.qtype is an int
+    if lay is None or isa() not in lay.levels or os.environ.get(lay.env, "1") == "0":
         return False
-    if (k.qtype == int(GGMLType.TQ2_0) and isa() in _X8_ISAS
-            and os.environ.get("FUCINA_TQ2_X8", "1") != "0"):
-        k.raw, k.qtype = tq2_interleave(k.raw, k.n), TQ2_X8
-    elif (k.qtype == int(GGMLType.Q4_K) and isa() in _X16_ISAS
-            and os.environ.get("FUCINA_Q4K_X16", "1") != "0"):
-        k.raw, k.qtype = q4k_interleave(k.raw, k.n), Q4K_X16
-    elif (k.qtype == int(GGMLType.Q6_K) and isa() in _X16_ISAS
-            and os.environ.get("FUCINA_Q6K_X16", "1") != "0"):
-        k.raw, k.qtype = q6k_interleave(k.raw, k.n), Q6K_X16
-    else:
-        return False
+    k.raw, k.qtype = lay.pack(k.raw, k.n), lay.pseudo
     k.ptr = k.raw.data_ptr()
     return True
 
