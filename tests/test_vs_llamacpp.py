@@ -57,3 +57,22 @@ def test_sweep_vocabulary_loads(tmp_path):
     tok = Tokenizer.from_gguf(path)
     assert tok.n_vocab == 400
     assert tok.decode(tok.encode_raw("héllo", parse_special=False)) == "héllo"
+
+
+def test_read_bandwidth_pairs_decode_with_the_sum(tmp_path):
+    """--model: one line with the decode GB/s, the sum's and their paired share (a tiny
+    model's share means nothing; the format and the byte count are what is checked)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_chat_support import tiny_llama_gguf
+
+    path = tiny_llama_gguf(tmp_path / "t.gguf")
+    mod = _module()
+    nbytes = mod.read_bytes(path)
+    assert nbytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name != "token_embd.weight")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "read_bandwidth.py"), "--model", path,
+                        "--threads", "1", "--rounds", "2", "--tokens", "2", "--gib", "0.01"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    line = p.stdout.strip()
+    assert line.startswith("t.gguf, ISA ") and "1 thread(s)" in line and f"{nbytes / 1e9:.3f} GB a token" in line
+    assert "paired share median" in line and "2 rounds" in line
