@@ -503,9 +503,11 @@ def _x16_interleave(raw: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> to
     rb = rows.shape[-1]
     nsb, groups, ncol = rb // unit, rows.shape[0] // 16, unit // 4
     b = rows.view(groups, 16, nsb, unit)
-    cols = b[..., :4 * ncol].reshape(groups, 16, nsb, ncol, 4).permute(0, 2, 3, 1, 4).reshape(groups, nsb, 64 * ncol)
-    tail = b[..., 4 * ncol:].permute(0, 2, 1, 3).reshape(groups, nsb, 16 * (unit - 4 * ncol))
-    return torch.cat([cols, tail], dim=-1).reshape(groups * 16, rb)
+    out = rows.new_empty(groups, nsb, 16 * unit)   # each byte copied once (a load-time pass over the weights)
+    out[..., :64 * ncol].unflatten(-1, (ncol, 16, 4)).copy_(b[..., :4 * ncol].unflatten(-1, (ncol, 4)).permute(0, 2, 3, 1, 4))
+    if unit > 4 * ncol:
+        out[..., 64 * ncol:].unflatten(-1, (16, unit - 4 * ncol)).copy_(b[..., 4 * ncol:].permute(0, 2, 1, 3))
+    return out.view(groups * 16, rb)
 
 
 def _x16_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
@@ -515,9 +517,11 @@ def _x16_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> 
     if x16.dtype != torch.uint8 or rb % unit or x16.numel() != groups * 16 * rb or n > groups * 16:
         raise KernelError(f"{caller}: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
     b = x16.reshape(groups, nsb, 16 * unit)
-    cols = b[..., :64 * ncol].reshape(groups, nsb, ncol, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups, 16, nsb, 4 * ncol)
-    tail = b[..., 64 * ncol:].reshape(groups, nsb, 16, -1).permute(0, 2, 1, 3)
-    return torch.cat([cols, tail], dim=-1).reshape(groups * 16, rb)[:n].contiguous()
+    out = x16.new_empty(groups, 16, nsb, unit)
+    out[..., :4 * ncol].unflatten(-1, (ncol, 4)).copy_(b[..., :64 * ncol].unflatten(-1, (ncol, 16, 4)).permute(0, 3, 1, 2, 4))
+    if unit > 4 * ncol:
+        out[..., 4 * ncol:].copy_(b[..., 64 * ncol:].unflatten(-1, (16, unit - 4 * ncol)).permute(0, 2, 1, 3))
+    return out.view(groups * 16, rb)[:n]
 
 
 def q4k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
