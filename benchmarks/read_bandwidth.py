@@ -44,14 +44,14 @@ def paired(a) -> None:
     model = load_model(a.model)
     nbytes = read_bytes(a.model)
     x = torch.ones(int(a.gib * (1 << 28)), dtype=torch.float32)
-    cache = model.init_cache(1024)
-    prompt = list(range(3, 3 + 16))
+    capacity, prompt = 1024, list(range(3, 3 + 16))
+    cache = model.init_cache(capacity)
     decode, ceiling, shares = [], [], []
     with torch.inference_mode():
         model.forward_step(cache, prompt, 0)
         for _ in range(a.rounds):
-            if cache.len + a.tokens > 1000:
-                cache = model.init_cache(1024)
+            if cache.len + a.tokens > capacity:
+                cache = model.init_cache(capacity)
                 model.forward_step(cache, prompt, 0)
             t = time.perf_counter()
             for _ in range(a.tokens):
