@@ -55,7 +55,8 @@ typedef struct {
 
 /* a MoE ffn (moe_impl.inc): router gate_inp [n_expert, n_embd]; expert stacks as one
  * weight each, expert e's rows at e * rows-per-expert: gate_exps/up_exps [n_expert * n_ff_exp,
- * n_embd], down_exps [n_expert * n_embd, n_ff_exp]; moe_norm renormalises the chosen weights,
+ * n_embd], down_exps [n_expert * n_embd, n_ff_exp] (GGML rows, or row groups where every expert
+ * starts on a group: module.cpp stack_ok); moe_norm renormalises the chosen weights,
  * moe_scale (0 or 1: none) scales them. The expert store (models/expert_store.py): moe_hook
  * (0: none) is an fk_moe_hook the layer calls with moe_hook_ctx and its chosen experts before
  * it reads them; then expert e's rows of gate/up/down are at moe_table (int64 [3, n_expert]),

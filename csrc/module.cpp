@@ -691,6 +691,16 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
     return 1;
 }
 
+/* an expert stack whose experts start every `step` rows (moe_impl.inc moe_expert: at e x step
+ * x rb): GGML rows, or row groups (FK_Q4K_X16, FK_Q6K_X16, FK_TQ2_X8) where every expert starts
+ * on a group, so its rows are a layout of their own at that offset; never groups under the
+ * expert store's table (its slots hold the file's rows) */
+static int stack_ok(const fk_lin *w, int64_t step, int64_t table) {
+    if (w->qtype < FK_PTQTP_BASE) return 1;
+    const int64_t g = w->qtype == FK_Q4K_X16 || w->qtype == FK_Q6K_X16 ? 16 : w->qtype == FK_TQ2_X8 ? 8 : 0;
+    return g && step % g == 0 && !table;
+}
+
 /* a MoE ffn's settings and weights (moe_impl.inc) */
 static int moe_ok(const fk_plan *p, const fk_layer *y) {
     const int64_t NE = y->n_expert, K = y->n_expert_used, M = y->n_ff_exp, E = y->routed_down.w ? y->routed_down.n : p->n_embd;
@@ -701,7 +711,8 @@ static int moe_ok(const fk_plan *p, const fk_layer *y) {
            lin_ok(&y->gate_exps, (NE - 1) * S + M, E) && lin_ok(&y->up_exps, (NE - 1) * S + M, E) && lin_ok(&y->down_exps, NE * E, M) &&
            (y->moe_table == 0 || y->moe_hook != 0) &&   /* the step checks the table's entries after the hook */
            !y->gate_exps.lora_r && !y->up_exps.lora_r && !y->down_exps.lora_r &&   /* no LoRA on expert stacks */
-           y->gate_exps.qtype < FK_PTQTP_BASE && y->up_exps.qtype < FK_PTQTP_BASE && y->down_exps.qtype < FK_PTQTP_BASE;
+           stack_ok(&y->gate_exps, S, y->moe_table) && stack_ok(&y->up_exps, S, y->moe_table) &&
+           stack_ok(&y->down_exps, E, y->moe_table);
 }
 
 /* a MoE ffn's shared expert (moe_shared_impl.inc): the dense ffn's weights, all or none;

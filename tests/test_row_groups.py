@@ -225,3 +225,69 @@ def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, le
             assert torch.equal(x, y)
     finally:
         K.set_isa(before)
+
+
+def _moe_file(d, kind: str) -> str:
+    import gguf
+    from synth import write_model
+    from synth_deepseek2 import write_deepseek2
+    from synth_gemma4 import write_gemma4
+    q = gguf.GGMLQuantizationType.Q4_K
+    if kind == "qwen3moe":      # gate, up, down stacks of 8 experts, 256 rows each
+        return str(write_model(d / "q3moe.gguf", "qwen3moe", qtype=q, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                               ffn=512, layers=2, seed=21, experts=8, experts_used=2, moe_ffn=256))
+    if kind == "deepseek2":     # one fused gate_up stack, read as two strided views
+        return str(write_deepseek2(d / "ds2.gguf", layers=3, hidden=256, q_lora=256, kv_lora=256, ffn=256,
+                                   ffn_exp=256, experts=4, used=2, fused_gate_up=True, qtype=q, seed=22,
+                                   v_head=64, generation="kv_b"))
+    return str(write_gemma4(d / "g4.gguf", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=256,
+                            qtype=q, experts=4, experts_used=2, moe_ffn=256, fused_experts=True, seed=23, ple=0,
+                            head_dim_swa=64))
+
+
+@pytest.mark.parametrize("kind,level", [("qwen3moe", "avx512"), ("deepseek2", "avx512"), ("deepseek2", "avx2"),
+                                        ("gemma4", "avx2")])
+def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, level):
+    """The expert stacks go to 16-row groups too (each expert's rows whole groups, so expert e
+    stays at e x rows x row bytes); a fused gate_up stack's two strided views read the groups.
+    Prefill, decode and verify logits equal the rows'; an expert store put on the grouped
+    model streams the file's rows and gives the logits of the rows model under a store."""
+    if level not in K.supported_isas():
+        pytest.skip(f"no {level} on this CPU")
+    from fucina.models import load_model
+    from fucina.models.expert_store import stream_experts
+    from fucina.weights.row_groups import expert_stacks, row_view
+    path = _moe_file(tmp_path, kind)
+    before = K.isa()
+    try:
+        K.set_isa(level)
+        rows, grp = load_model(path, group_experts=False), load_model(path)
+        moe = [i for i, L in enumerate(grp.layers) if expert_stacks(L)]
+        assert moe
+        for i in moe:
+            for s, r in zip(expert_stacks(grp.layers[i]), expert_stacks(rows.layers[i])):
+                assert s.whole.kernel.qtype == Q4K.pseudo and r.whole.kernel.qtype == int(T.Q4_K), s.name
+                e = s.expert(1)   # an expert's own weight stays on the file's rows
+                assert e.kernel.qtype == int(T.Q4_K) and torch.equal(e.raw, r.expert(1).raw)
+        whole = expert_stacks(grp.layers[moe[0]])[0].whole
+        v = row_view(whole, 256, 512, "up")
+        assert v.kernel.qtype == Q4K.pseudo and torch.equal(K.deinterleave(v.kernel), whole.raw[256:768])
+        assert row_view(whole, 8, 32, "off").kernel.qtype == int(T.Q4_K)   # not on a group: over the rows
+
+        def logits(m):
+            ids = torch.tensor([3, 17, 42, 5, 9, 100, 7, 64, 2])
+            c = m.init_cache(16)
+            return (m.forward_step_all_logits(c, ids[:5], 0), m.forward_step(c, ids[5:6], 5),
+                    m.forward_step_all_logits(c, ids[6:], 6))
+
+        want = logits(rows)
+        for x, y in zip(want, logits(grp)):
+            assert torch.equal(x, y)
+        if kind != "gemma4":    # the store does not stream gemma4's fused halves yet
+            for m in (rows, grp):
+                stream_experts(m, "60%")
+            assert all(s.whole.kernel.qtype == int(T.Q4_K) for i in moe for s in expert_stacks(grp.layers[i]))
+            for x, y in zip(logits(rows), logits(grp)):
+                assert torch.equal(x, y)
+    finally:
+        K.set_isa(before)

@@ -43,8 +43,9 @@ def _load(args, *, threads: int | None = None):
         from fucina.models.pipeline import start
         model = start(path, split=stages["split"], timeout=stages["pipeline_timeout"])
     else:
+        from fucina.cli.moe_args import moe_budget
         with one_thread():
-            model = load_model(path)
+            model = load_model(path, group_experts=moe_budget(args) is None)
     from fucina.cli.moe_args import apply_moe_args
     apply_moe_args(model, args)
     from fucina.cli.engram import apply_engram_args

@@ -574,6 +574,37 @@ def deinterleave(kernel) -> torch.Tensor:
     return _GROUPED[kernel.qtype][1].unpack(kernel.raw, kernel.n)
 
 
+def layout_group(weight) -> int | None:
+    """Rows a group of the layout `interleave` would give this weight's kernel at the ISA in
+    force; None where it would keep the rows."""
+    k = getattr(weight, "kernel", None)
+    lay = _LAYOUTS.get(k.qtype) if type(k) is QuantKernel else None
+    if lay is None or isa() not in lay.levels or os.environ.get(lay.env, "1") == "0":
+        return None
+    return lay.group
+
+
+def group_rows(kernel) -> int | None:
+    """Rows a group of the kernel's bytes when they are in row groups; None for rows."""
+    return _GROUPED[kernel.qtype][1].group if kernel is not None and kernel.qtype in _GROUPED else None
+
+
+def group_view(kernel, lo: int, n: int, weight) -> "QuantKernel":
+    """Rows [lo, lo + n) of a kernel whose bytes are in row groups, as a kernel of their own
+    over the same bytes (lo a multiple of the group; the view's last group may hold rows past
+    n, which it never reads as its own): a fused expert stack's gate or up half."""
+    if kernel.qtype not in _GROUPED:
+        raise KernelError(f"group_view: kernel type {kernel.qtype} holds rows, not groups")
+    g = _GROUPED[kernel.qtype][1].group
+    if lo < 0 or n < 1 or lo % g or lo + n > kernel.n:
+        raise KernelError(f"group_view: rows [{lo}, {lo + n}) are not whole {g}-row groups of {kernel.n} rows")
+    k = QuantKernel.__new__(QuantKernel)
+    k.weight, k.qtype, k.n, k.k, k.rb = weight, kernel.qtype, n, kernel.k, kernel.rb
+    k.raw = kernel.raw[lo:lo + -(-n // g) * g]
+    k.ptr = k.raw.data_ptr()
+    return k
+
+
 def interleave(weight) -> bool:
     """Give a weight's kernel its bytes in row groups where the ISA in force has a decode GEMV
     that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
@@ -584,10 +615,10 @@ def interleave(weight) -> bool:
     the copy (weight.raw keeps the rows: the reference path, training and the file's pages
     read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0
     keep the rows."""
-    k = getattr(weight, "kernel", None)
-    lay = _LAYOUTS.get(k.qtype) if type(k) is QuantKernel else None   # an IntEnum key: k.qtype is an int
-    if lay is None or isa() not in lay.levels or os.environ.get(lay.env, "1") == "0":
+    if layout_group(weight) is None:
         return False
+    k = weight.kernel
+    lay = _LAYOUTS[k.qtype]   # an IntEnum key: k.qtype is an int
     k.raw, k.qtype = lay.pack(k.raw, k.n), lay.pseudo
     k.ptr = k.raw.data_ptr()
     return True

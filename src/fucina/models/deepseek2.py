@@ -35,6 +35,7 @@ from fucina.models.moe import Experts, Routing, mix
 from fucina.models.schema.deepseek2 import (ATTN, DENSE, GATING, MOE, TENSORS, Config, Schema, T,  # noqa: F401
                                             tensor_dims)
 from fucina.weights import ExpertStack, LinearWeight
+from fucina.weights.row_groups import row_view
 
 
 # -- the layers ---------------------------------------------------------------------
@@ -138,6 +139,4 @@ class Model(llama.Model):
 
 
 def _rows(whole: LinearWeight, lo: int, n: int) -> LinearWeight:
-    w = LinearWeight(whole.raw[lo:lo + n], whole.qtype, n, whole.in_features, f"{whole.name}[{lo}:]")
-    kernels.attach(w)
-    return w
+    return row_view(whole, lo, n, f"{whole.name}[{lo}:]")

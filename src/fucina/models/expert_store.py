@@ -337,6 +337,10 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True) 
         # gemma4's fused gate_up stack is read as two row views of one tensor (its halves)
         raise InvalidArgument("moe_ram: this file's expert stacks are views of a fused tensor, which the expert "
                               "store does not stream yet; load it without --moe-ram")
+    for ex in layers.values():   # stacks a load put in row groups: back to the file's rows the store reads
+        for st in ex.stacks + (ex.down,):
+            if kernels.group_rows(getattr(st.whole, "kernel", None)):
+                kernels.attach(st.whole)
     total = sum(ex.nbytes for ex in layers.values())
     store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch)
     for i, ex in layers.items():

@@ -45,6 +45,7 @@ from fucina.models.cache import AliasKV, KVCache
 from fucina.models.schema.gemma4 import (MOE_TENSORS, OUT_SCALE, PLE_TENSORS, TENSORS, Config,  # noqa: F401
                                          Schema)
 from fucina.weights import ExpertStack, LinearWeight
+from fucina.weights.row_groups import row_view
 
 
 class _Half:
@@ -67,12 +68,8 @@ def _plan_stacks(ex: moe.Experts) -> dict:
     whole, M, n = ex.gate.pairs.whole, ex.gate.out_features, ex.gate.n_expert
     span = (n - 1) * 2 * M + M
 
-    def rows(lo: int, half: str) -> LinearWeight:
-        w = LinearWeight(whole.raw[lo:lo + span], whole.qtype, span, whole.in_features, f"{whole.name}.{half}")
-        kernels.attach(w)
-        return w
-
-    return dict(gate_exps=rows(0, "gate"), up_exps=rows(M, "up"), exps_stride=2 * M)
+    return dict(gate_exps=row_view(whole, 0, span, f"{whole.name}.gate"),
+                up_exps=row_view(whole, M, span, f"{whole.name}.up"), exps_stride=2 * M)
 
 
 def _load_experts(t: Tensors, i: int, c: Config) -> moe.Experts:

@@ -74,9 +74,11 @@ def context_length(f: GGUFFile) -> int:
     return 4096 if v is None else v
 
 
-def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None):
+def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None, group_experts: bool = True):
     """Open a GGUF and build its family's Model (weights stay in the mmap); `checked`: the
-    table `check(f)` returned for this file (the build then checks nothing again)."""
+    table `check(f)` returned for this file (the build then checks nothing again).
+    `group_experts=False` leaves the expert stacks in the file's rows: for a model whose
+    experts an expert store will stream (`stream_experts`), so they are never copied."""
     from fucina import kernels
     from fucina.weights.row_groups import interleave_model
 
@@ -84,5 +86,5 @@ def load_model(path_or_file: str | os.PathLike | GGUFFile, checked=None):
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     model = family(f.architecture).Model(f, checked)
     model.gguf = f
-    interleave_model(model)   # row groups where the ISA's decode GEMV reads them (fucina.weights.row_groups)
+    interleave_model(model, experts=group_experts)   # row groups where the ISA's decode GEMV reads them (fucina.weights.row_groups)
     return model

@@ -436,7 +436,7 @@ def load(path: str | os.PathLike | None = None, *, n_ctx: int | None = None,
             model = start(f, split=split, timeout=pipeline_timeout, checked=checked)
         else:
             with one_thread():
-                model = load_model(f, checked)
+                model = load_model(f, checked, group_experts=moe_ram is None)
         if moe_ram is not None:
             from fucina.models.expert_store import stream_experts
             stream_experts(model, moe_ram, policy=moe_policy)

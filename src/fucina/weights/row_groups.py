@@ -1,7 +1,7 @@
 """Weights in row groups for the decode GEMV, made once when a model loads.
 
 `interleave_model(model)` gives each weight the model computes with (the fused QKV /
-gate-up, not the parts they were stacked from; the head) its kernel's bytes in row groups
+gate-up, not the parts they were stacked from; the head; the expert stacks) its kernel's bytes in row groups
 where the ISA in force reads them faster (`fucina.kernels.interleave`: TQ2_0 in 8-row groups
 at an AVX2 level, Q4_K and Q6_K in 16-row groups at AVX-512 and AVX2), then rebuilds the
 native layer plan on them. Every route gives the bits of the rows they came from, so the
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from fucina import kernels
 from fucina.errors import FucinaError
+from fucina.weights.experts import ExpertStack
 from fucina.weights.linear import LinearWeight
-from fucina.weights.lora import weight_slots
+from fucina.weights.lora import weight_owners, weight_slots
 
 
 class GroupedWeight(LinearWeight):
@@ -45,9 +46,42 @@ def _drop_rows(w: LinearWeight) -> None:
     w.__class__ = GroupedWeight
 
 
-def interleave_model(model) -> int:
-    """Repack the model's weights in place (see the module); the count repacked."""
-    ws = [w for L in getattr(model, "layers", []) for _, _, w in weight_slots(L)]
+def expert_stacks(layer) -> list[ExpertStack]:
+    """The layer's expert stacks, a fused stack read as two halves (gemma4) once."""
+    found = {}
+    for o in weight_owners(layer):
+        for v in vars(o).values():
+            s = v if isinstance(v, ExpertStack) else getattr(v, "pairs", None)
+            if isinstance(s, ExpertStack):
+                found[id(s)] = s
+    return list(found.values())
+
+
+def row_view(whole: LinearWeight, lo: int, n: int, name: str) -> LinearWeight:
+    """Rows [lo, lo + n) of `whole` as a weight of their own (a fused expert stack's gate or up
+    half, which the native plan reads with a stride): `raw` the rows, the kernel a view of
+    whole's row groups where those are its bytes and the span starts on a group, else its own
+    over the rows."""
+    w = LinearWeight(whole.raw[lo:lo + n], whole.qtype, n, whole.in_features, name)
+    k = getattr(whole, "kernel", None)
+    g = kernels.group_rows(k)
+    if g and lo % g == 0:
+        w.kernel = kernels.group_view(k, lo, n, w)
+    else:
+        kernels.attach(w)
+    return w
+
+
+def interleave_model(model, experts: bool = True) -> int:
+    """Repack the model's weights in place (see the module); the count repacked. `experts`:
+    the expert stacks too, where each expert's rows are whole groups, so a group never spans
+    two experts and expert e's rows stay at e x rows x row bytes (the MoE step's offsets).
+    False when an expert store will stream them: it reads the file's rows."""
+    layers = getattr(model, "layers", [])
+    ws = [w for L in layers for _, _, w in weight_slots(L)]
+    if experts:
+        ws += [s.whole for L in layers for s in expert_stacks(L)
+               if (g := kernels.layout_group(s.whole)) and s.out_features % g == 0]
     out = getattr(model, "output", None)
     if isinstance(out, LinearWeight):
         ws.append(out)
