@@ -291,3 +291,27 @@ def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, leve
                 assert torch.equal(x, y)
     finally:
         K.set_isa(before)
+
+
+@pytest.mark.skipif("avx512" not in K.supported_isas() and "avx2" not in K.supported_isas(), reason="no x16 level")
+def test_expert_groups_benchmark_pairs_rows_and_groups(tmp_path, capsys):
+    """benchmarks/expert_groups.py loads a MoE file on rows and on groups and reports both,
+    with the logits bitwise equal."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "expert_groups", Path(__file__).resolve().parents[1] / "benchmarks" / "expert_groups.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before, threads, torch_threads = K.isa(), K.get_threads(), torch.get_num_threads()
+    try:
+        if before not in Q4K.levels:
+            K.set_isa("avx2")
+        assert bench.main([_moe_file(tmp_path, "qwen3moe"), "--rounds", "1", "--steps", "2", "--pp", "4",
+                           "--threads", "1"]) == 0
+    finally:
+        K.set_isa(before)
+        K.set_threads(threads)
+        torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    assert "6 of 6 expert stacks in groups; logits equal: True" in out and "tg2: rows" in out and "pp4: rows" in out
