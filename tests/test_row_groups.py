@@ -293,6 +293,57 @@ def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, leve
         K.set_isa(before)
 
 
+def test_expert_stacks_stay_on_rows_when_their_copy_would_not_fit(tmp_path, monkeypatch):
+    """Stacks more than half the memory available keep the file's (evictable) pages; the
+    dense weights are grouped as ever."""
+    level = next((i for i in ("avx512", "avx2") if i in K.supported_isas()), None)
+    if level is None:
+        pytest.skip("no level reads the groups")
+    import fucina.weights.row_groups as rg
+    from fucina.models import load_model
+    path = _moe_file(tmp_path, "qwen3moe")
+    before = K.isa()
+    try:
+        K.set_isa(level)
+        stack_bytes = sum(s.whole.nbytes for L in load_model(path, group_experts=False).layers
+                          for s in rg.expert_stacks(L))
+        monkeypatch.setattr(rg, "available_ram", lambda: 2 * stack_bytes - 1)
+        m = load_model(path)
+        assert all(s.whole.kernel.qtype == int(T.Q4_K) for L in m.layers for s in rg.expert_stacks(L))
+        assert m.layers[0].wqkv.kernel.qtype == Q4K.pseudo
+        monkeypatch.setattr(rg, "available_ram", lambda: 2 * stack_bytes)
+        m = load_model(path)
+        assert all(s.whole.kernel.qtype == Q4K.pseudo for L in m.layers for s in rg.expert_stacks(L))
+    finally:
+        K.set_isa(before)
+
+
+def test_available_ram_reads_meminfo_and_a_cgroup_limit(tmp_path, monkeypatch):
+    import builtins
+
+    import fucina.weights.ram as ram
+    files = {"/proc/meminfo": "MemTotal: 1000 kB\nMemAvailable: 800 kB\n",
+             "/sys/fs/cgroup/memory.max": "max\n", "/sys/fs/cgroup/memory.current": "100\n"}
+    real_open = builtins.open
+
+    def fake_open(path, *a, **kw):
+        if path in files:
+            import io
+            return io.StringIO(files[path])
+        if str(path).startswith(("/proc/", "/sys/")):
+            raise OSError(path)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert ram.available_ram() == 800 * 1024                  # no cgroup limit
+    files["/sys/fs/cgroup/memory.max"] = str(300 * 1024 + 100)
+    assert ram.available_ram() == 300 * 1024                  # the cgroup's room is tighter
+    del files["/proc/meminfo"]
+    assert ram.available_ram() == 300 * 1024
+    del files["/sys/fs/cgroup/memory.max"]
+    assert ram.available_ram() is None
+
+
 @pytest.mark.skipif("avx512" not in K.supported_isas() and "avx2" not in K.supported_isas(), reason="no x16 level")
 def test_expert_groups_benchmark_pairs_rows_and_groups(tmp_path, capsys):
     """benchmarks/expert_groups.py loads a MoE file on rows and on groups and reports both,

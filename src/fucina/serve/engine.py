@@ -53,6 +53,7 @@ from fucina.text.batch import SegmentError, ragged_step
 from fucina.text.generate import Reply, ReplyDecoder, common_prefix
 from fucina.text.sampler import Sampler, SamplingConfig, as_row
 from fucina.text.speculative.decoder import pass_clock
+from fucina.weights.ram import available_ram
 
 log = logging.getLogger("fucina.serve")
 
@@ -594,14 +595,9 @@ class Engine:
 
 def default_kv_budget(bytes_per_token: float) -> int:
     """Positions of KV the running streams may reserve: a quarter of the memory
-    available now, at most 4 GiB (1 GiB where /proc/meminfo is unreadable)."""
-    avail = 1 << 30
-    try:
-        with open("/proc/meminfo") as fh:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
-        avail = min(info["MemAvailable"] // 4, 4 << 30)
-    except (OSError, ValueError, IndexError, KeyError):
-        pass
+    available now (`weights.ram.available_ram`), at most 4 GiB (1 GiB where unknown)."""
+    room = available_ram()
+    avail = 1 << 30 if room is None else min(room // 4, 4 << 30)
     return int(avail / bytes_per_token) if bytes_per_token > 0 else 1 << 20
 
 def check_fits(ids: Sequence[int], n_ctx: int) -> None:

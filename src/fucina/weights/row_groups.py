@@ -18,6 +18,7 @@ from fucina.errors import FucinaError
 from fucina.weights.experts import ExpertStack
 from fucina.weights.linear import LinearWeight
 from fucina.weights.lora import weight_owners, weight_slots
+from fucina.weights.ram import available_ram
 
 
 class GroupedWeight(LinearWeight):
@@ -76,12 +77,18 @@ def interleave_model(model, experts: bool = True) -> int:
     """Repack the model's weights in place (see the module); the count repacked. `experts`:
     the expert stacks too, where each expert's rows are whole groups, so a group never spans
     two experts and expert e's rows stay at e x rows x row bytes (the MoE step's offsets).
-    False when an expert store will stream them: it reads the file's rows."""
+    False when an expert store will stream them: it reads the file's rows. The stacks stay
+    on the file's rows too when they are more than half the memory available now
+    (`ram.available_ram`): their copy is the process's own memory, where the mapped pages
+    can be evicted, so a model near the machine's RAM still loads as it did."""
     layers = getattr(model, "layers", [])
     ws = [w for L in layers for _, _, w in weight_slots(L)]
     if experts:
-        ws += [s.whole for L in layers for s in expert_stacks(L)
-               if (g := kernels.layout_group(s.whole)) and s.out_features % g == 0]
+        stacks = [s.whole for L in layers for s in expert_stacks(L)
+                  if (g := kernels.layout_group(s.whole)) and s.out_features % g == 0]
+        room = available_ram()
+        if room is None or sum(w.nbytes for w in stacks) <= room // 2:
+            ws += stacks
     out = getattr(model, "output", None)
     if isinstance(out, LinearWeight):
         ws.append(out)
