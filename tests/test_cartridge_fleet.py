@@ -288,7 +288,7 @@ def test_cli_distractors_are_documents_first_rows_or_files(tiny, tmp_path, capsy
     assert main(["cartridge", "train", str(path), "--corpus", str(tmp_path / "a.txt"), "--out",
                  str(tmp_path / "a2.safetensors"), "--distractor", str(tmp_path / "b.safetensors"), *opts]) == 0
     cfg = SelfStudyConfig(p=12, conversations=2, epochs=1, accum=1, chunk_tokens=40, max_question=6, max_answer=6,
-                          batch=2, distract=1.0, scaled=True, turns=2, lr=1e-2)
+                          batch=2, distract=1.0, scaled=True, turns=4, spread=True, lr=1e-2)
     want = train_cartridge(model, tok, DOCS["plenn"], cfg, distractors=[other])
     for f in ("a.safetensors", "a2.safetensors"):
         got = Cartridge.load(tmp_path / f)

@@ -75,12 +75,13 @@ def _training_args(s) -> None:
     from fucina.cli.common import positive
 
     # the defaults are the recipe measured on the quality benchmark (docs/CARTRIDGES.md):
-    # 64 two-turn conversations, five passes of one-conversation Adam steps in channel units
+    # 64 four-turn conversations spread over the document, five passes of one-conversation
+    # Adam steps in channel units
     s.add_argument("--conversations", type=positive, default=64,
                    help="self-study conversations (default 64)")
-    s.add_argument("--turns", type=positive, default=2,
+    s.add_argument("--turns", type=positive, default=4,
                    help="question-answer exchanges per conversation: bot A asks again, about something else, "
-                        "after each answer (default 2)")
+                        "after each answer (default 4)")
     s.add_argument("--accum", type=positive, default=1, help="conversations per optimizer step (default 1)")
     s.add_argument("--batch", type=positive, default=8,
                    help="self-study conversations generated together in lockstep (default 8; "
@@ -93,10 +94,10 @@ def _training_args(s) -> None:
                    help="Adam in units of each (head, channel)'s size: --lr is the step as a fraction of a "
                         "channel's size (default); --no-channel-lr: one absolute step for every channel")
     s.add_argument("--decay", action="store_true", help="the learning rate falls linearly to zero over the run")
-    s.add_argument("--spread", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
                    help="conversation i's chunk at the i-th point of a golden-ratio sequence over the document "
                         "and the seed prompts in turn, so any first n conversations cover both evenly "
-                        "(default: drawn at random)")
+                        "(default; --no-spread: drawn at random)")
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
