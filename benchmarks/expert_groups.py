@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     ids = torch.randint(5, 200, (args.pp,), generator=torch.Generator().manual_seed(0))
     for path in args.models:
         pair = {"rows": load_model(path, group_experts=False), "groups": load_model(path)}
-        grouped = [s for L in pair["groups"].layers for s in expert_stacks(L) if K.group_rows(s.whole.kernel)]
         stacks = [s for L in pair["groups"].layers for s in expert_stacks(L)]
+        grouped = [s for s in stacks if K.group_rows(s.whole.kernel)]
         pp = {k: [] for k in pair}
         tg = {k: [] for k in pair}
         logits = {}

@@ -34,6 +34,7 @@ def _load(args, *, threads: int | None = None):
     else:
         import torch
         torch.set_num_threads(n)
+    from fucina.cli.moe_args import apply_moe_args, moe_budget
     from fucina.text.api import one_thread
 
     path = resolve_model(args.model)
@@ -43,10 +44,8 @@ def _load(args, *, threads: int | None = None):
         from fucina.models.pipeline import start
         model = start(path, split=stages["split"], timeout=stages["pipeline_timeout"])
     else:
-        from fucina.cli.moe_args import moe_budget
         with one_thread():
             model = load_model(path, group_experts=moe_budget(args) is None)
-    from fucina.cli.moe_args import apply_moe_args
     apply_moe_args(model, args)
     from fucina.cli.engram import apply_engram_args
     apply_engram_args(model, args)

@@ -593,9 +593,9 @@ def group_view(kernel, lo: int, n: int, weight) -> "QuantKernel":
     """Rows [lo, lo + n) of a kernel whose bytes are in row groups, as a kernel of their own
     over the same bytes (lo a multiple of the group; the view's last group may hold rows past
     n, which it never reads as its own): a fused expert stack's gate or up half."""
-    if kernel.qtype not in _GROUPED:
+    g = group_rows(kernel)
+    if g is None:
         raise KernelError(f"group_view: kernel type {kernel.qtype} holds rows, not groups")
-    g = _GROUPED[kernel.qtype][1].group
     if lo < 0 or n < 1 or lo % g or lo + n > kernel.n:
         raise KernelError(f"group_view: rows [{lo}, {lo + n}) are not whole {g}-row groups of {kernel.n} rows")
     k = QuantKernel.__new__(QuantKernel)

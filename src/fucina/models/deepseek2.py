@@ -34,7 +34,7 @@ from fucina.models.moe import Experts, Routing, mix
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.deepseek2 import (ATTN, DENSE, GATING, MOE, TENSORS, Config, Schema, T,  # noqa: F401
                                             tensor_dims)
-from fucina.weights import ExpertStack, LinearWeight
+from fucina.weights import ExpertStack
 from fucina.weights.row_groups import row_view
 
 
@@ -126,7 +126,8 @@ class Model(llama.Model):
         if ex.gate_up is not None:   # expert e's [gate | up] rows: two strided views of the stack
             whole, M = ex.gate_up.whole, c.n_ff_exp
             span = (c.n_expert - 1) * 2 * M + M
-            stacks = dict(gate_exps=_rows(whole, 0, span), up_exps=_rows(whole, M, span), exps_stride=2 * M)
+            stacks = dict(gate_exps=row_view(whole, 0, span, f"{whole.name}[0:]"),
+                          up_exps=row_view(whole, M, span, f"{whole.name}[{M}:]"), exps_stride=2 * M)
         else:
             stacks = dict(gate_exps=ex.gate.whole, up_exps=ex.up.whole)
         shared = {}
@@ -137,6 +138,3 @@ class Model(llama.Model):
                     moe_scale=r.scale, moe_sigmoid=int(r.gating == "sigmoid"), exp_probs_b=L.exp_bias,
                     gate_inp=L.router, down_exps=ex.down.whole, **stacks, **shared, **moe.store_fields(self, i))
 
-
-def _rows(whole: LinearWeight, lo: int, n: int) -> LinearWeight:
-    return row_view(whole, lo, n, f"{whole.name}[{lo}:]")

@@ -44,7 +44,7 @@ from fucina.models.cache import AliasKV, KVCache
 # the config and tensor schema (torch-free: fucina.load() checks a file with them)
 from fucina.models.schema.gemma4 import (MOE_TENSORS, OUT_SCALE, PLE_TENSORS, TENSORS, Config,  # noqa: F401
                                          Schema)
-from fucina.weights import ExpertStack, LinearWeight
+from fucina.weights import ExpertStack
 from fucina.weights.row_groups import row_view
 
 
