@@ -180,6 +180,9 @@ extern const fk_isa fk_isa_scalar;
 extern const fk_isa fk_isa_avx2;
 extern const fk_isa fk_isa_avx2vnni;
 extern const fk_isa fk_isa_avx512;
+/* 1 when the AVX-512 unit's canonical prefill kernel runs 16 activation rows at a time on the
+ * AMX tile unit (module.cpp: the CPU has AMX-INT8 and the OS granted the tile state) */
+extern int fk_amx_on;
 #ifdef __cplusplus
 }
 #endif

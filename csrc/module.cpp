@@ -8,6 +8,10 @@
 #endif
 #include <omp.h>
 #include <string.h>
+#ifdef FK_X86
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "fk_delta.h"
 #include "fk_dsv4.h"
@@ -15,6 +19,7 @@
 #include "fk_common.h"
 
 static const fk_isa *g_isa = &fk_isa_scalar;
+int fk_amx_on = 0;   /* C linkage from its declaration in fk_common.h */
 static int g_threads = 1;
 static int g_prefill = FK_PREFILL_CANON;
 
@@ -44,8 +49,30 @@ static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
 }
 static int cpu_has_bf16(void) { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+/* AMX-TILE and AMX-INT8 (CPUID.7.0:EDX bits 24, 25), the OS saving the tile state (XCR0 bits 17,
+ * 18), and Linux's per-process grant of it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA):
+ * a hypervisor can report the instructions and still fault on them, so all three are asked */
+static int cpu_has_amx(void) {
+    if (!cpu_has_avx512()) return 0;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7) return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (((d >> 24) & 3) != 3) return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    if (!((c >> 27) & 1)) return 0;   /* OSXSAVE: xgetbv is allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return 0;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
 static int cpu_has_avx2vnni(void) { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
 #else
+static int cpu_has_amx(void) { return 0; }
 static int cpu_has_bf16(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 static int cpu_has_avx2(void) { return 0; }
@@ -1338,6 +1365,23 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     return l;
 }
 
+static PyObject *py_get_amx(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyBool_FromLong(fk_amx_on);
+}
+
+static PyObject *py_set_amx(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    if (on && !cpu_has_amx()) {
+        PyErr_SetString(PyExc_ValueError, "AMX is not available on this CPU (or not enabled by its OS)");
+        return NULL;
+    }
+    fk_amx_on = on;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_omp_max_threads(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return PyLong_FromLong(omp_get_max_threads());
@@ -1401,6 +1445,8 @@ static PyMethodDef methods[] = {
     {"supported_isas", py_supported_isas, METH_NOARGS, ""},
     {"gemv_rows", py_gemv_rows, METH_O, "route probe: the most rows the current ISA's canonical decode GEMV takes for a GGML type"},
     {"omp_max_threads", py_omp_max_threads, METH_NOARGS, ""},
+    {"get_amx", py_get_amx, METH_NOARGS, "whether the AVX-512 prefill kernel uses the AMX tiles"},
+    {"set_amx", py_set_amx, METH_O, "use (True) or not (False) the AMX tiles in the AVX-512 prefill kernel"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1411,6 +1457,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
     else if (cpu_has_avx2vnni()) g_isa = &fk_isa_avx2vnni;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
+    fk_amx_on = cpu_has_amx();
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;
     return PyModule_Create(&moddef);

@@ -92,6 +92,27 @@ def test_quantized_matmul_same_bits_on_every_isa(qt):
             assert torch.equal(_matmul_on(isa, raw, qt, n, k, rows), ref), f"{qt.name} m={len(rows)} on {isa}"
 
 
+@pytest.mark.skipif(not K.available() or not K.amx(), reason="no AMX tiles on this CPU (or its OS keeps them off)")
+@pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
+def test_amx_tiles_same_bits(qt):
+    """The AMX kernel (16 activation rows a tile, from 32 rows a call) gives the vector kernel's
+    bits and the scalar unit's, for 32, 33 and 37 rows (tiles plus a remainder), k spanning a
+    partial panel chunk."""
+    rng = np.random.default_rng(300 + int(qt))
+    n, k = 37, (1280 if qt in SUPER else 1312)
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(4))
+    try:
+        for rows in (x[:32], x[:33], x):
+            K.set_amx(True)
+            tiles = K.matmul(raw, qt, n, k, rows)
+            K.set_amx(False)
+            assert torch.equal(tiles, K.matmul(raw, qt, n, k, rows)), f"{qt.name} m={len(rows)}"
+            assert torch.equal(tiles, _matmul_on("scalar", raw, qt, n, k, rows)), f"{qt.name} m={len(rows)} scalar"
+    finally:
+        K.set_amx(True)
+
+
 # ---- the layer step ----------------------------------------------------------------------
 
 CASES = {

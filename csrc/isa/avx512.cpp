@@ -118,6 +118,15 @@ static void matmul_bf16(const fk_matmul_args *a);
 static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
                               uint8_t *__restrict dst);
 #define CB_FAST_QUANT_ACT cb_fast_quant_act
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+/* the canonical kernel on the AMX tile unit, 16 activation rows at a time (below) */
+#define FK_AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2,amx-tile,amx-int8")))
+static bool amx_kernel_ok(int qt, int64_t m);
+static void amx_kernel(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                       float *acc, float *macc);
+#define CB_KERNEL_16_OK amx_kernel_ok
+#define CB_KERNEL_16 amx_kernel
+#endif
 
 #include "generic/matmul_impl.inc"
 
@@ -207,6 +216,118 @@ static inline pbi pb_lut16(const uint8_t *p) { return _mm512_broadcast_i32x4(_mm
 static inline pbi pb_index(const int32_t *off) { return _mm512_load_si512((const void *)off); }
 #define PB_WIDE 0  /* vpdpbusd takes every unsigned byte */
 #include "generic/x86_panel.inc"
+
+#ifdef CB_KERNEL_16
+/* ---- the canonical kernel on AMX: 16 activation rows x 16 weight rows a tile -------------
+ * The panel's block (8 dwords of 4 values, 16 rows each: 64 bytes a dword) is already the
+ * tile unit's B layout (K/4 rows of 16 columns x 4 bytes), and 16 activation rows of quant_act
+ * bytes, arow apart, are its A operand. tdpbsud gives each (activation, weight) row pair its
+ * exact int32 block dot, the same integer the vpdpbusd kernel builds in a lane; the dots go
+ * through memory four blocks at a time and each row then takes cb_kern's float chain in
+ * block order, so the result is the vector kernel's bit for bit (batch invariance holds
+ * whichever kernel a row meets). The chain's four vector operations a block and row (cvt,
+ * scale product, FMA, min FMA) are what is left: on the Xeon that measured it they bound the
+ * kernel (BENCHMARK.md "AMX tiles for the prefill dots"). The tile configuration is loaded
+ * on every call: torch's oneDNN uses the same threads and may leave its own. */
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* tmm0-3: 16 x 16 int32 dots; tmm4, tmm5: A, 16 rows of a block's 32 activation bytes;
+ * tmm6, tmm7: B, 8 rows of 16 weight rows x 4 bytes */
+FK_AMX_FN static inline void amx_configure(void) {
+    alignas(64) amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 4; t < 6; t++) cfg.colsb[t] = 32, cfg.rows[t] = 16;
+    for (int t = 6; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 8;
+    _tile_loadconfig(&cfg);
+}
+
+/* from 32 rows a call (at 16, one tile group a call, Qwen3-0.6B Q4_K_M pp16 read 0.98x), and
+ * not the 16-element sub-scale formats (Q6_K, Q3_K, Q2_K): with two K = 16 dots a block and
+ * two integer scalings in the chain, Q6_K ran at 0.78x the vector kernel's speed (2048 x 2048,
+ * m = 256, one thread), so they keep it */
+static bool amx_kernel_ok(int qt, int64_t m) { return fk_amx_on && m >= 32 && !cb_g16(qt); }
+
+#define AMX_GROUP 4   /* blocks a group: four dots on four accumulator tiles, all issued before
+                         the first is stored (a dot's latency is several issue intervals) */
+typedef int32_t amx_dots[16][16];
+
+/* the dots of blocks [g, g + nbk) into d */
+FK_AMX_FN static inline void amx_tiles(const uint8_t *pan, int64_t b0, int64_t g, int nbk, const uint8_t *act,
+                                       size_t arow, amx_dots *d) {
+#define AMX_DOT(j, ta, tb)                                                \
+    if (j < nbk) {                                                        \
+        _tile_loadd(ta, act + 32 * (g + j), (long)arow);                  \
+        _tile_loadd(tb, pan + (g + j - b0) * CB_BLOCK, 64);               \
+        _tile_zero(j);                                                    \
+        _tile_dpbsud(j, ta, tb);                                          \
+    }
+    AMX_DOT(0, 4, 6) AMX_DOT(1, 5, 7) AMX_DOT(2, 4, 6) AMX_DOT(3, 5, 7)
+#undef AMX_DOT
+    _tile_stored(0, d[0], 64);
+    if (nbk > 1) _tile_stored(1, d[1], 64);
+    if (nbk > 2) _tile_stored(2, d[2], 64);
+    if (nbk > 3) _tile_stored(3, d[3], 64);
+}
+
+/* cb_kern's float chain for 16 activation rows over blocks [g, g + nbk), from their dots */
+template <bool Z, bool MIN>
+FK_AMX_FN static inline void amx_chain(const uint8_t *pan, int64_t b0, int64_t g, int nbk, const uint8_t *act,
+                                       size_t arow, int64_t kp, const amx_dots *d, float *acc, float *macc) {
+    const int64_t nbp = kp / 32;
+    for (int c = 0; c < 16; c++) {
+        const float *dx = (const float *)(act + c * arow + 2 * kp + kp / 4), *jf = dx + nbp;
+        const int32_t *zi = (const int32_t *)(jf + nbp);
+        __m512 A = _mm512_loadu_ps(acc + 16 * c), M = _mm512_setzero_ps();
+        if (MIN) M = _mm512_loadu_ps(macc + 16 * c);
+        for (int j = 0; j < nbk; j++) {
+            const int64_t b = g + j;
+            const uint8_t *pb = pan + (b - b0) * CB_BLOCK;
+            __m512i I = _mm512_load_si512((const void *)d[j][c]);
+            if (Z) I = _mm512_add_epi32(I, _mm512_set1_epi32(zi[b]));
+            const __m512 ws = _mm512_loadu_ps((const float *)(pb + 32 * CB_NP));
+            A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(ws, _mm512_set1_ps(dx[b])), A);
+            if (MIN) M = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(pb + 36 * CB_NP)), _mm512_set1_ps(jf[b]), M);
+        }
+        _mm512_storeu_ps(acc + 16 * c, A);
+        if (MIN) _mm512_storeu_ps(macc + 16 * c, M);
+    }
+}
+
+/* software-pipelined: the next group's dots are issued before this group's chain reads its
+ * dots back, so the tile stores are done by the time the vector loads want them */
+template <bool Z, bool MIN>
+FK_AMX_FN static void amx_kern(const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                               float *acc, float *macc) {
+    alignas(64) amx_dots d[2][AMX_GROUP];
+    amx_configure();
+    int64_t g = b0;
+    int nbk = (int)(b1 - g < AMX_GROUP ? b1 - g : AMX_GROUP);
+    amx_tiles(pan, b0, g, nbk, act, arow, d[0]);
+    for (int h = 0; g < b1; h ^= 1) {
+        const int64_t gn = g + AMX_GROUP;
+        const int nbn = (int)(b1 - gn < AMX_GROUP ? b1 - gn : AMX_GROUP);
+        if (gn < b1) amx_tiles(pan, b0, gn, nbn, act, arow, d[h ^ 1]);
+        amx_chain<Z, MIN>(pan, b0, g, nbk, act, arow, kp, d[h], acc, macc);
+        g = gn;
+        nbk = nbn;
+    }
+}
+
+static void amx_kernel(int qt, const uint8_t *pan, int64_t b0, int64_t b1, const uint8_t *act, size_t arow, int64_t kp,
+                       float *acc, float *macc) {
+    const bool z = cb_z(qt) != 0, mins = cb_min(qt);
+    if (mins && z) amx_kern<true, true>(pan, b0, b1, act, arow, kp, acc, macc);
+    else if (mins) amx_kern<false, true>(pan, b0, b1, act, arow, kp, acc, macc);
+    else if (z) amx_kern<true, false>(pan, b0, b1, act, arow, kp, acc, macc);
+    else amx_kern<false, false>(pan, b0, b1, act, arow, kp, acc, macc);
+}
+#endif
 
 /* ---- AVX-512 row decoders for the formats real models carry ------------------------ */
 

@@ -81,9 +81,12 @@ def warn_if_missing() -> None:
 
 
 def status() -> str:
-    """The kernels in use, for reports: the ISA level, or 'reference (why)'."""
+    """The kernels in use, for reports: the ISA level ('+amx' where the prefill kernel uses the
+    AMX tiles), or 'reference (why)'."""
     why = unavailable_reason()
-    return isa() if why is None else f"reference ({why})"
+    if why is not None:
+        return f"reference ({why})"
+    return isa() + ("+amx" if amx() and isa() == "avx512" else "")
 
 
 def set_enabled(on: bool) -> None:
@@ -113,6 +116,18 @@ def supported_isas() -> list[str]:
 def set_isa(name: str) -> None:
     """Force an ISA level this CPU supports (tests run every level this way)."""
     _configure("set_isa", name)
+
+
+def amx() -> bool:
+    """Whether the AVX-512 prefill kernel runs 16 activation rows at a time on the AMX tiles
+    (on by default where the CPU has AMX-INT8 and the OS enables it; FUCINA_AMX=0 turns it off).
+    The results are the same bits either way."""
+    return bool(_native.get_amx()) if _native is not None else False
+
+
+def set_amx(on: bool) -> None:
+    """Use (True) or not (False) the AMX tiles in the AVX-512 prefill kernel."""
+    _configure("set_amx", bool(on))
 
 
 def prefill_route() -> str:
@@ -153,13 +168,16 @@ def route(m: int, qtype: GGMLType | None = None) -> str:
 
 def _configure_from_env() -> None:
     """FUCINA_ISA=avx2vnni|avx2|scalar forces an ISA level (A/B timing of the AVX2 paths on
-    an AVX-512 CPU); FUCINA_INVARIANT=0 opts out of batch invariance for the legacy routes (bf16 where
-    the CPU has AVX512_BF16)."""
+    an AVX-512 CPU); FUCINA_AMX=0 keeps the AVX-512 prefill off the AMX tiles;
+    FUCINA_INVARIANT=0 opts out of batch invariance for the legacy routes (bf16 where the CPU
+    has AVX512_BF16)."""
     if _native is None:
         return
     name = os.environ.get("FUCINA_ISA", "")
     if name:
         set_isa(name)
+    if os.environ.get("FUCINA_AMX", "1") == "0":
+        _native.set_amx(False)
     if os.environ.get("FUCINA_INVARIANT", "1") == "0":
         try:
             _native.set_prefill("bf16")
