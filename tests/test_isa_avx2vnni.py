@@ -20,7 +20,7 @@ Q = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif("avx2vnni" not in K.supported_isas(), reason="CPU without AVX-VNNI")
 
-SUPER = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+SUPER = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}  # 256-element blocks
 
 
 @pytest.fixture

@@ -20,11 +20,13 @@ from fucina.models.schema.qwen35moe import MOE_FFN, Config, Schema, layer_schema
 
 def shared_gate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sigmoid(x . w) per row, [m, 1], computed the same way whatever m is (batch invariance):
-    one dot per row (`x @ w` over m rows picks its kernel by m), and the sigmoid over 16
-    copies of each value, so every value takes the vector path (over m values the last
-    m % 8 take the scalar tail on AVX2, whose rounding differs)."""
+    one dot per row (`x @ w` over m rows picks its kernel by m), and the sigmoid over 32
+    copies of each value, so every value takes the vector loop's main path (over m values
+    the last m % 8 take the scalar tail on AVX2, whose rounding differs; torch's AVX-512
+    loop takes two 16-lane vectors a step, so with 16 copies an odd m's last row took its
+    tail, 1.5e-11 off)."""
     gate = torch.stack([torch.dot(row, w) for row in x.float()])
-    return torch.sigmoid(gate[:, None].repeat(1, 16))[:, :1]
+    return torch.sigmoid(gate[:, None].repeat(1, 32))[:, :1]
 
 
 class Model(qwen35.Model):
