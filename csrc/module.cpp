@@ -20,6 +20,7 @@
 
 static const fk_isa *g_isa = &fk_isa_scalar;
 int fk_amx_on = 0;   /* C linkage from its declaration in fk_common.h */
+static int g_amx_able = 0;   /* cpu_has_amx(), asked once at import */
 static int g_threads = 1;
 static int g_prefill = FK_PREFILL_CANON;
 
@@ -724,7 +725,7 @@ static int fused_or_parts(const fk_lin *fused, const fk_lin *const *parts, const
  * expert store's table (its slots hold the file's rows) */
 static int stack_ok(const fk_lin *w, int64_t step, int64_t table) {
     if (w->qtype < FK_PTQTP_BASE) return 1;
-    const int64_t g = w->qtype == FK_Q4K_X16 || w->qtype == FK_Q6K_X16 ? 16 : w->qtype == FK_TQ2_X8 ? 8 : 0;
+    const int64_t g = fk_group_rows(w->qtype);
     return g && step % g == 0 && !table;
 }
 
@@ -1374,7 +1375,7 @@ static PyObject *py_set_amx(PyObject *self, PyObject *arg) {
     (void)self;
     const int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-    if (on && !cpu_has_amx()) {
+    if (on && !g_amx_able) {
         PyErr_SetString(PyExc_ValueError, "AMX is not available on this CPU (or not enabled by its OS)");
         return NULL;
     }
@@ -1457,7 +1458,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (cpu_has_avx512()) g_isa = &fk_isa_avx512;
     else if (cpu_has_avx2vnni()) g_isa = &fk_isa_avx2vnni;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
-    fk_amx_on = cpu_has_amx();
+    fk_amx_on = g_amx_able = cpu_has_amx();
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;
     return PyModule_Create(&moddef);

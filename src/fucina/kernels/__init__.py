@@ -177,7 +177,7 @@ def _configure_from_env() -> None:
     if name:
         set_isa(name)
     if os.environ.get("FUCINA_AMX", "1") == "0":
-        _native.set_amx(False)
+        set_amx(False)
     if os.environ.get("FUCINA_INVARIANT", "1") == "0":
         try:
             _native.set_prefill("bf16")
