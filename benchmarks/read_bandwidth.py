@@ -7,6 +7,11 @@ Sums a GiB-sized f32 tensor (larger than every cache) with torch at 1 and 2 thre
 prints the median and best GB/s. Decode streams the weights once per token, so decode
 GB/s (file bytes x tok/s) over this figure is the share of the ceiling a run reaches.
 
+The sum reads a buffer in transparent huge pages where Linux gives them (fucina's repacked
+weights live in such pages; `--plain-pages` sums 4 KB pages, as a plain allocation gets):
+on 4 KB pages the page walks slow the sum itself, so a decode in huge pages could read more
+than that "ceiling".
+
 The host's ceiling moves with its other tenants (two-thread sums of 30 to 55 GB/s on one
 shared host within an hour), so a share taken from two separate runs mixes two machines. With
 --model, one process alternates the model's decode steps with the sum, round by round,
@@ -33,9 +38,16 @@ def sum_times(x: torch.Tensor, reps: int) -> list[float]:
     return ts
 
 
+def sum_buffer(gib: float, plain: bool) -> torch.Tensor:
+    """gib GiB of f32 ones, in huge pages unless plain (or where Linux does not give them)."""
+    nbytes = int(gib * (1 << 30)) // 4 * 4
+    if plain:
+        return torch.ones(nbytes // 4, dtype=torch.float32)
+    from fucina.kernels import huge_empty
+    return huge_empty(nbytes).view(torch.float32).fill_(1.0)
+
+
 def paired(a) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fucina import kernels
     from fucina.models.registry import load_model
     from vs_llamacpp import read_bytes
@@ -43,7 +55,7 @@ def paired(a) -> None:
     kernels.set_threads(a.threads)        # torch's threads too (the sum's)
     model = load_model(a.model)
     nbytes = read_bytes(a.model)
-    x = torch.ones(int(a.gib * (1 << 28)), dtype=torch.float32)
+    x = sum_buffer(a.gib, a.plain_pages)
     capacity, prompt = 1024, list(range(3, 3 + 16))
     cache = model.init_cache(capacity)
     decode, ceiling, shares = [], [], []
@@ -64,7 +76,8 @@ def paired(a) -> None:
     print(f"{Path(a.model).name}, ISA {kernels.isa()}, {a.threads} thread(s), {nbytes / 1e9:.3f} GB a token: "
           f"decode {statistics.median(decode):.1f} GB/s, sum {statistics.median(ceiling):.1f} GB/s "
           f"(range {min(ceiling):.1f}-{max(ceiling):.1f}); paired share median {statistics.median(shares):.0%} "
-          f"(range {min(shares):.0%}-{max(shares):.0%}, {a.rounds} rounds)")
+          f"(range {min(shares):.0%}-{max(shares):.0%}, {a.rounds} rounds; the sum in "
+          f"{'4 KB' if a.plain_pages or not kernels.hugepages() else 'huge'} pages)")
 
 
 def main() -> None:
@@ -75,11 +88,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="with --model")
     ap.add_argument("--rounds", type=int, default=9, help="with --model")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps a round, with --model")
+    ap.add_argument("--plain-pages", action="store_true", help="sum a buffer in 4 KB pages")
     a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if a.model:
         paired(a)
         return
-    x = torch.ones(int(a.gib * (1 << 28)), dtype=torch.float32)
+    x = sum_buffer(a.gib, a.plain_pages)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         x.sum()

@@ -101,6 +101,31 @@ def test_x16_interleave_round_trips(lay, n, k):
             assert torch.equal(sb[64 * ncol + 2 * r:][:2], raw[r, 210 * s + 208:][:2])
 
 
+@pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "plain-pages"])
+def test_huge_empty_gives_the_bytes_asked_for(monkeypatch, huge):
+    """huge_empty: nbytes writable bytes at any size; past 2 MB, where it asks for huge pages,
+    they start on a 2 MB boundary (what the madvise covers)"""
+    if not huge:
+        monkeypatch.setattr(K, "_MADVISE", None)
+    elif not K.hugepages():
+        pytest.skip("no madvise on this host")
+    for nbytes in (1, 4096, (1 << 21) - 1, (1 << 21) + 4097, 3 << 21):
+        t = K.huge_empty(nbytes)
+        assert t.dtype is torch.uint8 and t.shape == (nbytes,) and t.is_contiguous()
+        t.fill_(7)
+        assert int(t.sum()) == 7 * nbytes
+        if huge and nbytes >= 1 << 21:
+            assert t.data_ptr() % (1 << 21) == 0
+
+
+@LAYOUTS
+def test_interleave_past_a_huge_page_round_trips(lay):
+    """a layout larger than a huge page (its copy in huge_empty's bytes) round-trips"""
+    n = 2077 if lay.fmt != T.TQ2_0 else 4157   # not a multiple of the group: padding rows too
+    raw, groups, _ = _round_trip(lay, n, 2048)
+    assert groups.numel() > 1 << 21
+
+
 @LAYOUTS
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (9, 256), (17, 256), (20, 768), (37, 1024)])
 def test_groups_equal_rows_bitwise(lay, n, k, isa):
