@@ -497,7 +497,7 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     anything touches them, to back with transparent huge pages (madvise MADV_HUGEPAGE; hosts
     whose THP setting is "madvise" give them only when asked). The decode GEMVs stream the
     repacked weights once a token, one 4 KB page walk every 64 lines on plain pages: in huge
-    pages 1.7B Q4_K_M decode read 4-5% more a second on the Intel Xeon (BENCHMARK.md "The
+    pages 1.7B Q4_K_M decode read 4-8% more a second on the Intel Xeon (BENCHMARK.md "The
     decode GEMV's prefetch in short bursts, and huge pages"). Plain pages where the kernel
     refuses, off Linux, or with FUCINA_HUGEPAGES=0."""
     if _MADVISE is None or nbytes < _HUGE_PAGE:
