@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 /* GGML type ids (ggml.h) of the formats with a native route. */
 enum {
@@ -127,6 +128,38 @@ static inline void fk_touch(const uint8_t *p, size_t n) {
         __asm__("" : "+r"(acc));    /* one plain load a line (no vectorised gather of them) */
     }
     __asm__ volatile("" : : "r"(acc));   /* the loads must happen: their result is kept */
+}
+
+/* One thread's share of a decode GEMV's tiles [t0, t1), claimed a tile at a time: by its owner
+ * from the front (one contiguous stream it prefetches ahead of itself), and by a thread whose
+ * own share is done from the back (stealing evens out a slow core a tile at a time). The two
+ * ends share one word, so a claim is one compare-and-swap; padded to a line of its own. */
+#define FK_GEMV_SHARES 256   /* the most threads a decode GEMV runs on */
+typedef struct {
+    uint64_t v;   /* front | back << 32 */
+    char pad[56];
+} fk_claim;
+static inline void fk_claim_set(fk_claim *c, int64_t t0, int64_t t1) {
+    __atomic_store_n(&c->v, (uint64_t)t0 | (uint64_t)t1 << 32, __ATOMIC_RELAXED);
+}
+/* the front tile (the owner's next), or -1 when the share is taken */
+static inline int64_t fk_claim_front(fk_claim *c) {
+    uint64_t v = __atomic_load_n(&c->v, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t f = v & 0xffffffffu, b = v >> 32;
+        if (f >= b) return -1;
+        if (__atomic_compare_exchange_n(&c->v, &v, v + 1, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return (int64_t)f;
+    }
+}
+/* the back tile (a thief's), or -1 */
+static inline int64_t fk_claim_back(fk_claim *c) {
+    uint64_t v = __atomic_load_n(&c->v, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t f = v & 0xffffffffu, b = v >> 32;
+        if (f >= b) return -1;
+        if (__atomic_compare_exchange_n(&c->v, &v, v - ((uint64_t)1 << 32), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int64_t)b - 1;
+    }
 }
 
 /* FK_PREFILL_CANON (the default): every m takes the canonical arithmetic of generic/matmul_impl.inc

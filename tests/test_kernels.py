@@ -212,6 +212,27 @@ def test_threads_agree():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_gemv_shares_and_steals_bitwise_at_any_thread_count():
+    """The decode GEMV gives each thread a contiguous share of the tiles and lets a thread
+    done with its own take the others' last tiles: whichever thread computes a tile, the
+    rows come out bitwise as on one thread, with more threads than tiles too."""
+    rng = np.random.default_rng(11)
+    n0 = K.get_threads()
+    try:
+        for qt, n, k in [(T.Q4_K, 301, 1024), (T.Q8_0, 40, 4096), (T.Q6_K, 130, 2048)]:
+            raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+            for m in (1, 3):
+                x = torch.randn(m, k)
+                K.set_threads(1)
+                want = K.matmul(raw, qt, n, k, x)
+                for th in (2, 3, 5, 8):
+                    K.set_threads(th)
+                    for _ in range(3):
+                        assert torch.equal(K.matmul(raw, qt, n, k, x), want), (qt.name, m, th)
+    finally:
+        K.set_threads(n0)
+
+
 def test_one_openmp_runtime():
     """The kernels share torch's libgomp: one thread pool, no oversubscription."""
     with open("/proc/self/maps") as f:

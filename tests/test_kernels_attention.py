@@ -72,6 +72,24 @@ def test_matches_reference(isa, threads, n, n_head, kvh, d):
     assert (out - torch_path(q, k, v, scale)).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("n,n_head,kvh,d", [(2, 8, 4, 128), (3, 16, 8, 128), (16, 16, 8, 128), (40, 9, 3, 64),
+                                            (300, 32, 8, 64)])
+def test_threads_give_the_same_bits(isa, n, n_head, kvh, d):
+    """Two threads split the (kv head, key chunk) tasks from a few rows on (the rows are cold
+    in decode); a task and the merge order do not depend on the split."""
+    gen = torch.Generator().manual_seed(n + 7 * d)
+    q, k, v = rand(n, n_head, kvh, d, gen, spread=2.0)
+    before = K.get_threads()
+    try:
+        outs = []
+        for th in (1, 2, 3):
+            K.set_threads(th)
+            outs.append(K.decode_attention(q, k, v, 1.0 / math.sqrt(d)))
+    finally:
+        K.set_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_random_shapes(isa):
     gen = torch.Generator().manual_seed(7)
     for _ in range(40):
