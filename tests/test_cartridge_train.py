@@ -318,6 +318,41 @@ def test_a_second_turn_extends_the_first(tiny):
         assert b.kind == a.kind + " x2"
 
 
+def test_a_document_teacher_answers_from_the_whole_corpus(tiny, tmp_path):
+    """teacher="document": bot A asks about its chunk, bot B answers with the whole corpus
+    in context (its rows copied from one prefill of it): the targets are those of bot B's
+    prompt prefilled from nothing, two turns batched equal one at a time, the student's
+    ids are the chunk teacher's, and a run resumes only under the same teacher."""
+    from fucina.text.generate import prefill
+    from fucina.train.cartridge import ANSWER_DOCUMENT, DOCUMENT
+
+    model, tok = tiny
+    kw = dict(p=12, chunk_tokens=30, max_question=6, max_answer=8, temperature=1.0, turns=2)
+    chunk, doc = (SelfStudy(model, tok, DOC, SelfStudyConfig(teacher=t, batch=3, **kw)) for t in ("chunk", "document"))
+    got, plain = doc.samples([0, 1, 2]), chunk.samples([0, 1, 2])
+    for a, b in zip(got, plain):
+        assert a.question == b.question and a.ids[:a.rows[0] + 1] == b.ids[:b.rows[0] + 1]
+    assert any(not torch.equal(a.logprobs[0], b.logprobs[0]) for a, b in zip(got, plain))
+    alone = SelfStudy(model, tok, DOC, SelfStudyConfig(teacher="document", batch=1, **kw))
+    for a, b in zip(got, [alone.sample(i) for i in range(3)]):
+        assert a.ids == b.ids and a.rows == b.rows
+        assert all(torch.equal(x, y) for x, y in zip(a.tokens + a.logprobs, b.tokens + b.logprobs))
+    s = got[0]
+    msgs = [{"role": "system", "content": DOCUMENT.format(document=DOC)},
+            {"role": "user", "content": ANSWER_DOCUMENT.format(question=s.question)}]
+    ids = doc._prompt(msgs)
+    assert len(ids) > len(tok.encode(DOC, add_special=False, parse_special=False))
+    logits, _ = prefill(model, model.init_cache(len(ids) + 4), [], ids)
+    want_ids, want_lp = teacher_topk(logits.reshape(-1)[-logits.shape[-1]:], 20, 0.99)
+    assert torch.equal(s.tokens[0], want_ids) and torch.equal(s.logprobs[0], want_lp)
+    out = str(tmp_path / "d.st")
+    train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, teacher="document", **kw), out=out)
+    with pytest.raises(CartridgeError, match="teacher"):
+        train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=4, **kw), out=out, resume=True)
+    with pytest.raises(CartridgeError, match="teacher"):
+        SelfStudy(model, tok, DOC, SelfStudyConfig(teacher="book"))
+
+
 def test_chunks_cover_the_ends_of_the_corpus():
     """Every token is in at least about half as many chunks as the middle's (a window
     kept inside the corpus shows its first and last tokens in 1 chunk of 572 here)."""
@@ -384,7 +419,7 @@ def test_a_checkpoint_from_before_passes_and_channel_steps_resumes(tiny, tmp_pat
     out = str(tmp_path / "a.st")
     train_cartridge(model, tok, DOC, SelfStudyConfig(conversations=2, **kw), out=out)
     state = torch.load(out + ".ckpt", weights_only=False)
-    for k in ("epochs", "scaled", "turns", "decay", "spread"):
+    for k in ("epochs", "scaled", "turns", "decay", "spread", "teacher"):
         del state["config"][k]
     del state["scales"]
     torch.save(state, out + ".ckpt")

@@ -99,6 +99,9 @@ def _training_args(s) -> None:
                         "and the seed prompts in turn, so any first n conversations cover both evenly "
                         "(default; --no-spread: drawn at random)")
     s.add_argument("--chunk", type=positive, default=384, help="corpus tokens shown per conversation (default 384)")
+    s.add_argument("--teacher", choices=("chunk", "document"), default="chunk",
+                   help="what the answering bot (the teacher) reads: the conversation's chunk (default) or "
+                        "the whole document; the questions are about the chunk either way")
     s.add_argument("--max-question", type=positive, default=48, help="question tokens (default 48)")
     s.add_argument("--max-answer", type=positive, default=96, help="answer tokens (default 96)")
     s.add_argument("--top-k", type=positive, default=20, help="teacher log-probabilities kept per token")
@@ -124,7 +127,7 @@ def _config(args, **kw):
                            accum=args.accum, chunk_tokens=args.chunk, max_question=args.max_question,
                            max_answer=args.max_answer, top_k=args.top_k, batch=args.batch, epochs=args.epochs,
                            scaled=args.channel_lr, turns=args.turns, decay=args.decay, distract=args.distract,
-                           spread=args.spread,
+                           spread=args.spread, teacher=args.teacher,
                            **kw)
 
 

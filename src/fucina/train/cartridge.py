@@ -68,8 +68,11 @@ SEED_PROMPTS = {
     "mechanism": "Ask why or how something described in the excerpt above happens. Output only the question.",
 }
 SYSTEM = "Here is an excerpt of a document:\n\n{chunk}"
+#: bot B's system message under teacher="document": the whole corpus
+DOCUMENT = "Here is a document:\n\n{document}"
 #: bot B's user message: the question, then how to answer (the student sees the question alone)
 ANSWER = "{question}\n\nAnswer from the excerpt, briefly and exactly."
+ANSWER_DOCUMENT = "{question}\n\nAnswer from the document, briefly and exactly."
 #: bot A's message on later turns, before the seed prompt again
 AGAIN = "Now another one, about something else in the excerpt. "
 
@@ -98,14 +101,16 @@ class SelfStudyConfig:
     decay: bool = False           # the learning rate falls linearly to zero over the run
     distract: float = 0.0         # chance a visit's student reads a distractor cartridge beside its rows
     spread: bool = False          # chunks on a golden-ratio sequence, seed prompts in turn (else random)
+    teacher: str = "chunk"        # what bot B answers from: "chunk" (bot A's excerpt) or "document" (all of it)
 
 
 # what must match between a checkpoint and the run resuming it (conversations may grow)
 _RESUME_KEYS = ("p", "accum", "lr", "seed", "chunk_tokens", "max_question", "max_answer", "top_k",
                 "mass", "temperature", "init", "frozen", "epochs", "scaled", "turns", "decay", "distract",
-                "spread")
+                "spread", "teacher")
 # the settings of the runs that wrote checkpoints before each key existed
-_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False, "distract": 0.0, "spread": False}
+_BEFORE = {"epochs": 1, "scaled": False, "turns": 1, "decay": False, "distract": 0.0, "spread": False,
+           "teacher": "chunk"}
 
 
 @dataclass
@@ -372,6 +377,10 @@ class SelfStudy:
             raise CartridgeError("the corpus encodes to no tokens")
         self.stop = set(self.template.stop_ids(tokenizer)) | set(getattr(tokenizer, "eog_ids", ()) or ())
         self._invariant: bool | None = None
+        if cfg.teacher not in ("chunk", "document"):
+            raise CartridgeError(f"teacher must be 'chunk' or 'document', got {cfg.teacher!r}")
+        self.document = {"role": "system", "content": DOCUMENT.format(document=corpus)}
+        self._teacher_rows = None   # teacher="document": the cache rows every bot B prompt starts with
 
     def _prompt(self, msgs: list[dict]) -> list[int]:
         from fucina.text.chat_template import prompt_ids
@@ -393,6 +402,27 @@ class SelfStudy:
         u, k = spread_draw(self.cfg.seed, i, len(kinds))
         start, end = spread_span(u, len(self.ids), self.cfg.chunk_tokens)
         return self.tok.decode(self.ids[start:end]), kinds[k]
+
+    def teacher_cache(self, extra: int):
+        """Under teacher="document", a cache holding the rows every bot B prompt starts
+        with (the whole document, prefilled once per run) and room for `extra` more, and
+        those rows' ids."""
+        from fucina.text.generate import common_prefix, prefill
+
+        if self._teacher_rows is None:
+            one, two = (self._prompt([self.document, {"role": "user", "content": t}]) for t in ("a", "b"))
+            ids = one[:common_prefix(one, two)]
+            n_ctx = self.model.config.n_ctx_train
+            if len(ids) + 1 > n_ctx:
+                raise CartridgeError(f"teacher 'document': the document's prompt of {len(ids)} tokens does not "
+                                     f"fit the model's context of {n_ctx} (teacher 'chunk' shows excerpts)")
+            source, history = self.model.init_cache(len(ids) + 1), []
+            prefill(self.model, source, history, ids)
+            self._teacher_rows = (source, list(ids))
+        source, ids = self._teacher_rows
+        cache = self.model.init_cache(min(self.model.config.n_ctx_train, len(ids) + extra))
+        cache.copy_rows(source, 0, len(ids))
+        return cache, list(ids)
 
     def batch_invariant(self) -> bool:
         """Whether a batched step gives every row the bits of a single step here."""
@@ -449,25 +479,34 @@ class SelfStudy:
             a_msgs = [system, {"role": "user", "content": SEED_PROMPTS[kind]}]
             convs.append(_Conversation(kind, sampler, system, a_msgs, self._prompt(a_msgs)))
         # one cache per conversation, sized for its turns; bot A and bot B share the system rows
+        # (teacher="chunk"), or bot B has its own cache that starts with the document's rows
+        per_turn = cfg.max_question + cfg.max_answer + 64
         caches, histories = [], []
         for c in convs:
-            cap = min(n_ctx, len(c.a_ids) + turns * (cfg.max_question + cfg.max_answer + 64))
+            cap = min(n_ctx, len(c.a_ids) + turns * per_turn)
             if len(c.a_ids) + cfg.max_question + 1 > cap:
                 raise CartridgeError(f"a self-study prompt of {len(c.a_ids)} tokens does not fit the model's "
                                      f"context of {n_ctx} (a smaller --chunk)")
             caches.append(model.init_cache(cap))
             histories.append([])
+        b_caches, b_histories = caches, histories
+        if cfg.teacher == "document":
+            b_caches, b_histories = [], []
+            for _ in convs:
+                cache, ids = self.teacher_cache(16 + turns * per_turn)
+                b_caches.append(cache)
+                b_histories.append(ids)
         live = list(range(len(convs)))
         for turn in range(turns):
             # bot A: the message
-            later = (turns - 1 - turn) * (cfg.max_question + cfg.max_answer + 64)   # what later turns add
+            later = (turns - 1 - turn) * per_turn   # what later turns add
 
-            def fits(s: int, n: int) -> bool:
+            def fits(s: int, n: int, cs=caches, hs=histories) -> bool:
                 """Make conversation s's cache hold n tokens (a bigger one if need be)."""
-                if n > caches[s].capacity:
-                    caches[s] = model.init_cache(min(n_ctx, n + later))
-                    histories[s] = []
-                return n <= caches[s].capacity
+                if n > cs[s].capacity:
+                    cs[s] = model.init_cache(min(n_ctx, n + later))
+                    hs[s] = []
+                return n <= cs[s].capacity
             live = [s for s in live if fits(s, len(convs[s].a_ids) + cfg.max_question + 1)]
             logits = [prefill(model, caches[s], histories[s], convs[s].a_ids)[0] for s in live]
             picks = [(lambda sm: (lambda lg, out: sm.next(lg, out)))(convs[s].sampler) for s in live]
@@ -477,10 +516,12 @@ class SelfStudy:
             for s, q_ids in zip(live, q_out):
                 c = convs[s]
                 question = self.tok.decode(q_ids, skip_special=True).strip() or "What does the document say?"
-                ask_b = {"role": "user", "content": ANSWER.format(question=question)}
+                answer = ANSWER_DOCUMENT if cfg.teacher == "document" else ANSWER
+                ask_b = {"role": "user", "content": answer.format(question=question)}
                 ask = {"role": "user", "content": question}
                 if turn == 0:
-                    c.b_msgs, c.s_msgs = [c.system, ask_b], [ask]
+                    teacher_system = self.document if cfg.teacher == "document" else c.system
+                    c.b_msgs, c.s_msgs = [teacher_system, ask_b], [ask]
                     c.b_ids, c.s_ids = self._prompt(c.b_msgs), self._prompt(c.s_msgs)
                     c.question = question
                 else:
@@ -488,15 +529,15 @@ class SelfStudy:
                     if b is None or st is None:
                         continue
                     (c.b_msgs, c.b_ids), (c.s_msgs, c.s_ids) = b, st
-                if not fits(s, len(c.b_ids) + cfg.max_answer + 1):
+                if not fits(s, len(c.b_ids) + cfg.max_answer + 1, b_caches, b_histories):
                     if turn:
                         continue    # a later turn that does not fit ends the conversation
-                    if len(c.b_ids) + 1 > caches[s].capacity:
+                    if len(c.b_ids) + 1 > b_caches[s].capacity:
                         raise CartridgeError(f"bot B's prompt of {len(c.b_ids)} tokens does not fit the "
                                              f"model's context of {n_ctx} (a smaller --chunk or --max-question)")
                 c.q_ids = q_ids
                 answering.append(s)
-            logits = [prefill(model, caches[s], histories[s], convs[s].b_ids)[0] for s in answering]
+            logits = [prefill(model, b_caches[s], b_histories[s], convs[s].b_ids)[0] for s in answering]
             toks: list[list] = [[] for _ in answering]
             lps: list[list] = [[] for _ in answering]
 
@@ -507,7 +548,7 @@ class SelfStudy:
                     lps[r].append(lp)
                 return record
             greedy = [(lambda lg, out: int(lg.argmax())) for _ in answering]
-            answers = _lockstep(model, [caches[s] for s in answering], logits, greedy, self.stop, cfg.max_answer,
+            answers = _lockstep(model, [b_caches[s] for s in answering], logits, greedy, self.stop, cfg.max_answer,
                                 [recorder(r) for r in range(len(answering))])
             live = []
             for r, (s, answer) in enumerate(zip(answering, answers)):
