@@ -1,6 +1,7 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
-(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K and Q6_K in 16-row groups
-(csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
+(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q6_K, Q5_0 and Q8_0 in 16-row
+groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, q50x16_impl.inc, q80x16_impl.inc: the
+AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
 row counts that are not a multiple of the group; a model loaded at such a level computes on
@@ -26,19 +27,22 @@ class Layout:
     fmt: T
     pseudo: int
     group: int
-    unit: int           # bytes a superblock
+    unit: int           # bytes a unit (a superblock; Q5_0: two blocks)
     levels: tuple       # the ISA levels that repack (their GEMV reads the groups)
     env: str            # the variable that opts out
+    elems: int = 256    # elements a unit
 
     def interleave(self, raw, n):
-        return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave}[self.fmt](raw, n)
+        return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave,
+                T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
-        return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave}[self.fmt](groups, n)
+        return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
+                T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave}[self.fmt](groups, n)
 
     def matmul(self, groups, n, k, x):
         y = torch.empty(x.shape[0], n)
-        K._native.matmul(self.pseudo, groups.data_ptr(), k // 256 * self.unit, n, k, x.data_ptr(), x.shape[0],
+        K._native.matmul(self.pseudo, groups.data_ptr(), k // self.elems * self.unit, n, k, x.data_ptr(), x.shape[0],
                          y.data_ptr(), n)
         return y
 
@@ -49,7 +53,9 @@ class Layout:
 TQ2 = Layout(T.TQ2_0, K.TQ2_X8, 8, 66, ("avx2", "avx2vnni"), "FUCINA_TQ2_X8")
 Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q4K_X16")
 Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16")
-LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K, Q6K], ids=["tq2x8", "q4kx16", "q6kx16"])
+Q50 = Layout(T.Q5_0, K.Q50_X16, 16, 44, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q50_X16", 64)
+Q80 = Layout(T.Q8_0, K.Q80_X16, 16, 68, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q80_X16", 64)
+LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K, Q6K, Q50, Q80], ids=["tq2x8", "q4kx16", "q6kx16", "q50x16", "q80x16"])
 
 
 def _raw(fmt, n: int, k: int, seed: int) -> torch.Tensor:
@@ -101,6 +107,53 @@ def test_x16_interleave_round_trips(lay, n, k):
             assert torch.equal(sb[64 * ncol + 2 * r:][:2], raw[r, 210 * s + 208:][:2])
 
 
+def _q50_fifth_bit(qh: torch.Tensor, e: int) -> int:
+    return int(qh[e // 8]) >> (e % 8) & 1
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (16, 256), (33, 640)])
+def test_q50_interleave_round_trips(n, k):
+    """the documented places in group 0, unit u, block 2 u + h, row r: d at 4 r + 2 h; qh
+    transposed at 64 + 64 h + 4 r (element 16 s + 4 i + t's fifth bit at bit 8 t + 4 s + i);
+    qs dword i at 192 + 256 h + 64 i + 4 r"""
+    raw, x16, _ = _round_trip(Q50, n, k)
+    grp = x16[:16].reshape(-1)
+    for r, u, h in ((0, 0, 0), (min(n, 16) - 1, k // 64 - 1, 1), (min(n, 16) // 2, k // 128, 1)):
+        unit, blk = grp[704 * u:], raw[r, 44 * u + 22 * h:][:22]
+        assert torch.equal(unit[4 * r + 2 * h:][:2], blk[:2])
+        qh = int.from_bytes(bytes(unit[64 + 64 * h + 4 * r:][:4].tolist()), "little")
+        for e in range(32):
+            s, i, t = e // 16, e % 16 // 4, e % 4
+            assert qh >> (8 * t + 4 * s + i) & 1 == _q50_fifth_bit(blk[2:6], e), (r, u, h, e)
+        for i in range(4):
+            assert torch.equal(unit[192 + 256 * h + 64 * i + 4 * r:][:4], blk[6 + 4 * i:][:4])
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (33, 640)])
+def test_q80_interleave_round_trips(n, k):
+    """the documented places in group 0, unit u, block 2 u + h, row r: d at 4 r + 2 h; quant
+    dword i at 64 + 512 h + 64 i + 4 r, each byte q ^ 0x80"""
+    raw, x16, _ = _round_trip(Q80, n, k)
+    grp = x16[:16].reshape(-1)
+    for r, u, h in ((0, 0, 0), (min(n, 16) - 1, k // 64 - 1, 1), (min(n, 16) // 2, k // 128, 1)):
+        unit, blk = grp[1088 * u:], raw[r, 68 * u + 34 * h:][:34]
+        assert torch.equal(unit[4 * r + 2 * h:][:2], blk[:2])
+        for i in range(8):
+            assert torch.equal(unit[64 + 512 * h + 64 * i + 4 * r:][:4], blk[2 + 4 * i:][:4] ^ 0x80)
+
+
+def test_q50_rows_of_an_odd_block_count_stay_rows():
+    """Q5_0 rows of 3 blocks do not cut into two-block units: the weight keeps its rows (and
+    q50_interleave says why in a typed error)"""
+    from fucina.weights import LinearWeight
+    raw = _raw(T.Q5_0, 16, 96, 3)
+    with pytest.raises(K.KernelError, match="Q5_0"):
+        K.q50_interleave(raw, 16)
+    w = LinearWeight(raw.clone(), T.Q5_0, 16, 96, "w")
+    K.attach(w)
+    assert K.layout_group(w) is None and not K.interleave(w) and w.kernel.qtype == int(T.Q5_0)
+
+
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "plain-pages"])
 def test_huge_empty_gives_the_bytes_asked_for(monkeypatch, huge):
     """huge_empty: nbytes writable bytes at any size; past 2 MB, where it asks for huge pages,
@@ -121,7 +174,7 @@ def test_huge_empty_gives_the_bytes_asked_for(monkeypatch, huge):
 @LAYOUTS
 def test_interleave_past_a_huge_page_round_trips(lay):
     """a layout larger than a huge page (its copy in huge_empty's bytes) round-trips"""
-    n = 2077 if lay.fmt != T.TQ2_0 else 4157   # not a multiple of the group: padding rows too
+    n = {T.TQ2_0: 4157, T.Q5_0: 2989}.get(lay.fmt, 2077)   # not a multiple of the group: padding rows too
     raw, groups, _ = _round_trip(lay, n, 2048)
     assert groups.numel() > 1 << 21
 
@@ -205,11 +258,17 @@ def model_paths(tmp_path_factory):
             T.Q4_K: str(write_model(d / "q4k.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q4_K, hidden=256,
                                     heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=12, tied=False)),
             T.Q6_K: str(write_model(d / "q6k.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q6_K, hidden=256,
-                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=13, tied=False))}
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=13, tied=False)),
+            T.Q5_0: str(write_model(d / "q50.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q5_0, hidden=256,
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=14, tied=False)),
+            T.Q8_0: str(write_model(d / "q80.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q8_0, hidden=256,
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=15, tied=False))}
 
 
-@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2"), (Q6K, "avx512"), (Q6K, "avx2")],
-                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2", "q6kx16-avx512", "q6kx16-avx2"])
+@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2"), (Q6K, "avx512"), (Q6K, "avx2"),
+                                       (Q50, "avx512"), (Q50, "avx2"), (Q80, "avx512"), (Q80, "avx2")],
+                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2", "q6kx16-avx512", "q6kx16-avx2",
+                              "q50x16-avx512", "q50x16-avx2", "q80x16-avx512", "q80x16-avx2"])
 def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, level):
     """load_model at a level that reads the groups repacks the layer weights (the native plan
     computes on them): prefill, decode and a 3-row verify give the logits of the same model on
@@ -252,15 +311,15 @@ def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, le
         K.set_isa(before)
 
 
-def _moe_file(d, kind: str) -> str:
+def _moe_file(d, kind: str, qtype: str = "Q4_K") -> str:
     import gguf
     from synth import write_model
     from synth_deepseek2 import write_deepseek2
     from synth_gemma4 import write_gemma4
-    q = gguf.GGMLQuantizationType.Q4_K
+    q = gguf.GGMLQuantizationType[qtype]
     if kind == "qwen3moe":      # gate, up, down stacks of 8 experts, 256 rows each
-        return str(write_model(d / "q3moe.gguf", "qwen3moe", qtype=q, hidden=256, heads=4, kv_heads=2, head_dim=64,
-                               ffn=512, layers=2, seed=21, experts=8, experts_used=2, moe_ffn=256))
+        return str(write_model(d / f"q3moe-{qtype}.gguf", "qwen3moe", qtype=q, hidden=256, heads=4, kv_heads=2,
+                               head_dim=64, ffn=512, layers=2, seed=21, experts=8, experts_used=2, moe_ffn=256))
     if kind == "deepseek2":     # one fused gate_up stack, read as two strided views
         return str(write_deepseek2(d / "ds2.gguf", layers=3, hidden=256, q_lora=256, kv_lora=256, ffn=256,
                                    ffn_exp=256, experts=4, used=2, fused_gate_up=True, qtype=q, seed=22,
@@ -314,6 +373,33 @@ def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, leve
             assert all(s.whole.kernel.qtype == int(T.Q4_K) for i in moe for s in expert_stacks(grp.layers[i]))
             for x, y in zip(logits(rows), logits(grp)):
                 assert torch.equal(x, y)
+    finally:
+        K.set_isa(before)
+
+
+def test_q50_expert_stacks_in_groups_give_the_rows_logits(tmp_path):
+    """Q5_0 expert stacks go to 16-row groups like Q4_K's; prefill, decode and verify logits
+    equal the rows model's"""
+    level = next((i for i in ("avx512", "avx2") if i in K.supported_isas()), None)
+    if level is None:
+        pytest.skip("no level reads the groups")
+    from fucina.models import load_model
+    from fucina.weights.row_groups import expert_stacks
+    path = _moe_file(tmp_path, "qwen3moe", "Q5_0")
+    before = K.isa()
+    try:
+        K.set_isa(level)
+        rows, grp = load_model(path, group_experts=False), load_model(path)
+        stacks = [s for L in grp.layers for s in expert_stacks(L)]
+        assert stacks and all(s.whole.kernel.qtype == Q50.pseudo for s in stacks)
+        ids = torch.tensor([3, 17, 42, 5, 9, 100, 7, 64, 2])
+        outs = []
+        for m in (rows, grp):
+            c = m.init_cache(16)
+            outs.append((m.forward_step_all_logits(c, ids[:5], 0), m.forward_step(c, ids[5:6], 5),
+                         m.forward_step_all_logits(c, ids[6:], 6)))
+        for x, y in zip(*outs):
+            assert torch.equal(x, y)
     finally:
         K.set_isa(before)
 

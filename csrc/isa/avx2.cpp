@@ -116,6 +116,14 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
 
 #define CB_NP 8
 #define CB_MR 4
+/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (q50x16_panel's d) */
+static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
+    const __m256i c = _mm256_loadu_si256((const __m256i *)col);
+    const __m256i v = h ? _mm256_srli_epi32(c, 16) : _mm256_and_si256(c, _mm256_set1_epi32(0xFFFF));   /* packus saturates */
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);   /* the 8 halves in order */
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(w)));
+}
+#define CB_F16_HALVES cb_f16_halves
 /* cbg_prep's bytes: FK_TQ2_X8's activation dwords broadcast 8 times (avx2_ternary.inc) */
 #define CB_GEMV_PREP_BYTES(qt, m, kp) ((size_t)(m) * (size_t)(kp) * ((qt) == FK_TQ2_X8 ? 8 : 1) + 64)
 #include "generic/matmul_impl.inc"

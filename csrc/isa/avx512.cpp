@@ -114,6 +114,12 @@ static void matmul_bf16(const fk_matmul_args *a);
 
 #define CB_NP 16
 #define CB_MR 4
+/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (q50x16_panel's d) */
+static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
+    const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512((const void *)col), 16 * h);
+    _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+}
+#define CB_F16_HALVES cb_f16_halves
 #define CB_PREFETCH_W(p) __asm__ volatile("prefetchw %0" : : "m"(*(const char *)(p)))  /* every AVX-512 CPU has it */
 static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
                               uint8_t *__restrict dst);

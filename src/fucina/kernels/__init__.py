@@ -544,10 +544,12 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
 
 
-#: the kernels' pseudo types of Q4_K and Q6_K rows repacked in 16-row groups
-#: (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc)
+#: the kernels' pseudo types of Q4_K, Q6_K, Q5_0 and Q8_0 rows repacked in 16-row groups
+#: (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, q50x16_impl.inc, q80x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
+Q50_X16 = PTQTP_BASE + 35
+Q80_X16 = PTQTP_BASE + 36
 #: the ISA levels whose decode GEMV reads those layouts (the scalar unit reads them through panels)
 _X16_ISAS = ("avx512", "avx2", "avx2vnni")
 _X16_UNIT = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
@@ -610,9 +612,114 @@ def q6k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     return _x16_deinterleave(x16, n, GGMLType.Q6_K, "q6k_deinterleave")
 
 
+def _q50_bit_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Per qh byte j (0..3) and value v: the bits v sets in the transposed word (the fifth bit
+    of element e = 16 s + 4 i + t at bit 8 t + 4 s + i), and the inverse."""
+    def dest(e: int) -> int:
+        s, i, t = e // 16, e % 16 // 4, e % 4
+        return 8 * t + 4 * s + i
+    src = {dest(e): e for e in range(32)}
+
+    def table(move) -> torch.Tensor:
+        return torch.tensor([[sum(1 << move(8 * j + bit) for bit in range(8) if v >> bit & 1) for v in range(256)]
+                             for j in range(4)], dtype=torch.int64)
+    return table(dest), table(src.__getitem__)
+
+
+_Q50_BITS = None
+
+
+def _q50_transpose(qh: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """qh bytes [..., 4] -> the transposed (or, inverse, the file's) qh bytes [..., 4]"""
+    global _Q50_BITS
+    if _Q50_BITS is None:
+        _Q50_BITS = _q50_bit_tables()
+    table = _Q50_BITS[1 if inverse else 0]
+    word = table[0][qh[..., 0].long()] | table[1][qh[..., 1].long()] | table[2][qh[..., 2].long()] | table[3][qh[..., 3].long()]
+    return torch.stack([(word >> (8 * j)) & 255 for j in range(4)], dim=-1).to(torch.uint8)
+
+
+#: the layouts of two-block units (Q5_0, Q8_0): block bytes, then per field of a block its
+#: byte offset, dword count, first column in block 0, column step to block 1 and transform
+_PAIR_FIELDS = {GGMLType.Q5_0: (22, ((2, 1, 1, 1, "qh"), (6, 4, 3, 4, None))),
+                GGMLType.Q8_0: (34, ((2, 8, 1, 8, "x80"),))}
+
+
+def _pair_transform(kind: str | None, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if kind == "qh":
+        return _q50_transpose(x, inverse)
+    return x ^ 0x80 if kind == "x80" else x
+
+
+def _pair_interleave(raw: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
+    """rows of two-block units -> 16-row groups: per unit the two blocks' f16 d side by side in
+    column 0, then each field's dwords as columns of the 16 rows (dword e of row r at 64 e + 4 r)"""
+    bb, fields = _PAIR_FIELDS[fmt]
+    rows = _group_rows(raw, n, 2 * bb, 16, fmt.name, caller)
+    rb = rows.shape[-1]
+    nu, groups = rb // (2 * bb), rows.shape[0] // 16
+    b = rows.view(groups, 16, nu, 2 * bb).permute(0, 2, 1, 3)     # [groups, units, 16 rows, unit bytes]
+    out = huge_empty(rows.numel()).view(groups, nu, bb // 2, 16, 4)
+    out[:, :, 0, :, :2].copy_(b[..., 0:2])
+    out[:, :, 0, :, 2:].copy_(b[..., bb:bb + 2])
+    for h in range(2):
+        for off, nc, c0, step, kind in fields:
+            src = b[..., h * bb + off:h * bb + off + 4 * nc].unflatten(-1, (nc, 4)).permute(0, 1, 3, 2, 4)
+            out[:, :, c0 + step * h:c0 + step * h + nc].copy_(_pair_transform(kind, src, inverse=False))
+    return out.view(groups * 16, rb)
+
+
+def _pair_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
+    """_pair_interleave's inverse: the first n rows [n, rb] of 16-row groups [ceil16(n), rb]"""
+    bb, fields = _PAIR_FIELDS[fmt]
+    rb = x16.shape[-1]
+    nu, groups = rb // (2 * bb), x16.numel() // (16 * rb)
+    if x16.dtype != torch.uint8 or rb % (2 * bb) or x16.numel() != groups * 16 * rb or n > groups * 16:
+        raise KernelError(f"{caller}: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
+    g = x16.reshape(groups, nu, bb // 2, 16, 4)
+    out = x16.new_empty(groups, 16, nu, 2 * bb)
+    b = out.permute(0, 2, 1, 3)
+    b[..., 0:2].copy_(g[:, :, 0, :, :2])
+    b[..., bb:bb + 2].copy_(g[:, :, 0, :, 2:])
+    for h in range(2):
+        for off, nc, c0, step, kind in fields:
+            src = g[:, :, c0 + step * h:c0 + step * h + nc].permute(0, 1, 3, 2, 4)
+            b[..., h * bb + off:h * bb + off + 4 * nc].unflatten(-1, (nc, 4)).copy_(_pair_transform(kind, src, True))
+    return out.view(groups * 16, rb)[:n]
+
+
+def q50_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q5_0 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/q50x16_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (704
+    bytes) 11 dword columns of the 16 rows (dword e of row r at 64 e + 4 r): the two blocks'
+    f16 d side by side, each block's qh with its bits transposed, then the first block's 4 qs
+    dwords and the second's. The rows past n are zeros; q50_deinterleave undoes it."""
+    return _pair_interleave(raw, n, GGMLType.Q5_0, "q50_interleave")
+
+
+def q50_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q50_interleave's inverse: the first n Q5_0 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.Q5_0, "q50_deinterleave")
+
+
+def q80_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q8_0 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/q80x16_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (1088
+    bytes) 17 dword columns of the 16 rows (dword e of row r at 64 e + 4 r): the two blocks'
+    f16 d side by side, then the first block's 8 quant dwords and the second's, each quant
+    stored as q + 128 (q ^ 0x80). The rows past n are zeros; q80_deinterleave undoes it."""
+    return _pair_interleave(raw, n, GGMLType.Q8_0, "q80_interleave")
+
+
+def q80_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q80_interleave's inverse: the first n Q8_0 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.Q8_0, "q80_deinterleave")
+
+
 class _Layout(NamedTuple):
     pseudo: int          # the kernels' type of the repacked bytes
     group: int           # rows a group
+    unit: int            # bytes a row's unit (a superblock; Q5_0: two blocks): rows of whole units only
     levels: tuple        # the ISA levels whose decode GEMV reads the groups
     env: str             # "0" keeps the rows
     pack: Callable[[torch.Tensor, int], torch.Tensor]
@@ -620,15 +727,19 @@ class _Layout(NamedTuple):
 
 
 #: GGML type -> its row-group layout
-_LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
-            GGMLType.Q4_K: _Layout(Q4K_X16, 16, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
-            GGMLType.Q6_K: _Layout(Q6K_X16, 16, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave)}
+_LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
+            GGMLType.Q4_K: _Layout(Q4K_X16, 16, 144, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
+            GGMLType.Q6_K: _Layout(Q6K_X16, 16, 210, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave),
+            GGMLType.Q5_0: _Layout(Q50_X16, 16, 44, _X16_ISAS, "FUCINA_Q50_X16", q50_interleave,
+                                   q50_deinterleave),
+            GGMLType.Q8_0: _Layout(Q80_X16, 16, 68, _X16_ISAS, "FUCINA_Q80_X16", q80_interleave,
+                                   q80_deinterleave)}
 #: pseudo type -> (the GGML type of the rows, its layout)
 _GROUPED = {lay.pseudo: (fmt, lay) for fmt, lay in _LAYOUTS.items()}
 
 
 def deinterleave(kernel) -> torch.Tensor:
-    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16, Q6K_X16)."""
+    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16, Q6K_X16, Q50_X16, Q80_X16)."""
     if kernel.qtype not in _GROUPED:
         raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
     return _GROUPED[kernel.qtype][1].unpack(kernel.raw, kernel.n)
@@ -639,7 +750,7 @@ def layout_group(weight) -> int | None:
     force; None where it would keep the rows."""
     k = getattr(weight, "kernel", None)
     lay = _LAYOUTS.get(k.qtype) if type(k) is QuantKernel else None
-    if lay is None or isa() not in lay.levels or os.environ.get(lay.env, "1") == "0":
+    if lay is None or isa() not in lay.levels or os.environ.get(lay.env, "1") == "0" or k.rb % lay.unit:
         return None
     return lay.group
 
@@ -670,11 +781,12 @@ def interleave(weight) -> bool:
     that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
     times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K and Q6_K in
     16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
-    Q6_K decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
+    Q6_K decode: 16-row groups"), and Q5_0 and Q8_0 rows of an even block count likewise (no
+    add tree: "Q5_0 and Q8_0 decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
     reads the layouts too and gives the same bits as the rows they came from. The kernel holds
     the copy (weight.raw keeps the rows: the reference path, training and the file's pages
-    read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0
-    keep the rows."""
+    read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0 /
+    FUCINA_Q50_X16=0 / FUCINA_Q80_X16=0 keep the rows."""
     if layout_group(weight) is None:
         return False
     k = weight.kernel
