@@ -3,10 +3,10 @@
 `interleave_model(model)` gives each weight the model computes with (the fused QKV /
 gate-up, not the parts they were stacked from; the head; the expert stacks) its kernel's bytes in row groups
 where the ISA in force reads them faster (`fucina.kernels.interleave`: TQ2_0 in 8-row groups
-at an AVX2 level, Q4_K, Q6_K and Q5_0 in 16-row groups at AVX-512 and AVX2), then rebuilds
-the native layer plan on them. Every route gives the bits of the rows they came from, so the
+at an AVX2 level, Q4_K, Q6_K, Q5_0 and Q8_0 in 16-row groups at AVX-512 and AVX2), then
+rebuilds the native layer plan on them. Every route gives the bits of the rows they came from, so the
 model's output is unchanged; the decode is faster (BENCHMARK.md "TQ2_0 decode at AVX2: 8-row
-groups", "Q4_K and Q6_K decode: 16-row groups", "Q5_0 decode: 16-row groups"). Memory: the groups replace the rows. A weight read from the file has its
+groups", "Q4_K and Q6_K decode: 16-row groups", "Q5_0 and Q8_0 decode: 16-row groups"). Memory: the groups replace the rows. A weight read from the file has its
 mapped pages dropped after the copy (a later read of `weight.raw` faults them back); a fused
 weight (its rows already a copy) drops that copy and becomes a `GroupedWeight`, whose `raw`
 gives the rows back from the groups on each read.
