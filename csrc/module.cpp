@@ -287,10 +287,12 @@ static void isa_matmul(int qtype, const uint8_t *w, long long row_bytes, int64_t
     g_isa->matmul(&a);
 }
 
-/* a weight's shape check: n rows of k values of type qt in rows of rb bytes */
+/* a weight's shape check: n rows of k values of type qt in rows of rb bytes (GGML rows, or
+ * row groups: isa_matmul's callers take the whole matrix, which every route reads as groups) */
 static bool weight_ok(long long qt, long long rb, long long n, long long k) {
     long bs, ts;
-    return qt >= 0 && qt < FK_PTQTP_BASE && type_block(qt, &bs, &ts) && n >= 1 && n <= (1LL << 24) && k >= 1 &&
+    return qt >= 0 && (qt < FK_PTQTP_BASE || fk_group_rows((int)qt)) && type_block(qt, &bs, &ts) && n >= 1 &&
+           n <= (1LL << 24) && k >= 1 &&
            k <= (1LL << 24) && k % bs == 0 && rb == k / bs * ts;
 }
 
