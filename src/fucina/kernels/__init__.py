@@ -730,10 +730,10 @@ class _Layout(NamedTuple):
 _LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
             GGMLType.Q4_K: _Layout(Q4K_X16, 16, 144, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
             GGMLType.Q6_K: _Layout(Q6K_X16, 16, 210, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave),
-            GGMLType.Q5_0: _Layout(Q50_X16, 16, 44, _X16_ISAS, "FUCINA_Q50_X16", q50_interleave,
-                                   q50_deinterleave),
-            GGMLType.Q8_0: _Layout(Q80_X16, 16, 68, _X16_ISAS, "FUCINA_Q80_X16", q80_interleave,
-                                   q80_deinterleave)}
+            GGMLType.Q5_0: _Layout(Q50_X16, 16, 2 * _PAIR_FIELDS[GGMLType.Q5_0][0], _X16_ISAS, "FUCINA_Q50_X16",
+                                   q50_interleave, q50_deinterleave),
+            GGMLType.Q8_0: _Layout(Q80_X16, 16, 2 * _PAIR_FIELDS[GGMLType.Q8_0][0], _X16_ISAS, "FUCINA_Q80_X16",
+                                   q80_interleave, q80_deinterleave)}
 #: pseudo type -> (the GGML type of the rows, its layout)
 _GROUPED = {lay.pseudo: (fmt, lay) for fmt, lay in _LAYOUTS.items()}
 
