@@ -46,14 +46,19 @@ enum { FK_TQ2_X8 = FK_PTQTP_BASE + 32 };
 enum { FK_Q4K_X16 = FK_PTQTP_BASE + 33 };
 /* Q6_K rows repacked in groups of 16 likewise (generic/q6kx16_impl.inc) */
 enum { FK_Q6K_X16 = FK_PTQTP_BASE + 34 };
-/* Q5_0 rows repacked in groups of 16, field by field per two blocks (generic/q50x16_impl.inc) */
+/* Q5_0 rows repacked in groups of 16, field by field per two blocks (generic/x16n_impl.inc) */
 enum { FK_Q50_X16 = FK_PTQTP_BASE + 35 };
 /* Q8_0 rows likewise, the quants stored as q + 128 (generic/q80x16_impl.inc) */
 enum { FK_Q80_X16 = FK_PTQTP_BASE + 36 };
+/* Q4_0, Q4_1 and Q5_1 rows likewise, as Q5_0's (generic/x16n_impl.inc) */
+enum { FK_Q40_X16 = FK_PTQTP_BASE + 37, FK_Q41_X16 = FK_PTQTP_BASE + 38, FK_Q51_X16 = FK_PTQTP_BASE + 39 };
+/* a layout of two-block units in 16-row groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) */
+static inline bool fk_x16u(int qtype) {
+    return qtype == FK_Q40_X16 || qtype == FK_Q41_X16 || qtype == FK_Q50_X16 || qtype == FK_Q51_X16 || qtype == FK_Q80_X16;
+}
 /* rows a group of a row-group layout above; 0 for a format in plain rows */
 static inline int fk_group_rows(int qtype) {
-    return qtype == FK_Q4K_X16 || qtype == FK_Q6K_X16 || qtype == FK_Q50_X16 || qtype == FK_Q80_X16 ? 16
-           : qtype == FK_TQ2_X8 ? 8 : 0;
+    return qtype == FK_Q4K_X16 || qtype == FK_Q6K_X16 || fk_x16u(qtype) ? 16 : qtype == FK_TQ2_X8 ? 8 : 0;
 }
 
 /* One matmul: y[m, n] = x[m, k] @ W[n, k]^T, W in GGML blocks, row_bytes per row. */

@@ -1,7 +1,7 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
-(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q6_K, Q5_0 and Q8_0 in 16-row
-groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, q50x16_impl.inc, q80x16_impl.inc: the
-AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
+(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and
+Q8_0 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
+q80x16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
 row counts that are not a multiple of the group; a model loaded at such a level computes on
@@ -27,18 +27,20 @@ class Layout:
     fmt: T
     pseudo: int
     group: int
-    unit: int           # bytes a unit (a superblock; Q5_0: two blocks)
+    unit: int           # bytes a unit (a superblock; Q4_0 .. Q8_0: two blocks)
     levels: tuple       # the ISA levels that repack (their GEMV reads the groups)
     env: str            # the variable that opts out
     elems: int = 256    # elements a unit
 
     def interleave(self, raw, n):
         return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave,
-                T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave}[self.fmt](raw, n)
+                T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave, T.Q4_0: K.q40_interleave,
+                T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
         return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
-                T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave}[self.fmt](groups, n)
+                T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave, T.Q4_0: K.q40_deinterleave,
+                T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave}[self.fmt](groups, n)
 
     def matmul(self, groups, n, k, x):
         y = torch.empty(x.shape[0], n)
@@ -55,7 +57,12 @@ Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA
 Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16")
 Q50 = Layout(T.Q5_0, K.Q50_X16, 16, 44, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q50_X16", 64)
 Q80 = Layout(T.Q8_0, K.Q80_X16, 16, 68, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q80_X16", 64)
-LAYOUTS = pytest.mark.parametrize("lay", [TQ2, Q4K, Q6K, Q50, Q80], ids=["tq2x8", "q4kx16", "q6kx16", "q50x16", "q80x16"])
+Q40 = Layout(T.Q4_0, K.Q40_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q40_X16", 64)
+Q41 = Layout(T.Q4_1, K.Q41_X16, 16, 40, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q41_X16", 64)
+Q51 = Layout(T.Q5_1, K.Q51_X16, 16, 48, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q51_X16", 64)
+ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q6kx16": Q6K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
+       "q51x16": Q51}
+LAYOUTS = pytest.mark.parametrize("lay", list(ALL.values()), ids=list(ALL))
 
 
 def _raw(fmt, n: int, k: int, seed: int) -> torch.Tensor:
@@ -111,22 +118,35 @@ def _q50_fifth_bit(qh: torch.Tensor, e: int) -> int:
     return int(qh[e // 8]) >> (e % 8) & 1
 
 
+#: the nibble formats' byte places in a unit (csrc/generic/x16n_impl.inc): unit bytes, block
+#: bytes, whether [d | m] columns (else column 0 holds both d), the qh column (0: none), the qs
+#: columns; the block's qh and qs offsets
+_NIBBLE = {T.Q4_0: (576, 18, False, 0, 64, None, 2), T.Q4_1: (640, 20, True, 0, 128, None, 4),
+           T.Q5_0: (704, 22, False, 64, 192, 2, 6), T.Q5_1: (768, 24, True, 128, 256, 4, 8)}
+
+
+@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51], ids=["q40x16", "q41x16", "q50x16", "q51x16"])
 @pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (16, 256), (33, 640)])
-def test_q50_interleave_round_trips(n, k):
-    """the documented places in group 0, unit u, block 2 u + h, row r: d at 4 r + 2 h; qh
-    transposed at 64 + 64 h + 4 r (element 16 s + 4 i + t's fifth bit at bit 8 t + 4 s + i);
-    qs dword i at 192 + 256 h + 64 i + 4 r"""
-    raw, x16, _ = _round_trip(Q50, n, k)
+def test_nibble_interleave_round_trips(lay, n, k):
+    """the documented places in group 0, unit u, block 2 u + h, row r: Q4_0, Q5_0: d at 4 r + 2 h;
+    Q4_1, Q5_1: [d | m] at 64 h + 4 r; Q5: qh transposed at QH0 + 64 h + 4 r (element
+    16 s + 4 i + t's fifth bit at bit 8 t + 4 s + i); qs dword i at QS0 + 256 h + 64 i + 4 r"""
+    unit, bb, dm, qh0, qs0, qh_at, qs_at = _NIBBLE[lay.fmt]
+    raw, x16, _ = _round_trip(lay, n, k)
     grp = x16[:16].reshape(-1)
     for r, u, h in ((0, 0, 0), (min(n, 16) - 1, k // 64 - 1, 1), (min(n, 16) // 2, k // 128, 1)):
-        unit, blk = grp[704 * u:], raw[r, 44 * u + 22 * h:][:22]
-        assert torch.equal(unit[4 * r + 2 * h:][:2], blk[:2])
-        qh = int.from_bytes(bytes(unit[64 + 64 * h + 4 * r:][:4].tolist()), "little")
-        for e in range(32):
-            s, i, t = e // 16, e % 16 // 4, e % 4
-            assert qh >> (8 * t + 4 * s + i) & 1 == _q50_fifth_bit(blk[2:6], e), (r, u, h, e)
+        unt, blk = grp[unit * u:], raw[r, 2 * bb * u + bb * h:][:bb]
+        if dm:
+            assert torch.equal(unt[64 * h + 4 * r:][:4], blk[:4])
+        else:
+            assert torch.equal(unt[4 * r + 2 * h:][:2], blk[:2])
+        if qh_at is not None:
+            qh = int.from_bytes(bytes(unt[qh0 + 64 * h + 4 * r:][:4].tolist()), "little")
+            for e in range(32):
+                s, i, t = e // 16, e % 16 // 4, e % 4
+                assert qh >> (8 * t + 4 * s + i) & 1 == _q50_fifth_bit(blk[qh_at:qh_at + 4], e), (r, u, h, e)
         for i in range(4):
-            assert torch.equal(unit[192 + 256 * h + 64 * i + 4 * r:][:4], blk[6 + 4 * i:][:4])
+            assert torch.equal(unt[qs0 + 256 * h + 64 * i + 4 * r:][:4], blk[qs_at + 4 * i:][:4])
 
 
 @pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (33, 640)])
@@ -142,16 +162,17 @@ def test_q80_interleave_round_trips(n, k):
             assert torch.equal(unit[64 + 512 * h + 64 * i + 4 * r:][:4], blk[2 + 4 * i:][:4] ^ 0x80)
 
 
-def test_q50_rows_of_an_odd_block_count_stay_rows():
-    """Q5_0 rows of 3 blocks do not cut into two-block units: the weight keeps its rows (and
-    q50_interleave says why in a typed error)"""
+@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, Q80], ids=["q40x16", "q41x16", "q50x16", "q51x16", "q80x16"])
+def test_rows_of_an_odd_block_count_stay_rows(lay):
+    """rows of 3 blocks do not cut into two-block units: the weight keeps its rows (and the
+    interleave says why in a typed error)"""
     from fucina.weights import LinearWeight
-    raw = _raw(T.Q5_0, 16, 96, 3)
-    with pytest.raises(K.KernelError, match="Q5_0"):
-        K.q50_interleave(raw, 16)
-    w = LinearWeight(raw.clone(), T.Q5_0, 16, 96, "w")
+    raw = _raw(lay.fmt, 16, 96, 3)
+    with pytest.raises(K.KernelError, match=lay.fmt.name):
+        lay.interleave(raw, 16)
+    w = LinearWeight(raw.clone(), lay.fmt, 16, 96, "w")
     K.attach(w)
-    assert K.layout_group(w) is None and not K.interleave(w) and w.kernel.qtype == int(T.Q5_0)
+    assert K.layout_group(w) is None and not K.interleave(w) and w.kernel.qtype == int(lay.fmt)
 
 
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "plain-pages"])
@@ -174,7 +195,7 @@ def test_huge_empty_gives_the_bytes_asked_for(monkeypatch, huge):
 @LAYOUTS
 def test_interleave_past_a_huge_page_round_trips(lay):
     """a layout larger than a huge page (its copy in huge_empty's bytes) round-trips"""
-    n = {T.TQ2_0: 4157, T.Q5_0: 2989}.get(lay.fmt, 2077)   # not a multiple of the group: padding rows too
+    n = {T.TQ2_0: 4157, T.Q5_0: 2989, T.Q4_0: 3011, T.Q4_1: 2711}.get(lay.fmt, 2077)   # not a multiple of the group: padding rows too
     raw, groups, _ = _round_trip(lay, n, 2048)
     assert groups.numel() > 1 << 21
 
@@ -262,13 +283,17 @@ def model_paths(tmp_path_factory):
             T.Q5_0: str(write_model(d / "q50.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q5_0, hidden=256,
                                     heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=14, tied=False)),
             T.Q8_0: str(write_model(d / "q80.gguf", "qwen3", qtype=gguf.GGMLQuantizationType.Q8_0, hidden=256,
-                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=15, tied=False))}
+                                    heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=15, tied=False)),
+            **{fmt: str(write_model(d / f"{fmt.name}.gguf", "qwen3", qtype=gguf.GGMLQuantizationType[fmt.name],
+                                    hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=16 + i,
+                                    tied=False))
+               for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1))}}
 
 
-@pytest.mark.parametrize("lay,level", [(TQ2, "avx2"), (Q4K, "avx512"), (Q4K, "avx2"), (Q6K, "avx512"), (Q6K, "avx2"),
-                                       (Q50, "avx512"), (Q50, "avx2"), (Q80, "avx512"), (Q80, "avx2")],
-                         ids=["tq2x8-avx2", "q4kx16-avx512", "q4kx16-avx2", "q6kx16-avx512", "q6kx16-avx2",
-                              "q50x16-avx512", "q50x16-avx2", "q80x16-avx512", "q80x16-avx2"])
+@pytest.mark.parametrize("lay,level", [(lay, level) for name, lay in ALL.items() for level in ("avx512", "avx2")
+                                       if name != "tq2x8" or level == "avx2"],
+                         ids=[f"{name}-{level}" for name in ALL for level in ("avx512", "avx2")
+                              if name != "tq2x8" or level == "avx2"])
 def test_model_on_groups_gives_the_rows_logits(model_paths, monkeypatch, lay, level):
     """load_model at a level that reads the groups repacks the layer weights (the native plan
     computes on them): prefill, decode and a 3-row verify give the logits of the same model on
@@ -377,21 +402,22 @@ def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, leve
         K.set_isa(before)
 
 
-def test_q50_expert_stacks_in_groups_give_the_rows_logits(tmp_path):
-    """Q5_0 expert stacks go to 16-row groups like Q4_K's; prefill, decode and verify logits
-    equal the rows model's"""
+@pytest.mark.parametrize("lay", [Q50, Q41], ids=["q50x16", "q41x16"])
+def test_two_block_expert_stacks_in_groups_give_the_rows_logits(tmp_path, lay):
+    """Q5_0 and Q4_1 expert stacks go to 16-row groups like Q4_K's; prefill, decode and verify
+    logits equal the rows model's"""
     level = next((i for i in ("avx512", "avx2") if i in K.supported_isas()), None)
     if level is None:
         pytest.skip("no level reads the groups")
     from fucina.models import load_model
     from fucina.weights.row_groups import expert_stacks
-    path = _moe_file(tmp_path, "qwen3moe", "Q5_0")
+    path = _moe_file(tmp_path, "qwen3moe", lay.fmt.name)
     before = K.isa()
     try:
         K.set_isa(level)
         rows, grp = load_model(path, group_experts=False), load_model(path)
         stacks = [s for L in grp.layers for s in expert_stacks(L)]
-        assert stacks and all(s.whole.kernel.qtype == Q50.pseudo for s in stacks)
+        assert stacks and all(s.whole.kernel.qtype == lay.pseudo for s in stacks)
         ids = torch.tensor([3, 17, 42, 5, 9, 100, 7, 64, 2])
         outs = []
         for m in (rows, grp):

@@ -116,7 +116,7 @@ static inline float pb_hsum(pbv v) { return hsum8(v); }
 
 #define CB_NP 8
 #define CB_MR 4
-/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (x16u_scales: the d of Q5_0's and Q8_0's groups) */
+/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (x16u_halves: the scales of the two-block units' groups) */
 static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     const __m256i c = _mm256_loadu_si256((const __m256i *)col);
     const __m256i v = h ? _mm256_srli_epi32(c, 16) : _mm256_and_si256(c, _mm256_set1_epi32(0xFFFF));   /* packus saturates */

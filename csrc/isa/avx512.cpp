@@ -114,7 +114,7 @@ static void matmul_bf16(const fk_matmul_args *a);
 
 #define CB_NP 16
 #define CB_MR 4
-/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (x16u_scales: the d of Q5_0's and Q8_0's groups) */
+/* the low (h 0) or high (h 1) f16 halves of CB_NP dwords at col -> f32 (x16u_halves: the scales of the two-block units' groups) */
 static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512((const void *)col), 16 * h);
     _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));

@@ -544,12 +544,15 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
 
 
-#: the kernels' pseudo types of Q4_K, Q6_K, Q5_0 and Q8_0 rows repacked in 16-row groups
-#: (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, q50x16_impl.inc, q80x16_impl.inc)
+#: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1 and Q5_1 rows repacked in
+#: 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc, q80x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
 Q50_X16 = PTQTP_BASE + 35
 Q80_X16 = PTQTP_BASE + 36
+Q40_X16 = PTQTP_BASE + 37
+Q41_X16 = PTQTP_BASE + 38
+Q51_X16 = PTQTP_BASE + 39
 #: the ISA levels whose decode GEMV reads those layouts (the scalar unit reads them through panels)
 _X16_ISAS = ("avx512", "avx2", "avx2vnni")
 _X16_UNIT = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
@@ -639,10 +642,15 @@ def _q50_transpose(qh: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.stack([(word >> (8 * j)) & 255 for j in range(4)], dim=-1).to(torch.uint8)
 
 
-#: the layouts of two-block units (Q5_0, Q8_0): block bytes, then per field of a block its
-#: byte offset, dword count, first column in block 0, column step to block 1 and transform
-_PAIR_FIELDS = {GGMLType.Q5_0: (22, ((2, 1, 1, 1, "qh"), (6, 4, 3, 4, None))),
-                GGMLType.Q8_0: (34, ((2, 8, 1, 8, "x80"),))}
+#: the layouts of two-block units: block bytes; whether column 0 holds the two blocks' f16 d
+#: side by side (else each block's [d | m] dword is a field of its own); then per field of a
+#: block its byte offset, dword count, first column in block 0, column step to block 1 and
+#: transform (csrc/generic/x16n_impl.inc, q80x16_impl.inc)
+_PAIR_FIELDS = {GGMLType.Q4_0: (18, True, ((2, 4, 1, 4, None),)),
+                GGMLType.Q4_1: (20, False, ((0, 1, 0, 1, None), (4, 4, 2, 4, None))),
+                GGMLType.Q5_0: (22, True, ((2, 1, 1, 1, "qh"), (6, 4, 3, 4, None))),
+                GGMLType.Q5_1: (24, False, ((0, 1, 0, 1, None), (4, 1, 2, 1, "qh"), (8, 4, 4, 4, None))),
+                GGMLType.Q8_0: (34, True, ((2, 8, 1, 8, "x80"),))}
 
 
 def _pair_transform(kind: str | None, x: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -653,15 +661,17 @@ def _pair_transform(kind: str | None, x: torch.Tensor, inverse: bool) -> torch.T
 
 def _pair_interleave(raw: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
     """rows of two-block units -> 16-row groups: per unit the two blocks' f16 d side by side in
-    column 0, then each field's dwords as columns of the 16 rows (dword e of row r at 64 e + 4 r)"""
-    bb, fields = _PAIR_FIELDS[fmt]
+    column 0 (Q4_1, Q5_1: each block's [d | m] a field), then each field's dwords as columns of
+    the 16 rows (dword e of row r at 64 e + 4 r)"""
+    bb, dpair, fields = _PAIR_FIELDS[fmt]
     rows = _group_rows(raw, n, 2 * bb, 16, fmt.name, caller)
     rb = rows.shape[-1]
     nu, groups = rb // (2 * bb), rows.shape[0] // 16
     b = rows.view(groups, 16, nu, 2 * bb).permute(0, 2, 1, 3)     # [groups, units, 16 rows, unit bytes]
     out = huge_empty(rows.numel()).view(groups, nu, bb // 2, 16, 4)
-    out[:, :, 0, :, :2].copy_(b[..., 0:2])
-    out[:, :, 0, :, 2:].copy_(b[..., bb:bb + 2])
+    if dpair:
+        out[:, :, 0, :, :2].copy_(b[..., 0:2])
+        out[:, :, 0, :, 2:].copy_(b[..., bb:bb + 2])
     for h in range(2):
         for off, nc, c0, step, kind in fields:
             src = b[..., h * bb + off:h * bb + off + 4 * nc].unflatten(-1, (nc, 4)).permute(0, 1, 3, 2, 4)
@@ -671,7 +681,7 @@ def _pair_interleave(raw: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> t
 
 def _pair_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) -> torch.Tensor:
     """_pair_interleave's inverse: the first n rows [n, rb] of 16-row groups [ceil16(n), rb]"""
-    bb, fields = _PAIR_FIELDS[fmt]
+    bb, dpair, fields = _PAIR_FIELDS[fmt]
     rb = x16.shape[-1]
     nu, groups = rb // (2 * bb), x16.numel() // (16 * rb)
     if x16.dtype != torch.uint8 or rb % (2 * bb) or x16.numel() != groups * 16 * rb or n > groups * 16:
@@ -679,8 +689,9 @@ def _pair_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) ->
     g = x16.reshape(groups, nu, bb // 2, 16, 4)
     out = x16.new_empty(groups, 16, nu, 2 * bb)
     b = out.permute(0, 2, 1, 3)
-    b[..., 0:2].copy_(g[:, :, 0, :, :2])
-    b[..., bb:bb + 2].copy_(g[:, :, 0, :, 2:])
+    if dpair:
+        b[..., 0:2].copy_(g[:, :, 0, :, :2])
+        b[..., bb:bb + 2].copy_(g[:, :, 0, :, 2:])
     for h in range(2):
         for off, nc, c0, step, kind in fields:
             src = g[:, :, c0 + step * h:c0 + step * h + nc].permute(0, 1, 3, 2, 4)
@@ -690,7 +701,7 @@ def _pair_deinterleave(x16: torch.Tensor, n: int, fmt: GGMLType, caller: str) ->
 
 def q50_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     """Q5_0 rows [n, rb] (an even number of blocks) -> their 16-row groups
-    (csrc/generic/q50x16_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (704
+    (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (704
     bytes) 11 dword columns of the 16 rows (dword e of row r at 64 e + 4 r): the two blocks'
     f16 d side by side, each block's qh with its bits transposed, then the first block's 4 qs
     dwords and the second's. The rows past n are zeros; q50_deinterleave undoes it."""
@@ -716,10 +727,50 @@ def q80_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     return _pair_deinterleave(x16, n, GGMLType.Q8_0, "q80_deinterleave")
 
 
+def q40_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q4_0 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (576
+    bytes) 9 dword columns of the 16 rows: the two blocks' f16 d side by side, then the first
+    block's 4 qs dwords and the second's. q40_deinterleave undoes it."""
+    return _pair_interleave(raw, n, GGMLType.Q4_0, "q40_interleave")
+
+
+def q40_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q40_interleave's inverse: the first n Q4_0 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.Q4_0, "q40_deinterleave")
+
+
+def q41_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q4_1 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (640
+    bytes) 10 dword columns of the 16 rows: each block's [d | m] dword, then the first block's
+    4 qs dwords and the second's. q41_deinterleave undoes it."""
+    return _pair_interleave(raw, n, GGMLType.Q4_1, "q41_interleave")
+
+
+def q41_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q41_interleave's inverse: the first n Q4_1 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.Q4_1, "q41_deinterleave")
+
+
+def q51_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """Q5_1 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (768
+    bytes) 12 dword columns of the 16 rows: each block's [d | m] dword, each block's qh
+    bit-transposed as Q5_0's, then the first block's 4 qs dwords and the second's.
+    q51_deinterleave undoes it."""
+    return _pair_interleave(raw, n, GGMLType.Q5_1, "q51_interleave")
+
+
+def q51_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """q51_interleave's inverse: the first n Q5_1 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.Q5_1, "q51_deinterleave")
+
+
 class _Layout(NamedTuple):
     pseudo: int          # the kernels' type of the repacked bytes
     group: int           # rows a group
-    unit: int            # bytes a row's unit (a superblock; Q5_0: two blocks): rows of whole units only
+    unit: int            # bytes a row's unit (a superblock; Q4_0 .. Q8_0: two blocks): rows of whole units only
     levels: tuple        # the ISA levels whose decode GEMV reads the groups
     env: str             # "0" keeps the rows
     pack: Callable[[torch.Tensor, int], torch.Tensor]
@@ -730,16 +781,19 @@ class _Layout(NamedTuple):
 _LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
             GGMLType.Q4_K: _Layout(Q4K_X16, 16, 144, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
             GGMLType.Q6_K: _Layout(Q6K_X16, 16, 210, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave),
-            GGMLType.Q5_0: _Layout(Q50_X16, 16, 2 * _PAIR_FIELDS[GGMLType.Q5_0][0], _X16_ISAS, "FUCINA_Q50_X16",
-                                   q50_interleave, q50_deinterleave),
-            GGMLType.Q8_0: _Layout(Q80_X16, 16, 2 * _PAIR_FIELDS[GGMLType.Q8_0][0], _X16_ISAS, "FUCINA_Q80_X16",
-                                   q80_interleave, q80_deinterleave)}
+            **{fmt: _Layout(pseudo, 16, 2 * _PAIR_FIELDS[fmt][0], _X16_ISAS, env, pack, unpack)
+               for fmt, pseudo, env, pack, unpack in (
+                   (GGMLType.Q5_0, Q50_X16, "FUCINA_Q50_X16", q50_interleave, q50_deinterleave),
+                   (GGMLType.Q8_0, Q80_X16, "FUCINA_Q80_X16", q80_interleave, q80_deinterleave),
+                   (GGMLType.Q4_0, Q40_X16, "FUCINA_Q40_X16", q40_interleave, q40_deinterleave),
+                   (GGMLType.Q4_1, Q41_X16, "FUCINA_Q41_X16", q41_interleave, q41_deinterleave),
+                   (GGMLType.Q5_1, Q51_X16, "FUCINA_Q51_X16", q51_interleave, q51_deinterleave))}}
 #: pseudo type -> (the GGML type of the rows, its layout)
 _GROUPED = {lay.pseudo: (fmt, lay) for fmt, lay in _LAYOUTS.items()}
 
 
 def deinterleave(kernel) -> torch.Tensor:
-    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8, Q4K_X16, Q6K_X16, Q50_X16, Q80_X16)."""
+    """The GGML rows of a kernel whose bytes are in groups (TQ2_X8 and the _X16 types)."""
     if kernel.qtype not in _GROUPED:
         raise KernelError(f"deinterleave: kernel type {kernel.qtype} holds rows, not groups")
     return _GROUPED[kernel.qtype][1].unpack(kernel.raw, kernel.n)
@@ -781,12 +835,14 @@ def interleave(weight) -> bool:
     that reads them with plain loads: TQ2_0 in 8-row groups at an AVX2 level (it shuffled 48
     times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K and Q6_K in
     16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
-    Q6_K decode: 16-row groups"), and Q5_0 and Q8_0 rows of an even block count likewise (no
-    add tree: "Q5_0 and Q8_0 decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
+    Q6_K decode: 16-row groups"), and Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows of an even block
+    count likewise (no add tree: "Q5_0 and Q8_0 decode: 16-row groups", "Q4_0, Q4_1 and Q5_1
+    decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
     reads the layouts too and gives the same bits as the rows they came from. The kernel holds
     the copy (weight.raw keeps the rows: the reference path, training and the file's pages
     read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0 /
-    FUCINA_Q50_X16=0 / FUCINA_Q80_X16=0 keep the rows."""
+    FUCINA_Q50_X16=0 / FUCINA_Q80_X16=0 / FUCINA_Q40_X16=0 / FUCINA_Q41_X16=0 / FUCINA_Q51_X16=0
+    keep the rows."""
     if layout_group(weight) is None:
         return False
     k = weight.kernel
