@@ -117,6 +117,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_PTQTP_FOLD: *bs = 256; *ts = 130; return 1;
     case FK_TQ2_X8: *bs = 256; *ts = 66; return 1;   /* the buffer holds the rows rounded up to 8 */
     case FK_Q4K_X16: *bs = 256; *ts = 144; return 1;  /* the buffer holds the rows rounded up to 16 */
+    case FK_Q5K_X16: *bs = 256; *ts = 176; return 1;  /* likewise */
     case FK_Q6K_X16: *bs = 256; *ts = 210; return 1;  /* likewise */
     case FK_Q40_X16: *bs = 64; *ts = 36; return 1;    /* likewise; two blocks a unit */
     case FK_Q41_X16: *bs = 64; *ts = 40; return 1;    /* likewise */

@@ -1,6 +1,6 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
-(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and
-Q8_0 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
+(csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0,
+Q5_1 and Q8_0 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
 q80x16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
@@ -33,12 +33,13 @@ class Layout:
     elems: int = 256    # elements a unit
 
     def interleave(self, raw, n):
-        return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave,
+        return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave, T.Q5_K: K.q5k_interleave,
                 T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave, T.Q4_0: K.q40_interleave,
                 T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
         return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
+                T.Q5_K: K.q5k_deinterleave,
                 T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave, T.Q4_0: K.q40_deinterleave,
                 T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave}[self.fmt](groups, n)
 
@@ -55,12 +56,13 @@ class Layout:
 TQ2 = Layout(T.TQ2_0, K.TQ2_X8, 8, 66, ("avx2", "avx2vnni"), "FUCINA_TQ2_X8")
 Q4K = Layout(T.Q4_K, K.Q4K_X16, 16, 144, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q4K_X16")
 Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q6K_X16")
+Q5K = Layout(T.Q5_K, K.Q5K_X16, 16, 176, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q5K_X16")
 Q50 = Layout(T.Q5_0, K.Q50_X16, 16, 44, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q50_X16", 64)
 Q80 = Layout(T.Q8_0, K.Q80_X16, 16, 68, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q80_X16", 64)
 Q40 = Layout(T.Q4_0, K.Q40_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q40_X16", 64)
 Q41 = Layout(T.Q4_1, K.Q41_X16, 16, 40, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q41_X16", 64)
 Q51 = Layout(T.Q5_1, K.Q51_X16, 16, 48, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q51_X16", 64)
-ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q6kx16": Q6K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
+ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q5kx16": Q5K, "q6kx16": Q6K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
        "q51x16": Q51}
 LAYOUTS = pytest.mark.parametrize("lay", list(ALL.values()), ids=list(ALL))
 
@@ -97,12 +99,12 @@ def test_tq2_interleave_round_trips(n, k):
         assert torch.equal(grp[512 * nsb + 16 * s + 2 * r:][:2], raw[r, 66 * s + 64:][:2])
 
 
-@pytest.mark.parametrize("lay", [Q4K, Q6K], ids=["q4kx16", "q6kx16"])
+@pytest.mark.parametrize("lay", [Q4K, Q5K, Q6K], ids=["q4kx16", "q5kx16", "q6kx16"])
 @pytest.mark.parametrize("n,k", [(1, 256), (15, 256), (16, 512), (33, 768)])
 def test_x16_interleave_round_trips(lay, n, k):
     """the documented places in group 0: a superblock's dword e of row r at 64 e + 4 r (Q4_K:
-    d | dmin, the 3 scale dwords, the 32 qs dwords; Q6_K: the 52 dwords before d), Q6_K's d of
-    row r after them"""
+    d | dmin, the 3 scale dwords, the 32 qs dwords; Q5_K: the 8 qh dwords between; Q6_K: the
+    52 dwords before d), Q6_K's d of row r after them"""
     raw, x16, _ = _round_trip(lay, n, k)
     nsb, ncol = k // 256, lay.unit // 4
     grp = x16[:16].reshape(-1)
@@ -287,7 +289,7 @@ def model_paths(tmp_path_factory):
             **{fmt: str(write_model(d / f"{fmt.name}.gguf", "qwen3", qtype=gguf.GGMLQuantizationType[fmt.name],
                                     hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=16 + i,
                                     tied=False))
-               for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1))}}
+               for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K))}}
 
 
 @pytest.mark.parametrize("lay,level", [(lay, level) for name, lay in ALL.items() for level in ("avx512", "avx2")
@@ -402,10 +404,10 @@ def test_moe_on_grouped_expert_stacks_gives_the_rows_logits(tmp_path, kind, leve
         K.set_isa(before)
 
 
-@pytest.mark.parametrize("lay", [Q50, Q41], ids=["q50x16", "q41x16"])
-def test_two_block_expert_stacks_in_groups_give_the_rows_logits(tmp_path, lay):
-    """Q5_0 and Q4_1 expert stacks go to 16-row groups like Q4_K's; prefill, decode and verify
-    logits equal the rows model's"""
+@pytest.mark.parametrize("lay", [Q50, Q41, Q5K], ids=["q50x16", "q41x16", "q5kx16"])
+def test_more_expert_stacks_in_groups_give_the_rows_logits(tmp_path, lay):
+    """Q5_0, Q4_1 and Q5_K expert stacks go to 16-row groups like Q4_K's; prefill, decode and
+    verify logits equal the rows model's"""
     level = next((i for i in ("avx512", "avx2") if i in K.supported_isas()), None)
     if level is None:
         pytest.skip("no level reads the groups")
