@@ -124,6 +124,14 @@ static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(w)));
 }
 #define CB_F16_HALVES cb_f16_halves
+/* a 32-byte column of IQ4_XS code indices -> the u of its low and high nibbles (tbl: the codebook's u) */
+static inline void cb_iq4_lut(const uint8_t *col, uint8_t *lo, uint8_t *hi, const uint8_t *tbl) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tbl)), m4 = _mm256_set1_epi8(15);
+    const __m256i z = _mm256_loadu_si256((const __m256i *)col);
+    _mm256_storeu_si256((__m256i *)lo, _mm256_shuffle_epi8(t, _mm256_and_si256(z, m4)));
+    _mm256_storeu_si256((__m256i *)hi, _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4)));
+}
+#define CB_IQ4_LUT(col, lo, hi) cb_iq4_lut(col, lo, hi, kv_iq4_u8)
 /* cbg_prep's bytes: FK_TQ2_X8's activation dwords broadcast 8 times (avx2_ternary.inc) */
 #define CB_GEMV_PREP_BYTES(qt, m, kp) ((size_t)(m) * (size_t)(kp) * ((qt) == FK_TQ2_X8 ? 8 : 1) + 64)
 #include "generic/matmul_impl.inc"

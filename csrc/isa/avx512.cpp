@@ -120,6 +120,14 @@ static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
 }
 #define CB_F16_HALVES cb_f16_halves
+/* a 64-byte column of IQ4_XS code indices -> the u of its low and high nibbles (tbl: the codebook's u) */
+static inline void cb_iq4_lut(const uint8_t *col, uint8_t *lo, uint8_t *hi, const uint8_t *tbl) {
+    const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tbl)), m4 = _mm512_set1_epi8(15);
+    const __m512i z = _mm512_loadu_si512((const void *)col);
+    _mm512_storeu_si512((void *)lo, _mm512_shuffle_epi8(t, _mm512_and_si512(z, m4)));
+    _mm512_storeu_si512((void *)hi, _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4)));
+}
+#define CB_IQ4_LUT(col, lo, hi) cb_iq4_lut(col, lo, hi, kv_iq4_u8)
 #define CB_PREFETCH_W(p) __asm__ volatile("prefetchw %0" : : "m"(*(const char *)(p)))  /* every AVX-512 CPU has it */
 static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
                               uint8_t *__restrict dst);
