@@ -121,6 +121,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_Q6K_X16: *bs = 256; *ts = 210; return 1;  /* likewise */
     case FK_IQ4XS_X16: *bs = 256; *ts = 136; return 1;  /* likewise */
     case FK_Q2K_X16: *bs = 256; *ts = 84; return 1;     /* likewise */
+    case FK_Q3K_X16: *bs = 256; *ts = 110; return 1;    /* likewise */
     case FK_Q40_X16: *bs = 64; *ts = 36; return 1;    /* likewise; two blocks a unit */
     case FK_Q41_X16: *bs = 64; *ts = 40; return 1;    /* likewise */
     case FK_Q50_X16: *bs = 64; *ts = 44; return 1;    /* likewise */

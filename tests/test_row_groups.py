@@ -35,12 +35,14 @@ class Layout:
     def interleave(self, raw, n):
         return {T.TQ2_0: K.tq2_interleave, T.Q4_K: K.q4k_interleave, T.Q6_K: K.q6k_interleave, T.Q5_K: K.q5k_interleave,
                 T.IQ4_XS: K.iq4xs_interleave, T.Q2_K: K.q2k_interleave,
+                T.Q3_K: K.q3k_interleave,
                 T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave, T.Q4_0: K.q40_interleave,
                 T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
         return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
                 T.Q5_K: K.q5k_deinterleave, T.IQ4_XS: K.iq4xs_deinterleave, T.Q2_K: K.q2k_deinterleave,
+                T.Q3_K: K.q3k_deinterleave,
                 T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave, T.Q4_0: K.q40_deinterleave,
                 T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave}[self.fmt](groups, n)
 
@@ -60,12 +62,13 @@ Q6K = Layout(T.Q6_K, K.Q6K_X16, 16, 210, ("avx512", "avx2", "avx2vnni"), "FUCINA
 Q5K = Layout(T.Q5_K, K.Q5K_X16, 16, 176, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q5K_X16")
 IQ4XS = Layout(T.IQ4_XS, K.IQ4XS_X16, 16, 136, ("avx512", "avx2", "avx2vnni"), "FUCINA_IQ4XS_X16")
 Q2K = Layout(T.Q2_K, K.Q2K_X16, 16, 84, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q2K_X16")
+Q3K = Layout(T.Q3_K, K.Q3K_X16, 16, 110, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q3K_X16")
 Q50 = Layout(T.Q5_0, K.Q50_X16, 16, 44, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q50_X16", 64)
 Q80 = Layout(T.Q8_0, K.Q80_X16, 16, 68, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q80_X16", 64)
 Q40 = Layout(T.Q4_0, K.Q40_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q40_X16", 64)
 Q41 = Layout(T.Q4_1, K.Q41_X16, 16, 40, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q41_X16", 64)
 Q51 = Layout(T.Q5_1, K.Q51_X16, 16, 48, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q51_X16", 64)
-ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q5kx16": Q5K, "q6kx16": Q6K, "iq4xsx16": IQ4XS, "q2kx16": Q2K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
+ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q5kx16": Q5K, "q6kx16": Q6K, "iq4xsx16": IQ4XS, "q2kx16": Q2K, "q3kx16": Q3K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
        "q51x16": Q51}
 LAYOUTS = pytest.mark.parametrize("lay", list(ALL.values()), ids=list(ALL))
 
@@ -102,13 +105,15 @@ def test_tq2_interleave_round_trips(n, k):
         assert torch.equal(grp[512 * nsb + 16 * s + 2 * r:][:2], raw[r, 66 * s + 64:][:2])
 
 
-@pytest.mark.parametrize("lay", [Q4K, Q5K, Q6K, IQ4XS, Q2K], ids=["q4kx16", "q5kx16", "q6kx16", "iq4xsx16", "q2kx16"])
+@pytest.mark.parametrize("lay", [Q4K, Q5K, Q6K, IQ4XS, Q2K, Q3K],
+                         ids=["q4kx16", "q5kx16", "q6kx16", "iq4xsx16", "q2kx16", "q3kx16"])
 @pytest.mark.parametrize("n,k", [(1, 256), (15, 256), (16, 512), (33, 768)])
 def test_x16_interleave_round_trips(lay, n, k):
     """the documented places in group 0: a superblock's dword e of row r at 64 e + 4 r (Q4_K:
     d | dmin, the 3 scale dwords, the 32 qs dwords; Q5_K: the 8 qh dwords between; Q6_K: the
     52 dwords before d; IQ4_XS: d | scales_h, scales_l, the 32 qs dwords; Q2_K: the 4 scale
-    dwords, the 16 qs dwords, d | dmin), Q6_K's d of row r after them"""
+    dwords, the 16 qs dwords, d | dmin; Q3_K: hmask, qs and the scales, 27 dwords), Q6_K's and
+    Q3_K's d of row r after them"""
     raw, x16, _ = _round_trip(lay, n, k)
     nsb, ncol = k // 256, lay.unit // 4
     grp = x16[:16].reshape(-1)
@@ -116,8 +121,8 @@ def test_x16_interleave_round_trips(lay, n, k):
         sb = grp[16 * lay.unit * s:]
         for e in range(ncol):
             assert torch.equal(sb[64 * e + 4 * r:][:4], raw[r, lay.unit * s + 4 * e:][:4]), (r, s, e)
-        if lay.fmt == T.Q6_K:
-            assert torch.equal(sb[64 * ncol + 2 * r:][:2], raw[r, 210 * s + 208:][:2])
+        if lay.unit % 4:   # Q6_K, Q3_K: the f16 d
+            assert torch.equal(sb[64 * ncol + 2 * r:][:2], raw[r, lay.unit * s + 4 * ncol:][:2])
 
 
 def _q50_fifth_bit(qh: torch.Tensor, e: int) -> int:
@@ -201,7 +206,7 @@ def test_huge_empty_gives_the_bytes_asked_for(monkeypatch, huge):
 @LAYOUTS
 def test_interleave_past_a_huge_page_round_trips(lay):
     """a layout larger than a huge page (its copy in huge_empty's bytes) round-trips"""
-    n = {T.TQ2_0: 4157, T.Q5_0: 2989, T.Q4_0: 3011, T.Q4_1: 2711, T.Q2_K: 3301}.get(lay.fmt, 2077)   # not a multiple of the group: padding rows too
+    n = {T.TQ2_0: 4157, T.Q5_0: 2989, T.Q4_0: 3011, T.Q4_1: 2711, T.Q2_K: 3301, T.Q3_K: 2683}.get(lay.fmt, 2077)   # not a multiple of the group: padding rows too
     raw, groups, _ = _round_trip(lay, n, 2048)
     assert groups.numel() > 1 << 21
 
@@ -293,7 +298,7 @@ def model_paths(tmp_path_factory):
             **{fmt: str(write_model(d / f"{fmt.name}.gguf", "qwen3", qtype=gguf.GGMLQuantizationType[fmt.name],
                                     hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, seed=16 + i,
                                     tied=False))
-               for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q2_K))}}
+               for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q2_K, T.Q3_K))}}
 
 
 #: the layouts a synthetic model is written in (fucina.quant has no IQ4_XS quantizer: its
