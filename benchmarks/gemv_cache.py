@@ -5,8 +5,8 @@ DRAM rate `read_bandwidth.py` gives a core.
     python benchmarks/gemv_cache.py [--threads 1] [--formats Q4_K,Q6_K,Q8_0] [--reps 400]
 
 One activation row (m = 1) against a random weight of 1024 x 2048 (in a 2 MB L2) and 6144 x
-2048 (past L2, in L3), each laid out as a model load lays it out (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0,
-Q5_1 and Q8_0 in 16-row groups where the ISA in force reads them; FUCINA_Q50_X16=0 and the
+2048 (past L2, in L3), each laid out as a model load lays it out (every format with a
+row-group layout in its groups where the ISA in force reads them; FUCINA_Q50_X16=0 and the
 like keep the rows). Prints the best and median GB/s of weight bytes
 over --reps calls. FUCINA_ISA=avx2 times the AVX2 level.
 """
