@@ -546,7 +546,7 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
 
 #: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_1, Q5_K, IQ4_XS, Q2_K and
 #: Q3_K rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
-#: x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, q2kx16_impl.inc, q3kx16_impl.inc)
+#: x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, k23x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
 Q50_X16 = PTQTP_BASE + 35
@@ -635,7 +635,7 @@ def iq4xs_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def q2k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
-    """Q2_K rows [n, rb] -> their 16-row groups (csrc/generic/q2kx16_impl.inc), [ceil16(n), rb]
+    """Q2_K rows [n, rb] -> their 16-row groups (csrc/generic/k23x16_impl.inc), [ceil16(n), rb]
     uint8: per group and superblock (1344 bytes) the 21 dwords of the 16 rows as columns (the 4
     scale dwords, the 16 qs dwords, d | dmin: dword e of row r at 64 e + 4 r). The rows past n
     are zeros; q2k_deinterleave undoes it."""
@@ -648,7 +648,7 @@ def q2k_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def q3k_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
-    """Q3_K rows [n, rb] -> their 16-row groups (csrc/generic/q3kx16_impl.inc), [ceil16(n), rb]
+    """Q3_K rows [n, rb] -> their 16-row groups (csrc/generic/k23x16_impl.inc), [ceil16(n), rb]
     uint8: per group and superblock (1760 bytes) the first 27 dwords of the 16 rows as columns
     (the 8 hmask dwords, the 16 qs dwords, the 3 scale dwords: dword e of row r at 64 e + 4 r),
     then the 16 rows' f16 d (at 1728 + 2 r). The rows past n are zeros; q3k_deinterleave undoes
@@ -838,13 +838,14 @@ class _Layout(NamedTuple):
 
 #: GGML type -> its row-group layout
 _LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2_X8", tq2_interleave, tq2_deinterleave),
-            GGMLType.Q4_K: _Layout(Q4K_X16, 16, 144, _X16_ISAS, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
-            GGMLType.Q6_K: _Layout(Q6K_X16, 16, 210, _X16_ISAS, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave),
-            GGMLType.Q5_K: _Layout(Q5K_X16, 16, 176, _X16_ISAS, "FUCINA_Q5K_X16", q5k_interleave, q5k_deinterleave),
-            GGMLType.IQ4_XS: _Layout(IQ4XS_X16, 16, 136, _X16_ISAS, "FUCINA_IQ4XS_X16", iq4xs_interleave,
-                                     iq4xs_deinterleave),
-            GGMLType.Q2_K: _Layout(Q2K_X16, 16, 84, _X16_ISAS, "FUCINA_Q2K_X16", q2k_interleave, q2k_deinterleave),
-            GGMLType.Q3_K: _Layout(Q3K_X16, 16, 110, _X16_ISAS, "FUCINA_Q3K_X16", q3k_interleave, q3k_deinterleave),
+            **{fmt: _Layout(pseudo, 16, _X16_UNIT[fmt], _X16_ISAS, env, pack, unpack)
+               for fmt, pseudo, env, pack, unpack in (
+                   (GGMLType.Q4_K, Q4K_X16, "FUCINA_Q4K_X16", q4k_interleave, q4k_deinterleave),
+                   (GGMLType.Q6_K, Q6K_X16, "FUCINA_Q6K_X16", q6k_interleave, q6k_deinterleave),
+                   (GGMLType.Q5_K, Q5K_X16, "FUCINA_Q5K_X16", q5k_interleave, q5k_deinterleave),
+                   (GGMLType.IQ4_XS, IQ4XS_X16, "FUCINA_IQ4XS_X16", iq4xs_interleave, iq4xs_deinterleave),
+                   (GGMLType.Q2_K, Q2K_X16, "FUCINA_Q2K_X16", q2k_interleave, q2k_deinterleave),
+                   (GGMLType.Q3_K, Q3K_X16, "FUCINA_Q3K_X16", q3k_interleave, q3k_deinterleave))},
             **{fmt: _Layout(pseudo, 16, 2 * _PAIR_FIELDS[fmt][0], _X16_ISAS, env, pack, unpack)
                for fmt, pseudo, env, pack, unpack in (
                    (GGMLType.Q5_0, Q50_X16, "FUCINA_Q50_X16", q50_interleave, q50_deinterleave),
@@ -900,14 +901,13 @@ def interleave(weight) -> bool:
     times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K and Q6_K in
     16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
     Q6_K decode: 16-row groups"; Q5_K, IQ4_XS, Q2_K and Q3_K likewise: "Q5_K decode: 16-row
-    groups", "IQ4_XS, Q2_K and Q3_K decode: 16-row groups"), and Q4_0, Q4_1,
-    Q5_0, Q5_1 and Q8_0 rows of an even block count likewise (no add tree: "Q5_0 and Q8_0 decode: 16-row groups", "Q4_0, Q4_1 and Q5_1
-    decode: 16-row groups"). Every route (prefill panels, verify, the other ISA units)
-    reads the layouts too and gives the same bits as the rows they came from. The kernel holds
-    the copy (weight.raw keeps the rows: the reference path, training and the file's pages
-    read those); True when repacked. FUCINA_TQ2_X8=0 / FUCINA_Q4K_X16=0 / FUCINA_Q6K_X16=0 /
-    FUCINA_Q50_X16=0 / FUCINA_Q80_X16=0 / FUCINA_Q40_X16=0 / FUCINA_Q41_X16=0 / FUCINA_Q51_X16=0 /
-    FUCINA_Q5K_X16=0 / FUCINA_IQ4XS_X16=0 / FUCINA_Q2K_X16=0 / FUCINA_Q3K_X16=0 keep the rows."""
+    groups", "IQ4_XS, Q2_K and Q3_K decode: 16-row groups"), and Q4_0, Q4_1, Q5_0, Q5_1 and
+    Q8_0 rows of an even block count likewise (no add tree: "Q5_0 and Q8_0 decode: 16-row
+    groups", "Q4_0, Q4_1 and Q5_1 decode: 16-row groups"). Every route (prefill panels,
+    verify, the other ISA units) reads the layouts too and gives the same bits as the rows they
+    came from. The kernel holds the copy (weight.raw keeps the rows: the reference path,
+    training and the file's pages read those); True when repacked. A layout's variable set to 0 keeps the rows
+    (FUCINA_TQ2_X8, FUCINA_Q4K_X16, FUCINA_Q50_X16 and the like: _LAYOUTS names them)."""
     if layout_group(weight) is None:
         return False
     k = weight.kernel
