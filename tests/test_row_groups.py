@@ -211,6 +211,43 @@ def test_interleave_past_a_huge_page_round_trips(lay):
     assert groups.numel() > 1 << 21
 
 
+def _k23_bound_rows(fmt: T, n: int, k: int, high: bool) -> torch.Tensor:
+    """Q2_K / Q3_K rows at the ends of the range the panel kernels keep in int16: every value
+    at its largest (Q2_K 3, Q3_K +3) with the largest scales and mins, or (not high) every
+    value at its smallest (0, Q3_K -4) with Q3_K's scale -32; d = dmin = 2^-7"""
+    unit = 84 if fmt == T.Q2_K else 110
+    blk = np.full(unit, 0xFF if high else 0x00, dtype=np.uint8)
+    half = np.array([0x2000], dtype=np.uint16).view(np.uint8)   # f16 2^-7
+    if fmt == T.Q2_K:
+        blk[:16] = 0xFF                                           # scales and mins 15
+        blk[80:82], blk[82:84] = half, half
+    else:
+        blk[108:110] = half
+    return torch.from_numpy(np.tile(blk, n * (k // 256)).reshape(n, -1))
+
+
+@pytest.mark.parametrize("lay", [Q2K, Q3K], ids=["q2kx16", "q3kx16"])
+@pytest.mark.parametrize("high", [True, False], ids=["largest", "smallest"])
+def test_k23_panels_at_their_int16_bounds(lay, high, isa):
+    """The panel kernels sum a Q2_K / Q3_K 16-group's (u - z) q and its min term in int16 halves:
+    groups at the bounds (every activation q +-127, every value and scale at its end) give the
+    scalar unit's bits, rows and groups, at m = 1..9 and 20"""
+    n, k = 19, 512
+    raw = _k23_bound_rows(lay.fmt, n, k, high)
+    groups = lay.interleave(raw, n)
+    x = torch.ones(20, k)
+    x[1::2, 256:] = -1.0                                          # -127 in every other row's second superblock
+    K.set_isa("scalar")
+    try:
+        ref = K.matmul(raw, lay.fmt, n, k, x)
+    finally:
+        K.set_isa(isa)
+    assert bool(ref[0].ne(0).all())   # row 0: every q +127, no cancelling
+    for m in (*range(1, 10), 20):
+        assert torch.equal(K.matmul(raw, lay.fmt, n, k, x[:m]), ref[:m]), f"rows m={m} on {isa}"
+        assert torch.equal(lay.matmul(groups, n, k, x[:m].contiguous()), ref[:m]), f"groups m={m} on {isa}"
+
+
 @LAYOUTS
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (9, 256), (17, 256), (20, 768), (37, 1024)])
 def test_groups_equal_rows_bitwise(lay, n, k, isa):
