@@ -248,6 +248,32 @@ def test_k23_panels_at_their_int16_bounds(lay, high, isa):
         assert torch.equal(lay.matmul(groups, n, k, x[:m].contiguous()), ref[:m]), f"groups m={m} on {isa}"
 
 
+@pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.MXFP4], ids=lambda f: f.name)
+def test_int16_runs_at_the_largest_values(fmt, isa):
+    """Without VNNI the AVX2 panel kernel adds 8 (4-bit values) or 4 (5-bit, MXFP4) dwords'
+    vpmaddubsw sums in int16 before widening them (cb_u16_run): every value at its largest
+    against every q at +127 gives the scalar unit's bits at m = 1..9 and 20"""
+    from test_kernels import E8M0_FIELDS, F16_FIELDS
+    from fucina.gguf import TYPE_SIZES
+    n, k = 19, 512
+    bs, ts = TYPE_SIZES[fmt]
+    blk = np.full(ts, 0x77 if fmt == T.MXFP4 else 0xFF, dtype=np.uint8)   # MXFP4: code 7, u = 24
+    for o in F16_FIELDS[fmt]:
+        blk[o:o + 2] = np.array([0x2000], dtype=np.uint16).view(np.uint8)   # f16 2^-7
+    for o in E8M0_FIELDS.get(fmt, []):
+        blk[o] = 120
+    raw = torch.from_numpy(np.tile(blk, n * (k // bs)).reshape(n, -1))
+    x = torch.ones(20, k)
+    K.set_isa("scalar")
+    try:
+        ref = K.matmul(raw, fmt, n, k, x)
+    finally:
+        K.set_isa(isa)
+    assert bool(ref.ne(0).all())
+    for m in (*range(1, 10), 20):
+        assert torch.equal(K.matmul(raw, fmt, n, k, x[:m]), ref[:m]), f"m={m} on {isa}"
+
+
 @LAYOUTS
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (9, 256), (17, 256), (20, 768), (37, 1024)])
 def test_groups_equal_rows_bitwise(lay, n, k, isa):
