@@ -148,6 +148,7 @@ struct pb_wblock {
     __m256i w[8];
 };
 #define PB_DOTS_MR 1  /* x86_panel.inc: the frame takes pb_dots where it applies (16 ymm) */
+#define PB_U16_RUNS (!FK_AVX2_VNNI)  /* pb_dots' int16 runs: vpmaddubsw, not vpdpbusd */
 template <bool WIDE>
 static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
     /* read by pb_dot only: dead, so dropped, where pb_dots runs */
