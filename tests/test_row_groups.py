@@ -211,41 +211,50 @@ def test_interleave_past_a_huge_page_round_trips(lay):
     assert groups.numel() > 1 << 21
 
 
-def _k23_bound_rows(fmt: T, n: int, k: int, high: bool) -> torch.Tensor:
-    """Q2_K / Q3_K rows at the ends of the range the panel kernels keep in int16: every value
-    at its largest (Q2_K 3, Q3_K +3) with the largest scales and mins, or (not high) every
-    value at its smallest (0, Q3_K -4) with Q3_K's scale -32; d = dmin = 2^-7"""
-    unit = 84 if fmt == T.Q2_K else 110
-    blk = np.full(unit, 0xFF if high else 0x00, dtype=np.uint8)
-    half = np.array([0x2000], dtype=np.uint16).view(np.uint8)   # f16 2^-7
-    if fmt == T.Q2_K:
-        blk[:16] = 0xFF                                           # scales and mins 15
-        blk[80:82], blk[82:84] = half, half
-    else:
-        blk[108:110] = half
-    return torch.from_numpy(np.tile(blk, n * (k // 256)).reshape(n, -1))
+def _uniform_rows(fmt: T, n: int, k: int, fill: int, scales: int | None = None) -> torch.Tensor:
+    """n rows of one block repeated: every byte fill (the first `scales` bytes 0xFF: Q2_K's
+    scales and mins 15), its f16 fields 2^-7 and an E8M0 scale 2^-8"""
+    from test_kernels import E8M0_FIELDS, F16_FIELDS
+    from fucina.gguf import TYPE_SIZES
+    bs, ts = TYPE_SIZES[fmt]
+    blk = np.full(ts, fill, dtype=np.uint8)
+    if scales:
+        blk[:scales] = 0xFF
+    for o in F16_FIELDS[fmt]:
+        blk[o:o + 2] = np.array([0x2000], dtype=np.uint16).view(np.uint8)
+    for o in E8M0_FIELDS.get(fmt, []):
+        blk[o] = 120
+    return torch.from_numpy(np.tile(blk, n * (k // bs)).reshape(n, -1))
+
+
+def _equal_to_scalar(raw, fmt: T, n: int, k: int, x: torch.Tensor, isa: str, lay=None) -> None:
+    """rows (and lay's groups of them) at m = 1..9 and 20 give the scalar unit's bits, which are
+    nonzero where x's row 0 (every q +127) meets them"""
+    K.set_isa("scalar")
+    try:
+        ref = K.matmul(raw, fmt, n, k, x)
+    finally:
+        K.set_isa(isa)
+    assert bool(ref[0].ne(0).all())
+    groups = lay.interleave(raw, n) if lay else None
+    for m in (*range(1, 10), 20):
+        assert torch.equal(K.matmul(raw, fmt, n, k, x[:m]), ref[:m]), f"rows m={m} on {isa}"
+        if lay:
+            assert torch.equal(lay.matmul(groups, n, k, x[:m].contiguous()), ref[:m]), f"groups m={m} on {isa}"
 
 
 @pytest.mark.parametrize("lay", [Q2K, Q3K], ids=["q2kx16", "q3kx16"])
 @pytest.mark.parametrize("high", [True, False], ids=["largest", "smallest"])
 def test_k23_panels_at_their_int16_bounds(lay, high, isa):
     """The panel kernels sum a Q2_K / Q3_K 16-group's (u - z) q and its min term in int16 halves:
-    groups at the bounds (every activation q +-127, every value and scale at its end) give the
-    scalar unit's bits, rows and groups, at m = 1..9 and 20"""
+    groups at the bounds give the scalar unit's bits, rows and groups, at m = 1..9 and 20. Every
+    activation q is +-127; every value is at its largest (Q2_K 3, Q3_K +3) or (not high) its
+    smallest (0, Q3_K -4, with Q3_K's scale -32), Q2_K's scales and mins 15"""
     n, k = 19, 512
-    raw = _k23_bound_rows(lay.fmt, n, k, high)
-    groups = lay.interleave(raw, n)
+    raw = _uniform_rows(lay.fmt, n, k, 0xFF if high else 0x00, scales=16 if lay.fmt == T.Q2_K else None)
     x = torch.ones(20, k)
     x[1::2, 256:] = -1.0                                          # -127 in every other row's second superblock
-    K.set_isa("scalar")
-    try:
-        ref = K.matmul(raw, lay.fmt, n, k, x)
-    finally:
-        K.set_isa(isa)
-    assert bool(ref[0].ne(0).all())   # row 0: every q +127, no cancelling
-    for m in (*range(1, 10), 20):
-        assert torch.equal(K.matmul(raw, lay.fmt, n, k, x[:m]), ref[:m]), f"rows m={m} on {isa}"
-        assert torch.equal(lay.matmul(groups, n, k, x[:m].contiguous()), ref[:m]), f"groups m={m} on {isa}"
+    _equal_to_scalar(raw, lay.fmt, n, k, x, isa, lay)
 
 
 @pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.MXFP4], ids=lambda f: f.name)
@@ -253,25 +262,9 @@ def test_int16_runs_at_the_largest_values(fmt, isa):
     """Without VNNI the AVX2 panel kernel adds 8 (4-bit values) or 4 (5-bit, MXFP4) dwords'
     vpmaddubsw sums in int16 before widening them (cb_u16_run): every value at its largest
     against every q at +127 gives the scalar unit's bits at m = 1..9 and 20"""
-    from test_kernels import E8M0_FIELDS, F16_FIELDS
-    from fucina.gguf import TYPE_SIZES
     n, k = 19, 512
-    bs, ts = TYPE_SIZES[fmt]
-    blk = np.full(ts, 0x77 if fmt == T.MXFP4 else 0xFF, dtype=np.uint8)   # MXFP4: code 7, u = 24
-    for o in F16_FIELDS[fmt]:
-        blk[o:o + 2] = np.array([0x2000], dtype=np.uint16).view(np.uint8)   # f16 2^-7
-    for o in E8M0_FIELDS.get(fmt, []):
-        blk[o] = 120
-    raw = torch.from_numpy(np.tile(blk, n * (k // bs)).reshape(n, -1))
-    x = torch.ones(20, k)
-    K.set_isa("scalar")
-    try:
-        ref = K.matmul(raw, fmt, n, k, x)
-    finally:
-        K.set_isa(isa)
-    assert bool(ref.ne(0).all())
-    for m in (*range(1, 10), 20):
-        assert torch.equal(K.matmul(raw, fmt, n, k, x[:m]), ref[:m]), f"m={m} on {isa}"
+    raw = _uniform_rows(fmt, n, k, 0x77 if fmt == T.MXFP4 else 0xFF)   # MXFP4: code 7, u = 24
+    _equal_to_scalar(raw, fmt, n, k, torch.ones(20, k), isa)
 
 
 @LAYOUTS

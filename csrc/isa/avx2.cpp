@@ -124,14 +124,6 @@ static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(w)));
 }
 #define CB_F16_HALVES cb_f16_halves
-/* a 32-byte column of IQ4_XS code indices -> the u of its low and high nibbles (tbl: the codebook's u) */
-static inline void cb_iq4_lut(const uint8_t *col, uint8_t *lo, uint8_t *hi, const uint8_t *tbl) {
-    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tbl)), m4 = _mm256_set1_epi8(15);
-    const __m256i z = _mm256_loadu_si256((const __m256i *)col);
-    _mm256_storeu_si256((__m256i *)lo, _mm256_shuffle_epi8(t, _mm256_and_si256(z, m4)));
-    _mm256_storeu_si256((__m256i *)hi, _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4)));
-}
-#define CB_IQ4_LUT(col, lo, hi) cb_iq4_lut(col, lo, hi, kv_iq4_u8)
 /* cbg_prep's bytes: FK_TQ2_X8's activation dwords broadcast 8 times (avx2_ternary.inc) */
 #define CB_GEMV_PREP_BYTES(qt, m, kp) ((size_t)(m) * (size_t)(kp) * ((qt) == FK_TQ2_X8 ? 8 : 1) + 64)
 #include "generic/matmul_impl.inc"
@@ -211,8 +203,10 @@ static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const in
 #define PB_DOTS_N16 1
 template <int MR>
 static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
-    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
-    __m256i T[MR], L[MR];  /* this group's sums; VNNI: the low group's, masked to its low half */
+    __m256i T[MR];  /* this group's sums */
+#if FK_AVX2_VNNI
+    __m256i L[MR];  /* the first group's */
+#endif
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 4
@@ -234,15 +228,13 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(pb + 320 + 32 * h));
 #if FK_AVX2_VNNI
         if (h == 0) {
-            for (int c = 0; c < MR; c++) L[c] = _mm256_and_si256(T[c], lo16);
+            for (int c = 0; c < MR; c++) L[c] = T[c];
         } else {
-            const __m256i cp = _mm256_or_si256(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(pb + 320)), lo16),
-                                               _mm256_slli_epi32(sc, 16));
-            for (int c = 0; c < MR; c++) I[c] = _mm256_madd_epi16(_mm256_or_si256(L[c], _mm256_slli_epi32(T[c], 16)), cp);
+            const __m256i cp = pb_halves(_mm256_loadu_si256((const __m256i *)(pb + 320)), sc);
+            for (int c = 0; c < MR; c++) I[c] = _mm256_madd_epi16(pb_halves(L[c], T[c]), cp);
         }
 #else
-        (void)L;
-        const __m256i s2 = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32(sc, 16));  /* in both halves */
+        const __m256i s2 = pb_halves(sc, sc);  /* the scale in both halves */
         for (int c = 0; c < MR; c++) {
             const __m256i p = _mm256_madd_epi16(T[c], s2);
             I[c] = h ? _mm256_add_epi32(I[c], p) : p;

@@ -120,14 +120,6 @@ static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
     _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
 }
 #define CB_F16_HALVES cb_f16_halves
-/* a 64-byte column of IQ4_XS code indices -> the u of its low and high nibbles (tbl: the codebook's u) */
-static inline void cb_iq4_lut(const uint8_t *col, uint8_t *lo, uint8_t *hi, const uint8_t *tbl) {
-    const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tbl)), m4 = _mm512_set1_epi8(15);
-    const __m512i z = _mm512_loadu_si512((const void *)col);
-    _mm512_storeu_si512((void *)lo, _mm512_shuffle_epi8(t, _mm512_and_si512(z, m4)));
-    _mm512_storeu_si512((void *)hi, _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4)));
-}
-#define CB_IQ4_LUT(col, lo, hi) cb_iq4_lut(col, lo, hi, kv_iq4_u8)
 #define CB_PREFETCH_W(p) __asm__ volatile("prefetchw %0" : : "m"(*(const char *)(p)))  /* every AVX-512 CPU has it */
 static bool cb_fast_quant_act(const float *__restrict x, int64_t k, int64_t kp, int z, bool g16,
                               uint8_t *__restrict dst);
@@ -183,8 +175,7 @@ template <int MR>
 static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m512i I[MR]) {
     __m512i w[8];
     for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
-    const __m512i cp = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_loadu_si512((const void *)(pb + 640)),
-                                               _mm512_slli_epi32(_mm512_loadu_si512((const void *)(pb + 704)), 16));
+    const __m512i cp = pb_halves(_mm512_loadu_si512((const void *)(pb + 640)), _mm512_loadu_si512((const void *)(pb + 704)));
     for (int c = 0; c < MR; c++) {
         const int32_t *xd = xq[c] + 8 * b;
         __m512i lo = _mm512_set1_epi32(zi[c][2 * b]), hi = _mm512_set1_epi32(zi[c][2 * b + 1]);
@@ -192,7 +183,7 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
             lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(xd[i]));
             hi = _mm512_dpbusd_epi32(hi, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
         }
-        I[c] = _mm512_madd_epi16(_mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16)), cp);
+        I[c] = _mm512_madd_epi16(pb_halves(lo, hi), cp);
     }
 }
 
