@@ -206,3 +206,38 @@ def test_native_streamed_experts_equal_resident(tmp_path):
     assert model.native_plan is not None
     assert torch.equal(chunked_logits(model, NATIVE_IDS, chunks), want)
     assert store.report()["evictions"] > 0 and store.report()["errors"] == []
+
+
+_NAN_ROUTER = """
+import struct, sys, torch
+sys.path.insert(0, {tests!r})
+from synth_gptoss import write_gptoss
+from fucina.gguf import GGUFFile
+from fucina.models import load_model
+p = write_gptoss({path!r}, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, window=8, experts=4,
+                 experts_used=2, moe_ffn=128, seed=3)
+t = GGUFFile(p).tensors["blk.0.ffn_gate_inp.weight"]
+with open(p, "r+b") as fh:
+    fh.seek(t.offset)
+    fh.write(struct.pack("<f", float("nan")) * (t.nbytes // 4))
+m = load_model(p)
+c = m.init_cache(16)
+a = m.forward_step_all_logits(c, torch.tensor([3, 17, 42, 5, 9]), 0)
+b = m.forward_step(c, torch.tensor([100]), 5)
+print(bool(a.isnan().all()), bool(b.isnan().all()))
+"""
+
+
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+def test_nan_router_logits_pick_experts_in_range(tmp_path):
+    """A row whose router logits are all NaN (a model whose activations overflowed) still
+    names experts in range in the native MoE step: its logits come out NaN, the process
+    lives (the top-k had named expert -1 and written before its logits: a crash). Run in a
+    child process, so a crash fails this test alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = _NAN_ROUTER.format(tests=str(Path(__file__).parent), path=str(tmp_path / "nan.gguf"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True"]
