@@ -127,6 +127,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_Q50_X16: *bs = 64; *ts = 44; return 1;    /* likewise */
     case FK_Q51_X16: *bs = 64; *ts = 48; return 1;    /* likewise */
     case FK_Q80_X16: *bs = 64; *ts = 68; return 1;    /* likewise */
+    case FK_MXFP4_X16: *bs = 64; *ts = 34; return 1;  /* likewise */
     }
     return 0;
 }

@@ -1,6 +1,6 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
 (csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0,
-Q5_1 and Q8_0 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
+Q5_1, Q8_0 and MXFP4 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
 q80x16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
@@ -37,14 +37,14 @@ class Layout:
                 T.IQ4_XS: K.iq4xs_interleave, T.Q2_K: K.q2k_interleave,
                 T.Q3_K: K.q3k_interleave,
                 T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave, T.Q4_0: K.q40_interleave,
-                T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave}[self.fmt](raw, n)
+                T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave, T.MXFP4: K.mxfp4_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
         return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
                 T.Q5_K: K.q5k_deinterleave, T.IQ4_XS: K.iq4xs_deinterleave, T.Q2_K: K.q2k_deinterleave,
                 T.Q3_K: K.q3k_deinterleave,
                 T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave, T.Q4_0: K.q40_deinterleave,
-                T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave}[self.fmt](groups, n)
+                T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave, T.MXFP4: K.mxfp4_deinterleave}[self.fmt](groups, n)
 
     def matmul(self, groups, n, k, x):
         y = torch.empty(x.shape[0], n)
@@ -68,8 +68,9 @@ Q80 = Layout(T.Q8_0, K.Q80_X16, 16, 68, ("avx512", "avx2", "avx2vnni"), "FUCINA_
 Q40 = Layout(T.Q4_0, K.Q40_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q40_X16", 64)
 Q41 = Layout(T.Q4_1, K.Q41_X16, 16, 40, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q41_X16", 64)
 Q51 = Layout(T.Q5_1, K.Q51_X16, 16, 48, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q51_X16", 64)
+MXF4 = Layout(T.MXFP4, K.MXFP4_X16, 16, 34, ("avx512", "avx2", "avx2vnni"), "FUCINA_MXFP4_X16", 64)
 ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q5kx16": Q5K, "q6kx16": Q6K, "iq4xsx16": IQ4XS, "q2kx16": Q2K, "q3kx16": Q3K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
-       "q51x16": Q51}
+       "q51x16": Q51, "mxfp4x16": MXF4}
 LAYOUTS = pytest.mark.parametrize("lay", list(ALL.values()), ids=list(ALL))
 
 
@@ -173,7 +174,21 @@ def test_q80_interleave_round_trips(n, k):
             assert torch.equal(unit[64 + 512 * h + 64 * i + 4 * r:][:4], blk[2 + 4 * i:][:4] ^ 0x80)
 
 
-@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, Q80], ids=["q40x16", "q41x16", "q50x16", "q51x16", "q80x16"])
+@pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (33, 640)])
+def test_mxfp4_interleave_round_trips(n, k):
+    """the documented places in group 0, unit u, block 2 u + h, row r: the E8M0 byte at 2 r + h;
+    qs dword i at 32 + 256 h + 64 i + 4 r"""
+    raw, x16, _ = _round_trip(MXF4, n, k)
+    grp = x16[:16].reshape(-1)
+    for r, u, h in ((0, 0, 0), (min(n, 16) - 1, k // 64 - 1, 1), (min(n, 16) // 2, k // 128, 1)):
+        unit, blk = grp[544 * u:], raw[r, 34 * u + 17 * h:][:17]
+        assert int(unit[2 * r + h]) == int(blk[0])
+        for i in range(4):
+            assert torch.equal(unit[32 + 256 * h + 64 * i + 4 * r:][:4], blk[1 + 4 * i:][:4])
+
+
+@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, Q80, MXF4],
+                         ids=["q40x16", "q41x16", "q50x16", "q51x16", "q80x16", "mxfp4x16"])
 def test_rows_of_an_odd_block_count_stay_rows(lay):
     """rows of 3 blocks do not cut into two-block units: the weight keeps its rows (and the
     interleave says why in a typed error)"""
@@ -260,11 +275,13 @@ def test_k23_panels_at_their_int16_bounds(lay, high, isa):
 @pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.MXFP4], ids=lambda f: f.name)
 def test_int16_runs_at_the_largest_values(fmt, isa):
     """Without VNNI the AVX2 panel kernel adds 8 (4-bit values) or 4 (5-bit, MXFP4) dwords'
-    vpmaddubsw sums in int16 before widening them (cb_u16_run): every value at its largest
-    against every q at +127 gives the scalar unit's bits at m = 1..9 and 20"""
+    vpmaddubsw sums in int16 before widening them (cb_u16_run), the groups' GEMVs 4: every
+    value at its largest against every q at +127 gives the scalar unit's bits at m = 1..9 and
+    20, rows and groups"""
     n, k = 19, 512
     raw = _uniform_rows(fmt, n, k, 0x77 if fmt == T.MXFP4 else 0xFF)   # MXFP4: code 7, u = 24
-    _equal_to_scalar(raw, fmt, n, k, torch.ones(20, k), isa)
+    lay = {T.Q4_0: Q40, T.Q4_1: Q41, T.Q4_K: Q4K, T.Q5_0: Q50, T.Q5_1: Q51, T.Q5_K: Q5K, T.MXFP4: MXF4}[fmt]
+    _equal_to_scalar(raw, fmt, n, k, torch.ones(20, k), isa, lay)   # and the groups' GEMVs and panels
 
 
 @LAYOUTS
@@ -359,7 +376,7 @@ def model_paths(tmp_path_factory):
 
 #: the layouts a synthetic model is written in (fucina.quant has no IQ4_XS quantizer: its
 #: groups are checked bitwise on weights above, and on a llama-quantize file in BENCHMARK.md)
-MODEL_LAYOUTS = {name: lay for name, lay in ALL.items() if lay is not IQ4XS}
+MODEL_LAYOUTS = {name: lay for name, lay in ALL.items() if lay not in (IQ4XS, MXF4)}   # MXFP4: gpt-oss's experts, below
 
 
 @pytest.mark.parametrize("lay,level", [(lay, level) for name, lay in MODEL_LAYOUTS.items() for level in ("avx512", "avx2")
@@ -481,15 +498,21 @@ def test_more_expert_stacks_in_groups_give_the_rows_logits(tmp_path, lay):
     level = next((i for i in ("avx512", "avx2") if i in K.supported_isas()), None)
     if level is None:
         pytest.skip("no level reads the groups")
+    _grouped_stacks_give_the_rows_logits(_moe_file(tmp_path, "qwen3moe", lay.fmt.name), level, lay)
+
+
+def _grouped_stacks_give_the_rows_logits(path: str, level: str, lay: Layout) -> None:
+    """the model at `level` with its expert stacks in lay's groups (every stack) and on the
+    file's rows: the same prefill, decode and verify logits"""
     from fucina.models import load_model
     from fucina.weights.row_groups import expert_stacks
-    path = _moe_file(tmp_path, "qwen3moe", lay.fmt.name)
     before = K.isa()
     try:
         K.set_isa(level)
         rows, grp = load_model(path, group_experts=False), load_model(path)
         stacks = [s for L in grp.layers for s in expert_stacks(L)]
         assert stacks and all(s.whole.kernel.qtype == lay.pseudo for s in stacks)
+        assert all(s.whole.kernel.qtype == int(lay.fmt) for L in rows.layers for s in expert_stacks(L))
         ids = torch.tensor([3, 17, 42, 5, 9, 100, 7, 64, 2])
         outs = []
         for m in (rows, grp):
@@ -500,6 +523,18 @@ def test_more_expert_stacks_in_groups_give_the_rows_logits(tmp_path, lay):
             assert torch.equal(x, y)
     finally:
         K.set_isa(before)
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
+def test_gptoss_mxfp4_expert_stacks_in_groups_give_the_rows_logits(tmp_path, level):
+    """gpt-oss's MXFP4 expert stacks (gate, up, down) go to 16-row groups; prefill, decode and
+    verify logits equal the rows model's"""
+    if level not in K.supported_isas():
+        pytest.skip(f"no {level} on this CPU")
+    from synth_gptoss import write_gptoss
+    path = write_gptoss(tmp_path / "g.gguf", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, window=8,
+                        experts=4, experts_used=2, moe_ffn=128, seed=3)
+    _grouped_stacks_give_the_rows_logits(path, level, MXF4)
 
 
 def test_expert_stacks_stay_on_rows_when_their_copy_would_not_fit(tmp_path, monkeypatch):

@@ -544,8 +544,8 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([qs, d], dim=-1).reshape(groups * 8, rb)[:n].contiguous()
 
 
-#: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_1, Q5_K, IQ4_XS, Q2_K and
-#: Q3_K rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
+#: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_1, Q5_K, IQ4_XS, Q2_K,
+#: Q3_K and MXFP4 rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
 #: x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, k23x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
@@ -558,6 +558,7 @@ Q5K_X16 = PTQTP_BASE + 40
 IQ4XS_X16 = PTQTP_BASE + 41
 Q2K_X16 = PTQTP_BASE + 42
 Q3K_X16 = PTQTP_BASE + 43
+MXFP4_X16 = PTQTP_BASE + 44
 #: the ISA levels whose decode GEMV reads those layouts (the scalar unit reads them through panels)
 _X16_ISAS = ("avx512", "avx2", "avx2vnni")
 _X16_UNIT = {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136, GGMLType.Q2_K: 84,
@@ -826,6 +827,40 @@ def q51_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     return _pair_deinterleave(x16, n, GGMLType.Q5_1, "q51_deinterleave")
 
 
+_MXFP4_BLOCK = 17   # E8M0 byte, then 16 qs bytes
+
+
+def mxfp4_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """MXFP4 rows [n, rb] (an even number of blocks) -> their 16-row groups
+    (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (544
+    bytes) the 16 rows' E8M0 bytes (row r's first block at 2 r, its second at 2 r + 1), then
+    the first block's 4 qs dwords and the second's as columns of the 16 rows (dword e of row r
+    at 32 + 64 e + 4 r). The rows past n are zeros; mxfp4_deinterleave undoes it."""
+    bb = _MXFP4_BLOCK
+    rows = _group_rows(raw, n, 2 * bb, 16, "MXFP4", "mxfp4_interleave")
+    rb = rows.shape[-1]
+    nu, groups = rb // (2 * bb), rows.shape[0] // 16
+    b = rows.view(groups, 16, nu, 2, bb).permute(0, 2, 3, 1, 4)   # [groups, units, block, 16 rows, 17]
+    out = huge_empty(rows.numel()).view(groups, nu, 16 * 2 * bb)
+    out[..., :32].unflatten(-1, (16, 2)).copy_(b[..., 0].transpose(-1, -2))
+    out[..., 32:].unflatten(-1, (2, 4, 16, 4)).copy_(b[..., 1:].unflatten(-1, (4, 4)).transpose(-3, -2))
+    return out.view(groups * 16, rb)
+
+
+def mxfp4_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """mxfp4_interleave's inverse: the first n MXFP4 rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    bb, rb = _MXFP4_BLOCK, x16.shape[-1]
+    nu, groups = rb // (2 * bb), x16.numel() // (16 * rb)
+    if x16.dtype != torch.uint8 or rb % (2 * bb) or x16.numel() != groups * 16 * rb or n > groups * 16:
+        raise KernelError(f"mxfp4_deinterleave: {tuple(x16.shape)} {x16.dtype} does not hold {n} rows in 16-row groups")
+    g = x16.reshape(groups, nu, 16 * 2 * bb)
+    out = x16.new_empty(groups, 16, nu, 2, bb)
+    b = out.permute(0, 2, 3, 1, 4)
+    b[..., 0].copy_(g[..., :32].unflatten(-1, (16, 2)).transpose(-1, -2))
+    b[..., 1:].unflatten(-1, (4, 4)).copy_(g[..., 32:].unflatten(-1, (2, 4, 16, 4)).transpose(-3, -2))
+    return out.view(groups * 16, rb)[:n]
+
+
 class _Layout(NamedTuple):
     pseudo: int          # the kernels' type of the repacked bytes
     group: int           # rows a group
@@ -852,7 +887,9 @@ _LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2
                    (GGMLType.Q8_0, Q80_X16, "FUCINA_Q80_X16", q80_interleave, q80_deinterleave),
                    (GGMLType.Q4_0, Q40_X16, "FUCINA_Q40_X16", q40_interleave, q40_deinterleave),
                    (GGMLType.Q4_1, Q41_X16, "FUCINA_Q41_X16", q41_interleave, q41_deinterleave),
-                   (GGMLType.Q5_1, Q51_X16, "FUCINA_Q51_X16", q51_interleave, q51_deinterleave))}}
+                   (GGMLType.Q5_1, Q51_X16, "FUCINA_Q51_X16", q51_interleave, q51_deinterleave))},
+            GGMLType.MXFP4: _Layout(MXFP4_X16, 16, 2 * _MXFP4_BLOCK, _X16_ISAS, "FUCINA_MXFP4_X16", mxfp4_interleave,
+                                    mxfp4_deinterleave)}
 #: pseudo type -> (the GGML type of the rows, its layout)
 _GROUPED = {lay.pseudo: (fmt, lay) for fmt, lay in _LAYOUTS.items()}
 
@@ -901,9 +938,10 @@ def interleave(weight) -> bool:
     times a superblock: BENCHMARK.md "TQ2_0 decode at AVX2: 8-row groups"), Q4_K and Q6_K in
     16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
     Q6_K decode: 16-row groups"; Q5_K, IQ4_XS, Q2_K and Q3_K likewise: "Q5_K decode: 16-row
-    groups", "IQ4_XS, Q2_K and Q3_K decode: 16-row groups"), and Q4_0, Q4_1, Q5_0, Q5_1 and
-    Q8_0 rows of an even block count likewise (no add tree: "Q5_0 and Q8_0 decode: 16-row
-    groups", "Q4_0, Q4_1 and Q5_1 decode: 16-row groups"). Every route (prefill panels,
+    groups", "IQ4_XS, Q2_K and Q3_K decode: 16-row groups"), and Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0 and MXFP4 rows of an even block count likewise (no add tree: "Q5_0 and Q8_0 decode:
+    16-row groups", "Q4_0, Q4_1 and Q5_1 decode: 16-row groups", "MXFP4 decode: 16-row
+    groups"). Every route (prefill panels,
     verify, the other ISA units) reads the layouts too and gives the same bits as the rows they
     came from. The kernel holds the copy (weight.raw keeps the rows: the reference path,
     training and the file's pages read those); True when repacked. A layout's variable set to 0 keeps the rows
