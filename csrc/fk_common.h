@@ -62,15 +62,17 @@ enum { FK_Q2K_X16 = FK_PTQTP_BASE + 42 };
 enum { FK_Q3K_X16 = FK_PTQTP_BASE + 43 };
 /* MXFP4 rows likewise in two-block units, the 16 rows' E8M0 byte pairs first (generic/x16n_impl.inc) */
 enum { FK_MXFP4_X16 = FK_PTQTP_BASE + 44 };
+/* IQ4_NL rows likewise, Q4_0's places (generic/x16n_impl.inc) */
+enum { FK_IQ4NL_X16 = FK_PTQTP_BASE + 45 };
 /* a layout of superblocks in 16-row groups, their dwords as columns (Q2_K .. Q6_K, IQ4_XS) */
 static inline bool fk_x16s(int qtype) {
     return qtype == FK_Q4K_X16 || qtype == FK_Q5K_X16 || qtype == FK_Q6K_X16 || qtype == FK_IQ4XS_X16 || qtype == FK_Q2K_X16 ||
            qtype == FK_Q3K_X16;
 }
-/* a layout of two-block units in 16-row groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) */
+/* a layout of two-block units in 16-row groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL) */
 static inline bool fk_x16u(int qtype) {
     return qtype == FK_Q40_X16 || qtype == FK_Q41_X16 || qtype == FK_Q50_X16 || qtype == FK_Q51_X16 || qtype == FK_Q80_X16 ||
-           qtype == FK_MXFP4_X16;
+           qtype == FK_MXFP4_X16 || qtype == FK_IQ4NL_X16;
 }
 /* rows a group of a row-group layout above; 0 for a format in plain rows */
 static inline int fk_group_rows(int qtype) {

@@ -128,6 +128,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_Q51_X16: *bs = 64; *ts = 48; return 1;    /* likewise */
     case FK_Q80_X16: *bs = 64; *ts = 68; return 1;    /* likewise */
     case FK_MXFP4_X16: *bs = 64; *ts = 34; return 1;  /* likewise */
+    case FK_IQ4NL_X16: *bs = 64; *ts = 36; return 1;  /* likewise */
     }
     return 0;
 }

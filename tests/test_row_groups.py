@@ -1,6 +1,6 @@
 """Weights in row groups (fucina.kernels.interleave): TQ2_0 in 8-row groups
 (csrc/generic/tq2x8_impl.inc, the AVX2 decode GEMV), Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0 and MXFP4 in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
+Q5_1, Q8_0, MXFP4 and IQ4_NL in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc, x16n_impl.inc,
 q80x16_impl.inc: the AVX-512 and AVX2 decode GEMVs). Each layout round-trips,
 and every route on every ISA (the GEMV for 1..8 rows where a level reads the layout, the
 panel route past them and on the other units) gives the bits of the rows it came from, on
@@ -37,14 +37,16 @@ class Layout:
                 T.IQ4_XS: K.iq4xs_interleave, T.Q2_K: K.q2k_interleave,
                 T.Q3_K: K.q3k_interleave,
                 T.Q5_0: K.q50_interleave, T.Q8_0: K.q80_interleave, T.Q4_0: K.q40_interleave,
-                T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave, T.MXFP4: K.mxfp4_interleave}[self.fmt](raw, n)
+                T.Q4_1: K.q41_interleave, T.Q5_1: K.q51_interleave, T.MXFP4: K.mxfp4_interleave,
+                T.IQ4_NL: K.iq4nl_interleave}[self.fmt](raw, n)
 
     def undo(self, groups, n):
         return {T.TQ2_0: K.tq2_deinterleave, T.Q4_K: K.q4k_deinterleave, T.Q6_K: K.q6k_deinterleave,
                 T.Q5_K: K.q5k_deinterleave, T.IQ4_XS: K.iq4xs_deinterleave, T.Q2_K: K.q2k_deinterleave,
                 T.Q3_K: K.q3k_deinterleave,
                 T.Q5_0: K.q50_deinterleave, T.Q8_0: K.q80_deinterleave, T.Q4_0: K.q40_deinterleave,
-                T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave, T.MXFP4: K.mxfp4_deinterleave}[self.fmt](groups, n)
+                T.Q4_1: K.q41_deinterleave, T.Q5_1: K.q51_deinterleave, T.MXFP4: K.mxfp4_deinterleave,
+                T.IQ4_NL: K.iq4nl_deinterleave}[self.fmt](groups, n)
 
     def matmul(self, groups, n, k, x):
         y = torch.empty(x.shape[0], n)
@@ -69,8 +71,9 @@ Q40 = Layout(T.Q4_0, K.Q40_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_
 Q41 = Layout(T.Q4_1, K.Q41_X16, 16, 40, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q41_X16", 64)
 Q51 = Layout(T.Q5_1, K.Q51_X16, 16, 48, ("avx512", "avx2", "avx2vnni"), "FUCINA_Q51_X16", 64)
 MXF4 = Layout(T.MXFP4, K.MXFP4_X16, 16, 34, ("avx512", "avx2", "avx2vnni"), "FUCINA_MXFP4_X16", 64)
+IQ4NL = Layout(T.IQ4_NL, K.IQ4NL_X16, 16, 36, ("avx512", "avx2", "avx2vnni"), "FUCINA_IQ4NL_X16", 64)
 ALL = {"tq2x8": TQ2, "q4kx16": Q4K, "q5kx16": Q5K, "q6kx16": Q6K, "iq4xsx16": IQ4XS, "q2kx16": Q2K, "q3kx16": Q3K, "q50x16": Q50, "q80x16": Q80, "q40x16": Q40, "q41x16": Q41,
-       "q51x16": Q51, "mxfp4x16": MXF4}
+       "q51x16": Q51, "mxfp4x16": MXF4, "iq4nlx16": IQ4NL}
 LAYOUTS = pytest.mark.parametrize("lay", list(ALL.values()), ids=list(ALL))
 
 
@@ -133,11 +136,12 @@ def _q50_fifth_bit(qh: torch.Tensor, e: int) -> int:
 #: the nibble formats' byte places in a unit (csrc/generic/x16n_impl.inc): unit bytes, block
 #: bytes, whether [d | m] columns (else column 0 holds both d), the qh column (0: none), the qs
 #: columns; the block's qh and qs offsets
-_NIBBLE = {T.Q4_0: (576, 18, False, 0, 64, None, 2), T.Q4_1: (640, 20, True, 0, 128, None, 4),
+_NIBBLE = {T.Q4_0: (576, 18, False, 0, 64, None, 2), T.IQ4_NL: (576, 18, False, 0, 64, None, 2),
+           T.Q4_1: (640, 20, True, 0, 128, None, 4),
            T.Q5_0: (704, 22, False, 64, 192, 2, 6), T.Q5_1: (768, 24, True, 128, 256, 4, 8)}
 
 
-@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51], ids=["q40x16", "q41x16", "q50x16", "q51x16"])
+@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, IQ4NL], ids=["q40x16", "q41x16", "q50x16", "q51x16", "iq4nlx16"])
 @pytest.mark.parametrize("n,k", [(1, 64), (15, 128), (16, 256), (33, 640)])
 def test_nibble_interleave_round_trips(lay, n, k):
     """the documented places in group 0, unit u, block 2 u + h, row r: Q4_0, Q5_0: d at 4 r + 2 h;
@@ -187,8 +191,8 @@ def test_mxfp4_interleave_round_trips(n, k):
             assert torch.equal(unit[32 + 256 * h + 64 * i + 4 * r:][:4], blk[1 + 4 * i:][:4])
 
 
-@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, Q80, MXF4],
-                         ids=["q40x16", "q41x16", "q50x16", "q51x16", "q80x16", "mxfp4x16"])
+@pytest.mark.parametrize("lay", [Q40, Q41, Q50, Q51, Q80, MXF4, IQ4NL],
+                         ids=["q40x16", "q41x16", "q50x16", "q51x16", "q80x16", "mxfp4x16", "iq4nlx16"])
 def test_rows_of_an_odd_block_count_stay_rows(lay):
     """rows of 3 blocks do not cut into two-block units: the weight keeps its rows (and the
     interleave says why in a typed error)"""
@@ -284,6 +288,17 @@ def test_int16_runs_at_the_largest_values(fmt, isa):
     _equal_to_scalar(raw, fmt, n, k, torch.ones(20, k), isa, lay)   # and the groups' GEMVs and panels
 
 
+@pytest.mark.parametrize("fill", [0x00, 0xFF], ids=["code0", "code15"])
+def test_iq4nl_groups_at_their_extreme_codes(fill, isa):
+    """IQ4_NL's groups without VNNI take the sign trick (u up to 241 would saturate
+    vpmaddubsw): every code at -127 (code 0) or +113 (code 15) against q = +-127 gives the
+    scalar unit's bits, rows and groups, at m = 1..9 and 20"""
+    n, k = 19, 512
+    x = torch.ones(20, k)
+    x[1::2, 256:] = -1.0
+    _equal_to_scalar(_uniform_rows(T.IQ4_NL, n, k, fill), T.IQ4_NL, n, k, x, isa, IQ4NL)
+
+
 @LAYOUTS
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (9, 256), (17, 256), (20, 768), (37, 1024)])
 def test_groups_equal_rows_bitwise(lay, n, k, isa):
@@ -310,6 +325,11 @@ def test_groups_equal_rows_bitwise(lay, n, k, isa):
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-3 * float(want.abs().max()))
 
 
+#: activation rows past which an AVX2 level gives these groups to the panel route (measured
+#: faster there, csrc/isa/avx2_cbgemv.inc cbg_ok); every other level and layout: 8
+_GEMV_ROWS = {(MXF4, "avx2"): 6, (IQ4NL, "avx2"): 4, (IQ4NL, "avx2vnni"): 6}
+
+
 @LAYOUTS
 def test_gemv_probe_takes_groups(lay):
     if not lay.here():
@@ -318,7 +338,7 @@ def test_gemv_probe_takes_groups(lay):
     try:
         for name in lay.here():
             K.set_isa(name)
-            assert K._native.gemv_rows(lay.pseudo) == 8
+            assert K._native.gemv_rows(lay.pseudo) == _GEMV_ROWS.get((lay, name), 8)
     finally:
         K.set_isa(before)
 
@@ -374,9 +394,10 @@ def model_paths(tmp_path_factory):
                for i, fmt in enumerate((T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q2_K, T.Q3_K))}}
 
 
-#: the layouts a synthetic model is written in (fucina.quant has no IQ4_XS quantizer: its
-#: groups are checked bitwise on weights above, and on a llama-quantize file in BENCHMARK.md)
-MODEL_LAYOUTS = {name: lay for name, lay in ALL.items() if lay not in (IQ4XS, MXF4)}   # MXFP4: gpt-oss's experts, below
+#: the layouts a synthetic model is written in (fucina.quant has no IQ4_XS or IQ4_NL quantizer:
+#: their groups are checked bitwise on weights above, and on llama-quantize files in BENCHMARK.md;
+#: MXFP4: gpt-oss's expert stacks, below)
+MODEL_LAYOUTS = {name: lay for name, lay in ALL.items() if lay not in (IQ4XS, MXF4, IQ4NL)}
 
 
 @pytest.mark.parametrize("lay,level", [(lay, level) for name, lay in MODEL_LAYOUTS.items() for level in ("avx512", "avx2")

@@ -545,7 +545,7 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
 
 
 #: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_1, Q5_K, IQ4_XS, Q2_K,
-#: Q3_K and MXFP4 rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
+#: Q3_K, MXFP4 and IQ4_NL rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
 #: x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, k23x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
@@ -559,6 +559,7 @@ IQ4XS_X16 = PTQTP_BASE + 41
 Q2K_X16 = PTQTP_BASE + 42
 Q3K_X16 = PTQTP_BASE + 43
 MXFP4_X16 = PTQTP_BASE + 44
+IQ4NL_X16 = PTQTP_BASE + 45
 #: the ISA levels whose decode GEMV reads those layouts (the scalar unit reads them through panels)
 _X16_ISAS = ("avx512", "avx2", "avx2vnni")
 _X16_UNIT = {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136, GGMLType.Q2_K: 84,
@@ -707,6 +708,7 @@ def _q50_transpose(qh: torch.Tensor, inverse: bool) -> torch.Tensor:
 #: block its byte offset, dword count, first column in block 0, column step to block 1 and
 #: transform (csrc/generic/x16n_impl.inc, q80x16_impl.inc)
 _PAIR_FIELDS = {GGMLType.Q4_0: (18, True, ((2, 4, 1, 4, None),)),
+                GGMLType.IQ4_NL: (18, True, ((2, 4, 1, 4, None),)),
                 GGMLType.Q4_1: (20, False, ((0, 1, 0, 1, None), (4, 4, 2, 4, None))),
                 GGMLType.Q5_0: (22, True, ((2, 1, 1, 1, "qh"), (6, 4, 3, 4, None))),
                 GGMLType.Q5_1: (24, False, ((0, 1, 0, 1, None), (4, 1, 2, 1, "qh"), (8, 4, 4, 4, None))),
@@ -800,6 +802,19 @@ def q40_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
     return _pair_deinterleave(x16, n, GGMLType.Q4_0, "q40_deinterleave")
 
 
+def iq4nl_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """IQ4_NL rows [n, rb] (an even number of blocks) -> their 16-row groups, Q4_0's places
+    (csrc/generic/x16n_impl.inc): per group and pair of blocks (576 bytes) the two blocks' f16 d
+    side by side, then the first block's 4 code dwords and the second's. iq4nl_deinterleave
+    undoes it."""
+    return _pair_interleave(raw, n, GGMLType.IQ4_NL, "iq4nl_interleave")
+
+
+def iq4nl_deinterleave(x16: torch.Tensor, n: int) -> torch.Tensor:
+    """iq4nl_interleave's inverse: the first n IQ4_NL rows [n, rb] of 16-row groups [ceil16(n), rb]."""
+    return _pair_deinterleave(x16, n, GGMLType.IQ4_NL, "iq4nl_deinterleave")
+
+
 def q41_interleave(raw: torch.Tensor, n: int) -> torch.Tensor:
     """Q4_1 rows [n, rb] (an even number of blocks) -> their 16-row groups
     (csrc/generic/x16n_impl.inc), [ceil16(n), rb] uint8: per group and pair of blocks (640
@@ -887,7 +902,8 @@ _LAYOUTS = {GGMLType.TQ2_0: _Layout(TQ2_X8, 8, _TQ2_BYTES, _X8_ISAS, "FUCINA_TQ2
                    (GGMLType.Q8_0, Q80_X16, "FUCINA_Q80_X16", q80_interleave, q80_deinterleave),
                    (GGMLType.Q4_0, Q40_X16, "FUCINA_Q40_X16", q40_interleave, q40_deinterleave),
                    (GGMLType.Q4_1, Q41_X16, "FUCINA_Q41_X16", q41_interleave, q41_deinterleave),
-                   (GGMLType.Q5_1, Q51_X16, "FUCINA_Q51_X16", q51_interleave, q51_deinterleave))},
+                   (GGMLType.Q5_1, Q51_X16, "FUCINA_Q51_X16", q51_interleave, q51_deinterleave),
+                   (GGMLType.IQ4_NL, IQ4NL_X16, "FUCINA_IQ4NL_X16", iq4nl_interleave, iq4nl_deinterleave))},
             GGMLType.MXFP4: _Layout(MXFP4_X16, 16, 2 * _MXFP4_BLOCK, _X16_ISAS, "FUCINA_MXFP4_X16", mxfp4_interleave,
                                     mxfp4_deinterleave)}
 #: pseudo type -> (the GGML type of the rows, its layout)
@@ -939,9 +955,9 @@ def interleave(weight) -> bool:
     16-row groups at AVX-512 and the AVX2 levels (no add tree and no scale copies: "Q4_K and
     Q6_K decode: 16-row groups"; Q5_K, IQ4_XS, Q2_K and Q3_K likewise: "Q5_K decode: 16-row
     groups", "IQ4_XS, Q2_K and Q3_K decode: 16-row groups"), and Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0 and MXFP4 rows of an even block count likewise (no add tree: "Q5_0 and Q8_0 decode:
-    16-row groups", "Q4_0, Q4_1 and Q5_1 decode: 16-row groups", "MXFP4 decode: 16-row
-    groups"). Every route (prefill panels,
+    Q8_0, MXFP4 and IQ4_NL rows of an even block count likewise (no add tree: "Q5_0 and Q8_0
+    decode: 16-row groups", "Q4_0, Q4_1 and Q5_1 decode: 16-row groups", "MXFP4 and IQ4_NL
+    decode: 16-row groups"). Every route (prefill panels,
     verify, the other ISA units) reads the layouts too and gives the same bits as the rows they
     came from. The kernel holds the copy (weight.raw keeps the rows: the reference path,
     training and the file's pages read those); True when repacked. A layout's variable set to 0 keeps the rows
