@@ -144,10 +144,14 @@ static inline size_t fk_pf_ahead(fk_pf *f, const uint8_t *w, size_t front, size_
     fk_pf_set(f, w + front, to - front, steps);
     return to;
 }
-/* activation rows up to which the decode GEMV touches its tiles (and drops the per-row
- * prefetches): past them the dots are long enough to hide the reads the old way, and the
- * touch's serial read phase costs more than it saves (8 rows: SmolLM2 +10%, Gemma-3 +4-14%) */
-#define FK_TOUCH_ROWS 5
+/* activation rows up to which the decode GEMV touches its run's first tile and prefetches
+ * each next one during the dots: every row count it takes (1..8). With 5, 6-8 rows (a verify
+ * pass) read each tile with no prefetch ahead: a pass cost 2.6-2.7 plain steps at 6 rows
+ * against 1.6-1.7 at 5 (Qwen2.5-Coder-0.5B at AVX2), now 1.9-2.0; SmolLM2, Gemma-3 and AVX-512
+ * likewise (`benchmarks/speculative.py --costs`; BENCHMARK.md "Verify passes of 6-8 rows
+ * prefetch too"). Measured when the touch read every tile (before the next-tile prefetch): 8
+ * rows cost SmolLM2 10% and Gemma-3 4-14% more, so it had stopped at 5 */
+#define FK_TOUCH_ROWS 8
 static inline void fk_touch(const uint8_t *p, size_t n) {
     if (n == 0 || n > FK_TOUCH_MAX) return;
     uint32_t acc = p[n - 1];
