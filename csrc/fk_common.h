@@ -98,10 +98,10 @@ typedef struct {
  * does not follow, and its dots fill the out-of-order window, so only about one step's
  * lines are in flight at a time: on Zen 4 that access order alone, with no arithmetic, reads
  * DRAM at 5.5 GB/s a core against 18-22 in address order. A tight loop of loads keeps many
- * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. Up to
- * FK_TOUCH_ROWS activation rows it replaces the per-row software prefetches, which gained
- * ~nothing there and, beside the touch, cancelled its gain (they fill the miss buffers with
- * the next tile's lines). BENCHMARK.md, "The decode GEMV reads each tile in address order". A span past FK_TOUCH_MAX (more than L2
+ * misses in flight, as a sequential read does; the dots then run on bytes in L1/L2. It
+ * replaced the per-row software prefetches, which gained ~nothing beside it and cancelled its
+ * gain (they filled the miss buffers with the next tile's lines); BENCHMARK.md, "The decode
+ * GEMV reads each tile in address order". A span past FK_TOUCH_MAX (more than L2
  * holds beside the rest) is left to the kernel's own reads. Now only a run's first tile is
  * touched: the others are prefetched during the previous tile's dots (fk_pf below). */
 #define FK_TOUCH_MAX (256 * 1024)
@@ -144,14 +144,11 @@ static inline size_t fk_pf_ahead(fk_pf *f, const uint8_t *w, size_t front, size_
     fk_pf_set(f, w + front, to - front, steps);
     return to;
 }
-/* activation rows up to which the decode GEMV touches its run's first tile and prefetches
- * each next one during the dots: every row count it takes (1..8). With 5, 6-8 rows (a verify
- * pass) read each tile with no prefetch ahead: a pass cost 2.6-2.7 plain steps at 6 rows
- * against 1.6-1.7 at 5 (Qwen2.5-Coder-0.5B at AVX2), now 1.9-2.0; SmolLM2, Gemma-3 and AVX-512
- * likewise (`benchmarks/speculative.py --costs`; BENCHMARK.md "Verify passes of 6-8 rows
- * prefetch too"). Measured when the touch read every tile (before the next-tile prefetch): 8
- * rows cost SmolLM2 10% and Gemma-3 4-14% more, so it had stopped at 5 */
-#define FK_TOUCH_ROWS 8
+/* Every row count the decode GEMV takes (1..8) touches and prefetches so. Before 317f509, 6-8
+ * rows (a verify pass) kept per-row software prefetches instead, from when the touch read
+ * every tile (8 rows: SmolLM2 +10%, Gemma-3 +4-14%); with the next-tile prefetch a 6-row pass
+ * cost 2.6-2.7 plain steps there against 1.9-2.0 now (Qwen2.5-Coder-0.5B at AVX2; BENCHMARK.md
+ * "Verify passes of 6-8 rows prefetch too") */
 static inline void fk_touch(const uint8_t *p, size_t n) {
     if (n == 0 || n > FK_TOUCH_MAX) return;
     uint32_t acc = p[n - 1];

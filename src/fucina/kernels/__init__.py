@@ -545,8 +545,8 @@ def tq2_deinterleave(x8: torch.Tensor, n: int) -> torch.Tensor:
 
 
 #: the kernels' pseudo types of Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_1, Q5_K, IQ4_XS, Q2_K,
-#: Q3_K, MXFP4 and IQ4_NL rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc, q6kx16_impl.inc,
-#: x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, k23x16_impl.inc)
+#: Q3_K, MXFP4 and IQ4_NL rows repacked in 16-row groups (csrc/generic/q4kx16_impl.inc,
+#: q6kx16_impl.inc, x16n_impl.inc, q80x16_impl.inc, iq4xsx16_impl.inc, k23x16_impl.inc)
 Q4K_X16 = PTQTP_BASE + 33
 Q6K_X16 = PTQTP_BASE + 34
 Q50_X16 = PTQTP_BASE + 35
