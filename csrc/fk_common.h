@@ -28,10 +28,26 @@
 enum {
     FK_F32 = 0, FK_F16 = 1, FK_Q4_0 = 2, FK_Q4_1 = 3, FK_Q5_0 = 6, FK_Q5_1 = 7,
     FK_Q8_0 = 8, FK_Q2_K = 10, FK_Q3_K = 11, FK_Q4_K = 12, FK_Q5_K = 13, FK_Q6_K = 14,
-    FK_IQ4_NL = 20, FK_IQ4_XS = 23, FK_BF16 = 30,
+    FK_IQ2_XXS = 16, FK_IQ3_XXS = 18, FK_IQ1_S = 19, FK_IQ4_NL = 20, FK_IQ3_S = 21, FK_IQ4_XS = 23,
+    FK_IQ1_M = 29, FK_BF16 = 30,
     FK_TQ1_0 = 34, FK_TQ2_0 = 35,
     FK_MXFP4 = 39,
 };
+/* The IQ1-IQ3 codebooks (generic/iq_impl.inc): ggml's grids and sign table, copied once at
+ * import from the gguf package (fucina.kernels, set_iq_tables), which checks every entry's
+ * range; until then those formats have no native route (fk_iq.ready). */
+typedef struct {
+    uint8_t iq2xxs[256][8];   /* 8, 25 or 43 */
+    uint8_t iq3xxs[256][4];   /* 4 .. 62, even; halved when set (2 .. 31) */
+    uint8_t iq3s[512][4];     /* 1 .. 15, odd */
+    int8_t iq1s[2048][8];     /* -1, 0 or 1; kept as 16 + 8 g when set (8, 16, 24) */
+    uint8_t ksigns[128];      /* 7 sign bits and their parity bit */
+    /* derived when set: each byte 0xFF where bit j of the index is set (a sign mask) */
+    uint64_t sign_mask[256];
+    int ready;
+} fk_iq_tables;
+extern fk_iq_tables fk_iq;
+
 /* PTQTP (generic/ptqtp_impl.inc): FK_PTQTP_BASE + K (K = 1..3) names K stacked TQ2_0
  * trit-planes of one matrix; not a GGML type, never read from a file's type field */
 enum { FK_PTQTP_BASE = 1000 };

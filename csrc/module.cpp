@@ -112,6 +112,10 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_TQ1_0: *bs = 256; *ts = 54; return 1;
     case FK_TQ2_0: *bs = 256; *ts = 66; return 1;
     case FK_MXFP4: *bs = 32; *ts = 17; return 1;
+    case FK_IQ2_XXS: case FK_IQ3_XXS: case FK_IQ3_S: case FK_IQ1_S: case FK_IQ1_M:   /* with their codebooks */
+        *bs = 256;
+        *ts = t == FK_IQ2_XXS ? 66 : t == FK_IQ3_XXS ? 98 : t == FK_IQ3_S ? 110 : t == FK_IQ1_S ? 50 : 56;
+        return fk_iq.ready;
     case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
         *bs = 256; *ts = 66; return 1;
     case FK_PTQTP_FOLD: *bs = 256; *ts = 130; return 1;
@@ -1313,6 +1317,53 @@ static PyObject *py_get_threads(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(g_threads);
 }
 
+fk_iq_tables fk_iq;
+
+/* set_iq_tables(bytes): the IQ1-IQ3 codebooks as fk_iq_tables lays them out (up to sign_mask),
+ * each entry checked against the range the kernels' int16 sums assume (generic/iq_impl.inc) */
+static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    fk_iq_tables t;
+    const size_t need = offsetof(fk_iq_tables, sign_mask);
+    bool ok = (size_t)b.len == need;
+    if (ok) {
+        memcpy(&t, b.buf, need);
+        for (int i = 0; i < 256 * 8 && ok; i++) {
+            const int v = (&t.iq2xxs[0][0])[i];
+            ok = v == 8 || v == 25 || v == 43;
+        }
+        for (int i = 0; i < 256 * 4 && ok; i++) {
+            const int v = (&t.iq3xxs[0][0])[i];
+            ok = v >= 2 && v <= 62 && v % 2 == 0;
+        }
+        for (int i = 0; i < 512 * 4 && ok; i++) {
+            const int v = (&t.iq3s[0][0])[i];
+            ok = v >= 1 && v <= 15 && v % 2 == 1;
+        }
+        for (int i = 0; i < 2048 * 8 && ok; i++) {
+            const int v = (&t.iq1s[0][0])[i];
+            ok = v >= -1 && v <= 1;
+        }
+    }
+    PyBuffer_Release(&b);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "set_iq_tables: %zu bytes of codebooks in range expected", need);
+        return NULL;
+    }
+    for (int i = 0; i < 256 * 4; i++) (&t.iq3xxs[0][0])[i] /= 2;
+    for (int i = 0; i < 2048 * 8; i++) (&t.iq1s[0][0])[i] = (int8_t)(16 + 8 * (&t.iq1s[0][0])[i]);
+    for (int s = 0; s < 256; s++) {
+        t.sign_mask[s] = 0;
+        for (int j = 0; j < 8; j++)
+            if ((s >> j) & 1) t.sign_mask[s] |= (uint64_t)0xFF << (8 * j);
+    }
+    t.ready = 1;
+    fk_iq = t;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
@@ -1451,6 +1502,7 @@ static PyMethodDef methods[] = {
     {"act_roundtrip", py_act_roundtrip, METH_VARARGS, "quantize activations as matmul does, dequantize back"},
     {"set_threads", py_set_threads, METH_O, "threads for the kernels' OpenMP regions"},
     {"get_threads", py_get_threads, METH_NOARGS, ""},
+    {"set_iq_tables", py_set_iq_tables, METH_O, "the IQ1-IQ3 codebooks (bytes, as fk_iq_tables lays them out)"},
     {"set_isa", py_set_isa, METH_O, "force 'avx512', 'avx2vnni', 'avx2' or 'scalar'"},
     {"get_isa", py_get_isa, METH_NOARGS, ""},
     {"set_prefill", py_set_prefill, METH_O, "'canon' (batch invariant, the default) or a legacy route: 'int8' or 'bf16' (AVX512_BF16, m >= 8)"},

@@ -24,7 +24,8 @@ FLOATS = {T.F32, T.F16, T.BF16}
 # byte offsets of the f16 scale fields in each block (everything else is random bits)
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
               T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
-              T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64], T.MXFP4: []}
+              T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64], T.MXFP4: [],
+              T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0], T.IQ1_M: []}
 # byte offsets of the E8M0 scale bytes (2^(e - 128) each): kept near 2^-5 so products stay finite
 E8M0_FIELDS = {T.MXFP4: [0]}
 TYPES = sorted(K.NATIVE_TYPES, key=int)
@@ -45,6 +46,10 @@ def rand_weight(qt: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
         raw[:, o:o + 2] = d.view(np.uint8).reshape(-1, 2)
     for o in E8M0_FIELDS.get(qt, []):
         raw[:, o] = rng.integers(118, 126, raw.shape[0], dtype=np.uint8)
+    if qt == T.IQ1_M:  # its f16 d lies in the top nibbles of the four scale words (bytes 49, 51, 53, 55)
+        d = (rng.standard_normal(raw.shape[0]) * 0.05).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     return raw.reshape(n, -1)
 
 

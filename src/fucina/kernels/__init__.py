@@ -45,7 +45,24 @@ NATIVE_TYPES = frozenset({
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
     GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4,
     GGMLType.TQ1_0, GGMLType.TQ2_0,
+    GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M,
 })
+
+#: the i-quants whose codebooks the native module takes at first use (load_iq_tables); IQ2_XS
+#: and IQ2_S keep the reference path (csrc/generic/iq_impl.inc says why)
+IQ_TYPES = frozenset({GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
+_iq_tables_set = False
+
+
+def load_iq_tables() -> bool:
+    """Give the native module the IQ1-IQ3 codebooks (from the gguf package, ~0.1 s, once);
+    False when the module is absent."""
+    global _iq_tables_set
+    if not _iq_tables_set and _native is not None:
+        from fucina.quant.tables import iq_codebook_bytes
+        _native.set_iq_tables(iq_codebook_bytes())
+        _iq_tables_set = True
+    return _iq_tables_set
 
 # FUCINA_KERNELS=0 keeps every weight on the reference path (A/B timing, debugging)
 _enabled = os.environ.get("FUCINA_KERNELS", "1") != "0"
@@ -213,6 +230,8 @@ def _row_bytes(qtype: GGMLType, k: int) -> int:
 def _check_raw(raw: torch.Tensor, qtype: GGMLType, n: int, k: int) -> int:
     if qtype not in NATIVE_TYPES:
         raise KernelError(f"no native route for {getattr(qtype, 'name', qtype)}")
+    if qtype in IQ_TYPES:
+        load_iq_tables()
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.device.type != "cpu":
         raise KernelError("weight bytes must be a CPU uint8 tensor")
     if n <= 0:
