@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fucina.kernels as K
-from fucina.gguf import GGMLType as T
+from fucina.gguf import TYPE_SIZES, GGMLType as T
 from fucina.models import load_model
 from synth import write_model
 from test_kernels import FLOATS, TYPES, rand_weight
@@ -25,7 +25,7 @@ Q = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
-SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
+SUPER = {t for t in TYPES if TYPE_SIZES[t][0] == 256}   # 256-element blocks
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from test_kernels import E8M0_FIELDS, F16_FIELDS, FLOATS, TYPES, rand_weight
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built")
 
-SUPER = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
+SUPER = {t for t in TYPES if TYPE_SIZES[t][0] == 256}   # 256-element blocks
 # the formats test_batch_invariance already runs through the step
 COVERED = {T.F32, T.Q8_0, T.Q4_1}
 FORMATS = [t for t in TYPES if t not in COVERED]
@@ -49,6 +49,11 @@ def random_blocks(qt: T, n: int, k: int, seed: int) -> np.ndarray:
         blocks[:, o:o + 2] = f.astype(np.float16).view(np.uint8).reshape(-1, 2)
     for o in E8M0_FIELDS.get(qt, []):            # power-of-two scales: lower every exponent alike
         blocks[:, o] -= int(np.ceil(np.log2(peak / 0.1)))
+    if qt == T.IQ1_M:                            # its f16 d: the top nibbles of bytes 49, 51, 53, 55
+        d = sum((blocks[:, 49 + 2 * i].astype(np.uint16) >> 4) << (4 * i) for i in range(4)).astype(np.uint16)
+        d = (d.view(np.float16).astype(np.float32) * (0.1 / peak)).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     return raw
 
 
@@ -113,7 +118,7 @@ def test_every_format_batch_row_equals_stream_alone(tmp_path_factory, qt, isa):
 
 def test_random_blocks_stay_small():
     """The generator's promise, which keeps every logit finite (torch.equal fails on NaN)."""
-    for qt in (T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL, T.Q2_K, T.MXFP4):
+    for qt in (T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL, T.Q2_K, T.MXFP4, T.IQ3_S, T.IQ1_M):
         raw = random_blocks(qt, 8, 256, 1)
         w = np.asarray(quants.dequantize(raw, qt), dtype=np.float32)
         assert np.isfinite(w).all() and 0.05 < np.abs(w).max() <= 0.1001

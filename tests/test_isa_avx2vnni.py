@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fucina.kernels as K
+from fucina.gguf import TYPE_SIZES
 from fucina.models import load_model
 from synth import write_model
 from test_kernels import TYPES, rand_weight
@@ -20,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif("avx2vnni" not in K.supported_isas(), reason="CPU without AVX-VNNI")
 
-SUPER = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}  # 256-element blocks
+SUPER = {t for t in TYPES if TYPE_SIZES[t][0] == 256}  # 256-element blocks
 
 
 @pytest.fixture
