@@ -28,8 +28,8 @@
 enum {
     FK_F32 = 0, FK_F16 = 1, FK_Q4_0 = 2, FK_Q4_1 = 3, FK_Q5_0 = 6, FK_Q5_1 = 7,
     FK_Q8_0 = 8, FK_Q2_K = 10, FK_Q3_K = 11, FK_Q4_K = 12, FK_Q5_K = 13, FK_Q6_K = 14,
-    FK_IQ2_XXS = 16, FK_IQ3_XXS = 18, FK_IQ1_S = 19, FK_IQ4_NL = 20, FK_IQ3_S = 21, FK_IQ4_XS = 23,
-    FK_IQ1_M = 29, FK_BF16 = 30,
+    FK_IQ2_XXS = 16, FK_IQ2_XS = 17, FK_IQ3_XXS = 18, FK_IQ1_S = 19, FK_IQ4_NL = 20, FK_IQ3_S = 21, FK_IQ4_XS = 23,
+    FK_IQ2_S = 22, FK_IQ1_M = 29, FK_BF16 = 30,
     FK_TQ1_0 = 34, FK_TQ2_0 = 35,
     FK_MXFP4 = 39,
 };
@@ -42,6 +42,8 @@ typedef struct {
     uint8_t iq3s[512][4];     /* 1 .. 15, odd */
     int8_t iq1s[2048][8];     /* -1, 0 or 1; kept as 16 + 8 g when set (8, 16, 24) */
     uint8_t ksigns[128];      /* 7 sign bits and their parity bit */
+    uint8_t iq2xs[512][8];    /* 8, 25 or 43 */
+    uint8_t iq2s[1024][8];    /* 8, 25 or 43 */
     /* derived when set: each byte 0xFF where bit j of the index is set (a sign mask) */
     uint64_t sign_mask[256];
     int ready;

@@ -112,9 +112,10 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_TQ1_0: *bs = 256; *ts = 54; return 1;
     case FK_TQ2_0: *bs = 256; *ts = 66; return 1;
     case FK_MXFP4: *bs = 32; *ts = 17; return 1;
-    case FK_IQ2_XXS: case FK_IQ3_XXS: case FK_IQ3_S: case FK_IQ1_S: case FK_IQ1_M:   /* with their codebooks */
-        *bs = 256;
-        *ts = t == FK_IQ2_XXS ? 66 : t == FK_IQ3_XXS ? 98 : t == FK_IQ3_S ? 110 : t == FK_IQ1_S ? 50 : 56;
+    case FK_IQ2_XXS: case FK_IQ2_XS: case FK_IQ2_S: case FK_IQ3_XXS: case FK_IQ3_S: case FK_IQ1_S: case FK_IQ1_M:
+        *bs = 256;   /* with their codebooks */
+        *ts = t == FK_IQ2_XXS ? 66 : t == FK_IQ2_XS ? 74 : t == FK_IQ2_S ? 82 : t == FK_IQ3_XXS ? 98 : t == FK_IQ3_S ? 110 :
+              t == FK_IQ1_S ? 50 : 56;
         return fk_iq.ready;
     case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
         *bs = 256; *ts = 66; return 1;
@@ -1345,6 +1346,10 @@ static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
         for (int i = 0; i < 2048 * 8 && ok; i++) {
             const int v = (&t.iq1s[0][0])[i];
             ok = v >= -1 && v <= 1;
+        }
+        for (int i = 0; i < (512 + 1024) * 8 && ok; i++) {
+            const int v = i < 512 * 8 ? (&t.iq2xs[0][0])[i] : (&t.iq2s[0][0])[i - 512 * 8];
+            ok = v == 8 || v == 25 || v == 43;
         }
     }
     PyBuffer_Release(&b);

@@ -25,7 +25,8 @@ FLOATS = {T.F32, T.F16, T.BF16}
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
               T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
               T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64], T.MXFP4: [],
-              T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0], T.IQ1_M: []}
+              T.IQ2_XXS: [0], T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0],
+              T.IQ1_M: []}
 # byte offsets of the E8M0 scale bytes (2^(e - 128) each): kept near 2^-5 so products stay finite
 E8M0_FIELDS = {T.MXFP4: [0]}
 TYPES = sorted(K.NATIVE_TYPES, key=int)
@@ -121,6 +122,26 @@ def test_every_format_every_isa(isa, qt):
     bs = max(TYPE_SIZES[qt][0], 32)
     for n, k, m in [(1, bs, 1), (7, 3 * bs, 2), (13, 2 * bs, 3), (5, bs, 4), (33, 512, 5), (6, 256, 11)]:
         check(qt, n, k, m, rng)
+
+
+@pytest.mark.parametrize("qt", sorted(set(TYPES) - FLOATS, key=int), ids=lambda t: t.name)
+def test_int8_extreme_activations(isa, qt, prefill):
+    """Every activation at +-127 after quantization, all of one sign or alternating in pairs:
+    the largest int16 pair sums the dots can meet (codes up to 255 against 127), where a
+    vpmaddubsw sum kept in int16 too long would overflow."""
+    rng = np.random.default_rng(int(qt) + 5)
+    bs = max(TYPE_SIZES[qt][0], 32)
+    n, k = 21, 4 * bs
+    raw = rand_weight(qt, n, k, rng)
+    W = reference(raw, qt, n, k)
+    pairs = torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(k // 4)
+    for x in (torch.ones(1, k), -torch.ones(3, k), pairs.repeat(9, 1)):
+        y = K.matmul(torch.from_numpy(raw), qt, n, k, x).double()
+        if K.route(x.shape[0], qt) == "bf16":
+            continue   # both operands rounded to bf16: test_prefill_routes covers it
+        scale = x.abs().double() @ W.abs().T + 1e-30
+        err = ((y - x.double() @ W.T).abs() / scale).max().item()
+        assert err < 2e-6, f"{qt.name} m={x.shape[0]}: {err:.2e}"
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)

@@ -242,7 +242,9 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
 #endif
     }
 }
-template <bool WIDE, bool G16>  /* never WIDE: pb_dots */
+/* WIDE only with G16 (pb_dots takes the rest): 16-group codes past 63 (IQ2_XS, IQ2_S), each
+ * dword's vpmaddubsw pairs widened alone, where two pairs' sum would overflow int16 */
+template <bool WIDE, bool G16>
 static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
     __m256i s[4];
     for (int i = 0; i < 4; i++)
@@ -250,9 +252,11 @@ static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_
         s[i] = _mm256_dpbusd_avx_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])), k.w[2 * i + 1],
                                        _mm256_set1_epi32(xd[2 * i + 1]));
 #else
-        s[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
-                                                  _mm256_maddubs_epi16(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
-                                 _mm256_set1_epi16(1));
+        s[i] = WIDE ? _mm256_add_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
+                                       dot4(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1])))
+                    : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
+                                                         _mm256_maddubs_epi16(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
+                                        _mm256_set1_epi16(1));
 #endif
     if (G16) {
         const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_set1_epi32(zi[2 * b]));

@@ -45,12 +45,13 @@ NATIVE_TYPES = frozenset({
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
     GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4,
     GGMLType.TQ1_0, GGMLType.TQ2_0,
-    GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M,
+    GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S,
+    GGMLType.IQ1_M,
 })
 
-#: the i-quants whose codebooks the native module takes at first use (load_iq_tables); IQ2_XS
-#: and IQ2_S keep the reference path (csrc/generic/iq_impl.inc says why)
-IQ_TYPES = frozenset({GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
+#: the i-quants whose codebooks the native module takes at first use (load_iq_tables)
+IQ_TYPES = frozenset({GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
+                      GGMLType.IQ1_S, GGMLType.IQ1_M})
 _iq_tables_set = False
 
 

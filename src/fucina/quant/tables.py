@@ -76,9 +76,10 @@ def ue4m3_half() -> torch.Tensor:
 @cache
 def iq_codebook_bytes() -> bytes:
     """The IQ1-IQ3 codebooks as the native kernels take them (csrc/fk_common.h, fk_iq_tables):
-    IQ2_XXS [256, 8] u8, IQ3_XXS [256, 4] u8, IQ3_S [512, 4] u8, IQ1_S [2048, 8] i8, then the
-    128 sign bytes."""
+    IQ2_XXS [256, 8] u8, IQ3_XXS [256, 4] u8, IQ3_S [512, 4] u8, IQ1_S [2048, 8] i8, the 128
+    sign bytes, IQ2_XS [512, 8] u8, IQ2_S [1024, 8] u8."""
     parts = [iq_grid("IQ2_XXS").numpy().astype(np.uint8), iq_grid("IQ3_XXS").numpy().astype(np.uint8),
              iq_grid("IQ3_S").numpy().astype(np.uint8), iq_grid("IQ1_S").numpy().astype(np.int8),
-             np.frombuffer(_gq().IQ2_XXS.ksigns, dtype=np.uint8)]
+             np.frombuffer(_gq().IQ2_XXS.ksigns, dtype=np.uint8),
+             iq_grid("IQ2_XS").numpy().astype(np.uint8), iq_grid("IQ2_S").numpy().astype(np.uint8)]
     return b"".join(p.tobytes() for p in parts)
