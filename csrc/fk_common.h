@@ -28,8 +28,8 @@
 enum {
     FK_F32 = 0, FK_F16 = 1, FK_Q4_0 = 2, FK_Q4_1 = 3, FK_Q5_0 = 6, FK_Q5_1 = 7,
     FK_Q8_0 = 8, FK_Q2_K = 10, FK_Q3_K = 11, FK_Q4_K = 12, FK_Q5_K = 13, FK_Q6_K = 14,
-    FK_IQ2_XXS = 16, FK_IQ2_XS = 17, FK_IQ3_XXS = 18, FK_IQ1_S = 19, FK_IQ4_NL = 20, FK_IQ3_S = 21, FK_IQ4_XS = 23,
-    FK_IQ2_S = 22, FK_IQ1_M = 29, FK_BF16 = 30,
+    FK_IQ2_XXS = 16, FK_IQ2_XS = 17, FK_IQ3_XXS = 18, FK_IQ1_S = 19, FK_IQ4_NL = 20, FK_IQ3_S = 21, FK_IQ2_S = 22,
+    FK_IQ4_XS = 23, FK_IQ1_M = 29, FK_BF16 = 30,
     FK_TQ1_0 = 34, FK_TQ2_0 = 35,
     FK_MXFP4 = 39,
 };
@@ -49,6 +49,19 @@ typedef struct {
     int ready;
 } fk_iq_tables;
 extern fk_iq_tables fk_iq;
+/* bytes of a 256-value superblock of those formats (module.cpp's row checks, iq_impl.inc) */
+static inline int fk_iq_bytes(int qt) {
+    switch (qt) {
+    case FK_IQ2_XXS: return 66;
+    case FK_IQ2_XS: return 74;
+    case FK_IQ2_S: return 82;
+    case FK_IQ3_XXS: return 98;
+    case FK_IQ3_S: return 110;
+    case FK_IQ1_S: return 50;
+    case FK_IQ1_M: return 56;
+    }
+    return 0;
+}
 
 /* PTQTP (generic/ptqtp_impl.inc): FK_PTQTP_BASE + K (K = 1..3) names K stacked TQ2_0
  * trit-planes of one matrix; not a GGML type, never read from a file's type field */

@@ -5,6 +5,7 @@
 #include <Python.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <algorithm>
 #endif
 #include <omp.h>
 #include <string.h>
@@ -114,8 +115,7 @@ static int type_block(long t, long *bs, long *ts) {
     case FK_MXFP4: *bs = 32; *ts = 17; return 1;
     case FK_IQ2_XXS: case FK_IQ2_XS: case FK_IQ2_S: case FK_IQ3_XXS: case FK_IQ3_S: case FK_IQ1_S: case FK_IQ1_M:
         *bs = 256;   /* with their codebooks */
-        *ts = t == FK_IQ2_XXS ? 66 : t == FK_IQ2_XS ? 74 : t == FK_IQ2_S ? 82 : t == FK_IQ3_XXS ? 98 : t == FK_IQ3_S ? 110 :
-              t == FK_IQ1_S ? 50 : 56;
+        *ts = fk_iq_bytes((int)t);
         return fk_iq.ready;
     case FK_PTQTP_BASE + 1: case FK_PTQTP_BASE + 2: case FK_PTQTP_BASE + 3:   /* row_bytes: one plane's */
         *bs = 256; *ts = 66; return 1;
@@ -1328,29 +1328,17 @@ static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
     if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
     fk_iq_tables t;
     const size_t need = offsetof(fk_iq_tables, sign_mask);
+    const auto all = [](const auto &table, auto in_range) {   /* every entry of a [n][w] table */
+        return std::all_of(&table[0][0], &table[0][0] + sizeof(table), [&](int v) { return in_range(v); });
+    };
+    const auto iq2 = [](int v) { return v == 8 || v == 25 || v == 43; };
     bool ok = (size_t)b.len == need;
     if (ok) {
         memcpy(&t, b.buf, need);
-        for (int i = 0; i < 256 * 8 && ok; i++) {
-            const int v = (&t.iq2xxs[0][0])[i];
-            ok = v == 8 || v == 25 || v == 43;
-        }
-        for (int i = 0; i < 256 * 4 && ok; i++) {
-            const int v = (&t.iq3xxs[0][0])[i];
-            ok = v >= 2 && v <= 62 && v % 2 == 0;
-        }
-        for (int i = 0; i < 512 * 4 && ok; i++) {
-            const int v = (&t.iq3s[0][0])[i];
-            ok = v >= 1 && v <= 15 && v % 2 == 1;
-        }
-        for (int i = 0; i < 2048 * 8 && ok; i++) {
-            const int v = (&t.iq1s[0][0])[i];
-            ok = v >= -1 && v <= 1;
-        }
-        for (int i = 0; i < (512 + 1024) * 8 && ok; i++) {
-            const int v = i < 512 * 8 ? (&t.iq2xs[0][0])[i] : (&t.iq2s[0][0])[i - 512 * 8];
-            ok = v == 8 || v == 25 || v == 43;
-        }
+        ok = all(t.iq2xxs, iq2) && all(t.iq2xs, iq2) && all(t.iq2s, iq2) &&
+             all(t.iq3xxs, [](int v) { return v >= 2 && v <= 62 && v % 2 == 0; }) &&
+             all(t.iq3s, [](int v) { return v >= 1 && v <= 15 && v % 2 == 1; }) &&
+             all(t.iq1s, [](int v) { return v >= -1 && v <= 1; });
     }
     PyBuffer_Release(&b);
     if (!ok) {
