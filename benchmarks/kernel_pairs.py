@@ -71,6 +71,12 @@ def main() -> None:
     ap.add_argument("--shapes", help="comma-separated FORMAT:NxK weights instead of the table's (with --rows)")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
+    if args.mode == "builds":   # the IQ1-IQ3 codebooks, which each module holds (K.load_iq_tables sets K's)
+        from fucina.quant.tables import iq_codebook_bytes
+        for mod in mods:
+            mod.set_iq_tables(iq_codebook_bytes())
+    else:
+        K.load_iq_tables()
     names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
     if args.mode == "isas" and len(names) != 2:
         ap.error("isas: name two levels with --isa A --isa B")

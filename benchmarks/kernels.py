@@ -27,7 +27,8 @@ from fucina.gguf import TYPE_SIZES, GGMLType as T
 
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
               T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
-              T.IQ4_NL: [0], T.IQ4_XS: [0]}
+              T.IQ4_NL: [0], T.IQ4_XS: [0], T.IQ2_XXS: [0], T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ3_XXS: [0],
+              T.IQ3_S: [0], T.IQ1_S: [0]}
 ORDER = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
          T.IQ4_NL, T.IQ4_XS, T.F16, T.BF16, T.F32]
 
@@ -46,6 +47,10 @@ def rand_raw(qt: T, n: int, k: int, rng) -> torch.Tensor:
         raw[:, 0] = rng.integers(118, 124, raw.shape[0], dtype=np.uint8)
     for o in F16_FIELDS.get(qt, []):
         raw[:, o:o + 2] = (rng.standard_normal(raw.shape[0]) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qt == T.IQ1_M:   # its f16 d in the top nibbles of the four scale words (bytes 49, 51, 53, 55)
+        d = (rng.standard_normal(raw.shape[0]) * 0.02).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 

@@ -15,15 +15,18 @@ pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not bu
 NIBBLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 KQ = (T.Q4_K, T.Q5_K, T.Q6_K)
 TQ = (T.TQ1_0, T.TQ2_0)
+IQ = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
 # rows per format on each unit (formats left out: the panel route from one row)
 REACH = {
-    "avx512": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8)},
+    # the i-quants: IQ1_S to 3 rows on AVX-512, all to 3 on AVX2 (past them the panel route
+    # measured faster), IQ2_XXS only with VNNI (a vpmaddubsw pair of its codes saturates)
+    "avx512": {**dict.fromkeys(NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0), 8), T.IQ1_S: 3},
     # AVX2: IQ4_NL only with VNNI (without it its panel route measured as fast or faster)
-    "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8)},
-    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8},
+    "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8), **dict.fromkeys(IQ, 3)},
+    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8, **dict.fromkeys(IQ[1:], 3)},
     "scalar": {},
 }
-FORMATS = NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.F16)
+FORMATS = NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.F16)
 
 
 @pytest.mark.parametrize("name", sorted(REACH))
@@ -39,7 +42,7 @@ def test_decode_gemv_reach(name):
     assert got == {qt: REACH[name].get(qt, 0) for qt in FORMATS}
 
 
-@pytest.mark.parametrize("qt", NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0), ids=lambda t: t.name)
 def test_one_block_rows_equal_rows_alone_and_scalar(qt, isa):
     """The smallest rows the GEMV takes: one block (one superblock), 1 and 9 weight rows (a
     partial tile, a full one and one row past it): 1..8 activation rows == each alone ==
@@ -48,7 +51,7 @@ def test_one_block_rows_equal_rows_alone_and_scalar(qt, isa):
     import torch
     from test_kernels import rand_weight
 
-    k = 256 if qt in KQ + TQ else 32
+    k = 256 if qt in KQ + TQ + IQ else 32
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
     for n in (1, 9):
         raw = torch.from_numpy(rand_weight(qt, n, k, np.random.default_rng(300 + n)))
