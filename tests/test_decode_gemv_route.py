@@ -19,11 +19,11 @@ IQ = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
 # rows per format on each unit (formats left out: the panel route from one row)
 REACH = {
     # the i-quants: IQ1_S to 3 rows on AVX-512, all to 3 on AVX2 (past them the panel route
-    # measured faster), IQ2_XXS only with VNNI (a vpmaddubsw pair of its codes saturates)
+    # measured faster)
     "avx512": {**dict.fromkeys(NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0), 8), T.IQ1_S: 3},
     # AVX2: IQ4_NL only with VNNI (without it its panel route measured as fast or faster)
     "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8), **dict.fromkeys(IQ, 3)},
-    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8, **dict.fromkeys(IQ[1:], 3)},
+    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8, **dict.fromkeys(IQ, 3)},
     "scalar": {},
 }
 FORMATS = NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.F16)
