@@ -46,6 +46,9 @@ typedef struct {
     uint8_t iq2s[1024][8];    /* 8, 25 or 43 */
     /* derived when set: each byte 0xFF where bit j of the index is set (a sign mask) */
     uint64_t sign_mask[256];
+    /* derived: an IQ2_XS word (9 bits of grid index, 7 of signs) -> its 8 signed values
+     * (512 KB: one gather a block where the sign bytes took a lookup each) */
+    int8_t iq2xs_v[65536][8];
     int ready;
 } fk_iq_tables;
 extern fk_iq_tables fk_iq;

@@ -1326,7 +1326,7 @@ static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
     (void)self;
     Py_buffer b;
     if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
-    fk_iq_tables t;
+    static fk_iq_tables t;   /* 0.5 MB: not on the stack */
     const size_t need = offsetof(fk_iq_tables, sign_mask);
     const auto all = [](const auto &table, auto in_range) {   /* every entry of a [n][w] table */
         return std::all_of(&table[0][0], &table[0][0] + sizeof(table), [&](int v) { return in_range(v); });
@@ -1352,6 +1352,11 @@ static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
         for (int j = 0; j < 8; j++)
             if ((s >> j) & 1) t.sign_mask[s] |= (uint64_t)0xFF << (8 * j);
     }
+    for (int w = 0; w < 65536; w++)
+        for (int j = 0; j < 8; j++) {
+            const int g = t.iq2xs[w & 511][j];
+            t.iq2xs_v[w][j] = (int8_t)((t.ksigns[w >> 9] >> j) & 1 ? -g : g);
+        }
     t.ready = 1;
     fk_iq = t;
     Py_RETURN_NONE;
