@@ -3,9 +3,9 @@
  * the checks below are a second line that turns a bad call into ValueError, never a crash. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <algorithm>
 #if defined(__SSE2__)
 #include <emmintrin.h>
-#include <algorithm>
 #endif
 #include <omp.h>
 #include <string.h>
