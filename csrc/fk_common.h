@@ -40,7 +40,7 @@ typedef struct {
     uint8_t iq2xxs[256][8];   /* 8, 25 or 43 */
     uint8_t iq3xxs[256][4];   /* 4 .. 62, even; halved when set (2 .. 31) */
     uint8_t iq3s[512][4];     /* 1 .. 15, odd */
-    int8_t iq1s[2048][8];     /* -1, 0 or 1; kept as 16 + 8 g when set (8, 16, 24) */
+    int8_t iq1s[2048][8];     /* -1, 0 or 1 */
     uint8_t ksigns[128];      /* 7 sign bits and their parity bit */
     uint8_t iq2xs[512][8];    /* 8, 25 or 43 */
     uint8_t iq2s[1024][8];    /* 8, 25 or 43 */
@@ -49,6 +49,12 @@ typedef struct {
     /* derived: an IQ2_XS word (9 bits of grid index, 7 of signs) -> its 8 signed values
      * (512 KB: one gather a block where the sign bytes took a lookup each) */
     int8_t iq2xs_v[65536][8];
+    /* derived: an IQ2_XXS group's grid byte and 7 sign bits (byte | signs << 8) -> its 8
+     * signed values (256 KB, as iq2xs_v) */
+    int8_t iq2xxs_v[32768][8];
+    /* derived: an IQ1 group's 11-bit grid index and its delta's sign (bit 11: minus) -> its 8
+     * codes 16 + 8 g +- 1 (32 KB: the gather gives the codes, where a blend added the delta) */
+    uint8_t iq1s_u[4096][8];
     int ready;
 } fk_iq_tables;
 extern fk_iq_tables fk_iq;
