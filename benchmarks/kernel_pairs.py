@@ -74,7 +74,8 @@ def main() -> None:
     if args.mode == "builds":   # the IQ1-IQ3 codebooks, which each module holds (K.load_iq_tables sets K's)
         from fucina.quant.tables import iq_codebook_bytes
         for mod in mods:
-            mod.set_iq_tables(iq_codebook_bytes())
+            if hasattr(mod, "set_iq_tables"):   # builds before the i-quants have none
+                mod.set_iq_tables(iq_codebook_bytes())
     else:
         K.load_iq_tables()
     names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
