@@ -1353,16 +1353,16 @@ static PyObject *py_set_iq_tables(PyObject *self, PyObject *arg) {
         for (int j = 0; j < 8; j++)
             if ((s >> j) & 1) t.sign_mask[s] |= (uint64_t)0xFF << (8 * j);
     }
-    for (int w = 0; w < 65536; w++)
-        for (int j = 0; j < 8; j++) {
-            const int g = t.iq2xs[w & 511][j];
-            t.iq2xs_v[w][j] = (int8_t)((t.ksigns[w >> 9] >> j) & 1 ? -g : g);
-        }
-    for (int w = 0; w < 32768; w++)
-        for (int j = 0; j < 8; j++) {
-            const int g = t.iq2xxs[w & 255][j];
-            t.iq2xxs_v[w][j] = (int8_t)((t.ksigns[w >> 8] >> j) & 1 ? -g : g);
-        }
+    /* the signed values of every word: its low `bits` index the grid, the rest the 7 sign bits */
+    const auto signed_values = [&](int8_t (*v)[8], const uint8_t (*grid)[8], int bits) {
+        for (int w = 0; w < 128 << bits; w++)
+            for (int j = 0; j < 8; j++) {
+                const int g = grid[w & ((1 << bits) - 1)][j];
+                v[w][j] = (int8_t)((t.ksigns[w >> bits] >> j) & 1 ? -g : g);
+            }
+    };
+    signed_values(t.iq2xs_v, t.iq2xs, 9);
+    signed_values(t.iq2xxs_v, t.iq2xxs, 8);
     t.ready = 1;
     fk_iq = t;
     Py_RETURN_NONE;
