@@ -242,6 +242,47 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
 #endif
     }
 }
+/* The other 16-group formats (Q6_K, IQ1_M, IQ2_XS, IQ2_S): as pb_dots, dword outer, each half's
+ * int32 dot from its zi, then times the half's group scale (vpmulld); without VNNI RUN dwords'
+ * vpmaddubsw sums add in int16 (cb_u16_run: IQ2_XS's and IQ2_S's codes to 87 one, IQ1_M's to 25
+ * four). Row by row (pb_dot) the 8 weight dwords stayed live beside the rows' sums and spilled.
+ * The same integer I as pb_dot. */
+#define PB_DOTS_G16 1
+template <int MR, int RUN>
+static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
+    static_assert(4 % RUN == 0, "runs within a 16-group");
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256i H[MR];  /* this half's sums */
+#pragma GCC unroll 4
+        for (int c = 0; c < MR; c++) H[c] = _mm256_set1_epi32(zi[c][2 * b + h]);
+#if !FK_AVX2_VNNI
+        __m256i T[MR];
+#endif
+#pragma GCC unroll 4
+        for (int i = 4 * h; i < 4 * h + 4; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+#pragma GCC unroll 4
+            for (int c = 0; c < MR; c++) {
+                const __m256i x = _mm256_set1_epi32(xq[c][8 * b + i]);
+#if FK_AVX2_VNNI
+                H[c] = _mm256_dpbusd_avx_epi32(H[c], w, x);
+                __asm__("" : "+x"(H[c]));
+#else
+                const __m256i p = _mm256_maddubs_epi16(w, x);
+                T[c] = i % RUN ? _mm256_add_epi16(T[c], p) : p;
+                if (i % RUN == RUN - 1) H[c] = _mm256_add_epi32(H[c], _mm256_madd_epi16(T[c], _mm256_set1_epi16(1)));
+                __asm__("" : "+x"(T[c]), "+x"(H[c]));
+#endif
+            }
+        }
+        const __m256i sc = _mm256_loadu_si256((const __m256i *)(pb + 320 + 32 * h));
+        for (int c = 0; c < MR; c++) {
+            const __m256i p = _mm256_mullo_epi32(H[c], sc);
+            I[c] = h ? _mm256_add_epi32(I[c], p) : p;
+        }
+    }
+}
 /* WIDE only with G16 (pb_dots takes the rest): 16-group codes past 63 (IQ2_XS, IQ2_S), each
  * dword's vpmaddubsw pairs widened alone, where two pairs' sum would overflow int16 */
 template <bool WIDE, bool G16>
