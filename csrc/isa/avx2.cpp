@@ -131,75 +131,77 @@ static inline void cb_f16_halves(const uint8_t *col, int h, float *dst) {
 #include "avx2_gemv.inc"
 
 /* ---- the canonical kernel (matmul_impl.inc): 8 weight rows in the lanes -----------------
- * Per block and activation row: the row's dword broadcast against dword i of the 8 rows,
- * vpmaddubsw (u8 x s8 pairs -> int16) and vpmaddwd with ones (-> int32 per row). Values
- * up to 63 go in as they are, two products added in int16 (2 * 2 * 63 * 127 < 32767);
- * zero point 128 formats (bytes up to 255) as w = u - 128 with the sign trick, which
- * leaves -128 sum q out of the sum already (so those start from 0, not zi). */
-struct pb_wblock {
-    __m256i w[8];
-};
-#define PB_DOTS_MR 1  /* x86_panel.inc: the frame takes pb_dots where it applies (16 ymm) */
-#define PB_U16_RUNS (!FK_AVX2_VNNI)  /* pb_dots' int16 runs: vpmaddubsw, not vpdpbusd */
-template <bool WIDE>
-static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
-    /* read by pb_dot only: dead, so dropped, where pb_dots runs */
-    for (int i = 0; i < 8; i++) k.w[i] = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+ * Per block the dots of all MR activation rows at once, dword outer: the row's dword broadcast
+ * against dword i of the 8 rows, vpmaddubsw (u8 x s8 pairs -> int16) and vpmaddwd with ones (->
+ * int32 per row), or vpdpbusd. Row by row, the frame's order kept all 8 weight dwords live (16
+ * ymm with the sign trick's |w|: every register AVX2 has) beside the rows' float sums, and the
+ * block loop spilled; here one dword is live against MR running int32 sums. Integer sums are
+ * exact: the same I, the same bits. Per call at m = 64: Q8_0 / IQ4_NL ~0.87x, Q4_K / Q5_K /
+ * Q4_1 ~0.81x the time of the rows (avx2vnni 0.86x / 0.74x). Every format takes such dots
+ * (pb_dots, pb_dots_n16, pb_dots_g16), so this unit has no row-by-row pb_dot. */
+#define PB_DOTS_MR 1
+#define PB_U16_RUNS (!FK_AVX2_VNNI)  /* int16 runs of vpmaddubsw sums, not vpdpbusd */
+
+/* dwords [i0, i1) of a panel block against MR activation rows, added to the running sums S:
+ * vpdpbusd with VNNI, else RUN dwords' vpmaddubsw sums in int16 (cb_u16_run; RUN a divisor
+ * of i0), then one vpmaddwd into S (one thread, m = 128, against pairs (RUN 2): Q4_K 1.07x
+ * (groups) / 1.08x (rows), Q5_K 1.06x, Q4_0 1.06x); RUN 0: S itself int16 */
+template <int MR, int RUN>
+static inline void pb_dword_dots(const uint8_t *pb, const int32_t *const *xq, int64_t b, int i0, int i1, __m256i S[MR]) {
+#if !FK_AVX2_VNNI
+    __m256i T[MR];
+#endif
+#pragma GCC unroll 8
+    for (int i = i0; i < i1; i++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
+#pragma GCC unroll 4
+        for (int c = 0; c < MR; c++) {
+            const __m256i x = _mm256_set1_epi32(xq[c][8 * b + i]);
+#if FK_AVX2_VNNI
+            S[c] = _mm256_dpbusd_avx_epi32(S[c], w, x);
+            __asm__("" : "+x"(S[c]));  /* a running sum: GCC would reassociate the adds into a tree and spill */
+#else
+            const __m256i p = _mm256_maddubs_epi16(w, x);
+            if (RUN == 0) {
+                S[c] = _mm256_add_epi16(S[c], p);
+                __asm__("" : "+x"(S[c]));
+            } else {
+                T[c] = i % RUN ? _mm256_add_epi16(T[c], p) : p;
+                if (i % RUN == RUN - 1) S[c] = _mm256_add_epi32(S[c], _mm256_madd_epi16(T[c], _mm256_set1_epi16(1)));
+                __asm__("" : "+x"(T[c]), "+x"(S[c]));
+            }
+#endif
+        }
+    }
 }
-#if PB_DOTS_MR
-/* Every format but the G16 ones (Q6_K, Q3_K, Q2_K): the dots of MR activation rows against
- * one panel block at once, dword (pair) outer. Row by row, the frame's order keeps all 8
- * weight dwords live (16 ymm with the sign trick's |w|: every register AVX2 has) beside the
- * rows' float sums, and the block loop spilled; here one dword or pair is live against MR
- * running int32 sums. Integer sums are exact: the same I, the same bits. Per call at
- * m = 64: Q8_0 / IQ4_NL ~0.87x, Q4_K / Q5_K / Q4_1 ~0.81x the time (avx2vnni 0.86x / 0.74x). */
+
+/* Every format but the 16-group ones, from zi; zero point 128 formats (bytes up to 255) without
+ * VNNI as w = u - 128 with the sign trick (|w| against sign(x, w)), which leaves -128 sum q out
+ * of the sum already (so those start from 0, not zi) */
 template <int MR, bool WIDE, int RUN>
 static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
-    for (int c = 0; c < MR; c++) I[c] = WIDE ? _mm256_setzero_si256() : _mm256_set1_epi32(zi[c][b]);
-#if !FK_AVX2_VNNI
-    /* RUN dwords' vpmaddubsw sums add in int16 (cb_u16_run), then one vpmaddwd: one thread,
-     * m = 128, against pairs (RUN 2): Q4_K 1.07x (groups) / 1.08x (rows), Q5_K 1.06x, Q4_0 1.06x */
-    if (!WIDE) {
-        __m256i T[MR];
-#pragma GCC unroll 8
+    constexpr bool SIGNED = WIDE && !FK_AVX2_VNNI;   /* PB_WIDE: no VNNI */
+    for (int c = 0; c < MR; c++) I[c] = SIGNED ? _mm256_setzero_si256() : _mm256_set1_epi32(zi[c][b]);
+    if constexpr (!SIGNED) {
+        pb_dword_dots<MR, RUN>(pb, xq, b, 0, 8, I);
+    } else {
         for (int i = 0; i < 8; i++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
-#pragma GCC unroll 4
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + 32 * i)), _mm256_set1_epi8((char)0x80));
+            const __m256i v = _mm256_abs_epi8(w);
             for (int c = 0; c < MR; c++) {
-                const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xq[c][8 * b + i]));
-                T[c] = i % RUN ? _mm256_add_epi16(T[c], p) : p;
-                if (i % RUN == RUN - 1) I[c] = _mm256_add_epi32(I[c], _mm256_madd_epi16(T[c], _mm256_set1_epi16(1)));
-                __asm__("" : "+x"(T[c]), "+x"(I[c]));
+                I[c] = _mm256_add_epi32(I[c], dot4(v, _mm256_sign_epi8(_mm256_set1_epi32(xq[c][8 * b + i]), w)));
+                __asm__("" : "+x"(I[c]));
             }
-        }
-        return;
-    }
-#endif
-    for (int i = 0; i < 8; i += WIDE ? 1 : 2) {
-        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
-        const __m256i w = WIDE ? _mm256_xor_si256(u0, _mm256_set1_epi8((char)0x80)) : u0;
-        /* the second operand: |w| (sign trick), else the next dword */
-        const __m256i v = WIDE ? _mm256_abs_epi8(w) : _mm256_loadu_si256((const __m256i *)(pb + 32 * i + 32));
-        for (int c = 0; c < MR; c++) {
-            const int32_t *xd = xq[c] + 8 * b + i;
-#if FK_AVX2_VNNI
-            I[c] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(I[c], w, _mm256_set1_epi32(xd[0])), v, _mm256_set1_epi32(xd[1]));
-#else
-            I[c] = _mm256_add_epi32(I[c], dot4(v, _mm256_sign_epi8(_mm256_set1_epi32(xd[0]), w)));
-#endif
-            __asm__("" : "+x"(I[c]));  /* a running sum: GCC would reassociate the adds into a tree and spill */
         }
     }
 }
-#endif
 /* Q2_K and Q3_K (u <= 7, z <= 4): a 16-group's sum (u - z) q fits int16 (|.| <= 16 * 4 * 127),
  * as do their group scales, so the group scale multiplies in vpmaddwd, not vpmulld (2 uops,
- * 10 cycles on Intel); dword outer, as pb_dots. Without VNNI the group's vpmaddubsw sums stay
- * int16 (the low half starts at zi; at most 8128 + 8 * 7 * 127) and vpmaddwd against the
- * scale in both halves adds them; with VNNI the two groups' int32 sums pack into one dword's
- * halves against the two scales. The same integer I as pb_dot. One thread, m = 128, groups of
- * 3072 x 1024 in cache: Q2_K 80 -> 106 GFLOP/s, Q3_K 124 -> 142 (avx2vnni 108 -> 130, 140 -> 165);
- * the frame's Q2_K min term takes one vpmaddwd likewise. */
+ * 10 cycles on Intel). Without VNNI the group's vpmaddubsw sums stay int16 (the low half starts
+ * at zi; at most 8128 + 8 * 7 * 127) and vpmaddwd against the scale in both halves adds them;
+ * with VNNI the two groups' int32 sums pack into one dword's halves against the two scales.
+ * One thread, m = 128, groups of 3072 x 1024 in cache: Q2_K 80 -> 106 GFLOP/s, Q3_K 124 -> 142
+ * (avx2vnni 108 -> 130, 140 -> 165); the frame's Q2_K min term takes one vpmaddwd likewise. */
 #define PB_DOTS_N16 1
 template <int MR>
 static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
@@ -211,20 +213,7 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
     for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 4
         for (int c = 0; c < MR; c++) T[c] = _mm256_set1_epi32(FK_AVX2_VNNI ? zi[c][2 * b + h] : zi[c][2 * b + h] & 0xFFFF);
-#pragma GCC unroll 4
-        for (int i = 4 * h; i < 4 * h + 4; i++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
-#pragma GCC unroll 4
-            for (int c = 0; c < MR; c++) {
-                const __m256i x = _mm256_set1_epi32(xq[c][8 * b + i]);
-#if FK_AVX2_VNNI
-                T[c] = _mm256_dpbusd_avx_epi32(T[c], w, x);
-#else
-                T[c] = _mm256_add_epi16(T[c], _mm256_maddubs_epi16(w, x));
-#endif
-                __asm__("" : "+x"(T[c]));
-            }
-        }
+        pb_dword_dots<MR, 0>(pb, xq, b, 4 * h, 4 * h + 4, T);
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(pb + 320 + 32 * h));
 #if FK_AVX2_VNNI
         if (h == 0) {
@@ -242,71 +231,28 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
 #endif
     }
 }
-/* The other 16-group formats (Q6_K, IQ1_M, IQ2_XS, IQ2_S): as pb_dots, dword outer, each half's
- * int32 dot from its zi, then times the half's group scale (vpmulld); without VNNI RUN dwords'
- * vpmaddubsw sums add in int16 (cb_u16_run: IQ2_XS's and IQ2_S's codes to 87 one, IQ1_M's to 25
- * four). Row by row (pb_dot) the 8 weight dwords stayed live beside the rows' sums and spilled.
- * The same integer I as pb_dot. */
+/* The other 16-group formats (Q6_K, IQ1_M, IQ2_XS, IQ2_S): each half's int32 dot from its zi,
+ * then times the half's group scale (vpmulld); without VNNI in runs of cb_u16_run dwords
+ * (IQ2_XS's and IQ2_S's codes to 87 one, IQ1_M's to 25 four). Row by row these had each
+ * dword's vpmaddubsw pairs widened alone (IQ2_XS, IQ2_S) and spilled as above: one thread,
+ * m = 16-128, Q6_K 0.95-0.97x, IQ1_M 0.92-0.96x, IQ2_XS 0.98x the time (avx2vnni 0.92-0.94x,
+ * 0.93x, 0.93-0.96x). */
 #define PB_DOTS_G16 1
 template <int MR, int RUN>
 static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
-    static_assert(4 % RUN == 0, "runs within a 16-group");
+    static_assert(RUN > 0 && 4 % RUN == 0, "runs within a 16-group");
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         __m256i H[MR];  /* this half's sums */
 #pragma GCC unroll 4
         for (int c = 0; c < MR; c++) H[c] = _mm256_set1_epi32(zi[c][2 * b + h]);
-#if !FK_AVX2_VNNI
-        __m256i T[MR];
-#endif
-#pragma GCC unroll 4
-        for (int i = 4 * h; i < 4 * h + 4; i++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 * i));
-#pragma GCC unroll 4
-            for (int c = 0; c < MR; c++) {
-                const __m256i x = _mm256_set1_epi32(xq[c][8 * b + i]);
-#if FK_AVX2_VNNI
-                H[c] = _mm256_dpbusd_avx_epi32(H[c], w, x);
-                __asm__("" : "+x"(H[c]));
-#else
-                const __m256i p = _mm256_maddubs_epi16(w, x);
-                T[c] = i % RUN ? _mm256_add_epi16(T[c], p) : p;
-                if (i % RUN == RUN - 1) H[c] = _mm256_add_epi32(H[c], _mm256_madd_epi16(T[c], _mm256_set1_epi16(1)));
-                __asm__("" : "+x"(T[c]), "+x"(H[c]));
-#endif
-            }
-        }
+        pb_dword_dots<MR, RUN>(pb, xq, b, 4 * h, 4 * h + 4, H);
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(pb + 320 + 32 * h));
         for (int c = 0; c < MR; c++) {
             const __m256i p = _mm256_mullo_epi32(H[c], sc);
             I[c] = h ? _mm256_add_epi32(I[c], p) : p;
         }
     }
-}
-/* WIDE only with G16 (pb_dots takes the rest): 16-group codes past 63 (IQ2_XS, IQ2_S), each
- * dword's vpmaddubsw pairs widened alone, where two pairs' sum would overflow int16 */
-template <bool WIDE, bool G16>
-static inline __m256i pb_dot(const pb_wblock &k, const uint8_t *pb, const int32_t *xd, const int32_t *zi, int64_t b) {
-    __m256i s[4];
-    for (int i = 0; i < 4; i++)
-#if FK_AVX2_VNNI
-        s[i] = _mm256_dpbusd_avx_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])), k.w[2 * i + 1],
-                                       _mm256_set1_epi32(xd[2 * i + 1]));
-#else
-        s[i] = WIDE ? _mm256_add_epi32(dot4(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
-                                       dot4(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1])))
-                    : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k.w[2 * i], _mm256_set1_epi32(xd[2 * i])),
-                                                         _mm256_maddubs_epi16(k.w[2 * i + 1], _mm256_set1_epi32(xd[2 * i + 1]))),
-                                        _mm256_set1_epi16(1));
-#endif
-    if (G16) {
-        const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_set1_epi32(zi[2 * b]));
-        const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(s[2], s[3]), _mm256_set1_epi32(zi[2 * b + 1]));
-        return _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_loadu_si256((const __m256i *)(pb + 320))),
-                                _mm256_mullo_epi32(hi, _mm256_loadu_si256((const __m256i *)(pb + 352))));
-    }
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),
-                            _mm256_set1_epi32(zi[b]));
 }
 
 /* ---- panel builders straight off the GGML blocks (the common formats) --------------------
