@@ -22,8 +22,9 @@ quantizes them with llama-quantize: the 0.6B shape (28 layers, 1024 wide, FFN 30
 16/8 heads of 128) and the 1.7B shape (28 layers, 2048 wide, FFN 6144); the vocabulary is
 a synthetic byte-level one of Qwen3's 151,936 ids unless --vocab copies a real one.
 Then it times prompt lengths 1, 4, 16, 32, 64, 128, 256, 512 and decode at depths 0, 512
-and 2048 on each, at both ISA levels, and prints the scoreboard table BENCHMARK.md shows,
-with the CPU, the date and the commit. Decode also gets GB/s: the bytes a token reads
+and 2048 on each, at both ISA levels, and prints every figure, then the scoreboard grid
+BENCHMARK.md shows (a line per model and ISA, the ratios, losses in bold), with the CPU, the
+date and the commit. Decode also gets GB/s: the bytes a token reads
 (every tensor but the embedding rows; the tied output matrix counts once; of a MoE's
 stacked expert tensors, the routed share) times tokens/s.
 """
@@ -267,6 +268,24 @@ def markdown(rows: list[dict], a) -> str:
         gbs = f"{r['fucina_gb_s']:.1f} / {r['llama_cpp_gb_s']:.1f}" if "fucina_gb_s" in r else ""
         lines.append(f"| {r['model'].removesuffix('.gguf')} | {r['isa']} | {test} | {r['fucina']:.1f} | "
                      f"{r['llama_cpp']:.1f} | {r['ratio']:.2f} | {gbs} |")
+    return "\n".join(lines) + "\n" + grid(rows)
+
+
+def grid(rows: list[dict]) -> str:
+    """The scoreboard's grid: a line per model and ISA, a column per prompt length and decode
+    depth, the paired ratios, losses in bold (empty where the rows hold a single test)."""
+    cols = list(dict.fromkeys(r["test"] if r["test"].startswith("pp") else f"tg d{r['depth']}" for r in rows))
+    if len(cols) < 2:
+        return ""
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        col = r["test"] if r["test"].startswith("pp") else f"tg d{r['depth']}"
+        ratio = f"{r['ratio']:.2f}"
+        cells.setdefault((r["model"].removesuffix(".gguf"), r["isa"]), {})[col] = \
+            f"**{ratio}**" if r["ratio"] < 1.0 else ratio
+    lines = ["", "| model | ISA | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
+    for (model, isa), row in cells.items():
+        lines.append(f"| {model} | {isa} | " + " | ".join(row.get(c, "") for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 

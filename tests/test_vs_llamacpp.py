@@ -40,6 +40,10 @@ def test_scoreboard_rows_and_decode_bandwidth(tmp_path):
     assert "2 threads" in table[0] and "commit" in table[0]
     assert table[4] == "| m | native | pp16 | 30.0 | 20.0 | 1.50 |  |"
     assert table[5] == "| m | avx2 | tg64 @ d512 | 10.0 | 12.5 | 0.80 | 4.0 / 5.0 |"
+    # the grid: a line per model and ISA, a column per prompt length and decode depth, losses bold
+    assert table[7:] == ["| model | ISA | pp16 | tg d512 |", "| --- | --- | ---: | ---: |",
+                         "| m | native | 1.50 |  |", "| m | avx2 |  | **0.80** |"]
+    assert mod.grid(rows[:1]) == ""
 
 
 def test_sweep_vocabulary_loads(tmp_path):
