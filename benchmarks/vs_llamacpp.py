@@ -274,14 +274,16 @@ def markdown(rows: list[dict], a) -> str:
 def grid(rows: list[dict]) -> str:
     """The scoreboard's grid: a line per model and ISA, a column per prompt length and decode
     depth, the paired ratios, losses in bold (empty where the rows hold a single test)."""
-    cols = list(dict.fromkeys(r["test"] if r["test"].startswith("pp") else f"tg d{r['depth']}" for r in rows))
+    def column(r: dict) -> str:
+        return r["test"] if r["test"].startswith("pp") else f"tg d{r['depth']}"
+
+    cols = list(dict.fromkeys(column(r) for r in rows))
     if len(cols) < 2:
         return ""
     cells: dict[tuple, dict] = {}
     for r in rows:
-        col = r["test"] if r["test"].startswith("pp") else f"tg d{r['depth']}"
         ratio = f"{r['ratio']:.2f}"
-        cells.setdefault((r["model"].removesuffix(".gguf"), r["isa"]), {})[col] = \
+        cells.setdefault((r["model"].removesuffix(".gguf"), r["isa"]), {})[column(r)] = \
             f"**{ratio}**" if r["ratio"] < 1.0 else ratio
     lines = ["", "| model | ISA | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
     for (model, isa), row in cells.items():
