@@ -317,9 +317,11 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int]:
 
 
 def finish_distributed() -> None:
-    """Every rank waits for the others, then the group closes: a rank that exits while a
-    peer's gloo threads still talk to it can abort that peer (SIGABRT, "terminate called
-    without an active exception", seen once in the two-process test)."""
+    """Every rank waits for the others, then the group closes, so that no rank exits while a
+    peer's gloo threads still talk to it. A rare abort on the way out (SIGABRT, "terminate
+    called without an active exception") was seen twice in the two-process test, once after
+    this barrier was in place: its cause is not known, and the test's ranks now leave without
+    the interpreter's teardown (tests/test_train_loop.py)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
