@@ -5,13 +5,18 @@ process CPU time per call at one thread, median over rounds.
     python benchmarks/kernel_pairs.py builds BASE.so NEW.so  # two builds of fucina.kernels._native
     python benchmarks/kernel_pairs.py isas --isa avx2 --isa avx2vnni  # two ISA levels, canonical route
     python benchmarks/kernel_pairs.py builds BASE.so NEW.so --cases prefill  # Qwen3 pp128 shapes
+    python benchmarks/kernel_pairs.py layouts --weights Q4_K,Q5_K --rows 1,4,8  # rows vs 16-row groups
 
-The last column is the second side's time over the first's (new / base, canon / legacy).
+The last column is the second side's time over the first's (new / base, canon / legacy,
+groups / rows).
 --rows 1,5,8 times each distinct weight of the table at those m instead (the decode
 GEMV's reach is 1-8 rows); --weights Q4_1,Q8_0 keeps those formats; --shapes
 Q8_0:65536x640,Q4_1:49152x576 times those weights instead (fewer calls a round for big ones). `builds` loads both
 extension files side by side (one shared libgomp) and checks that they return the same bits
-(so does `isas`). --rounds (default 15), --isa (default: every level this CPU has).
+(so do `isas` and `layouts`); `builds --groups` times both on the weights' row-group layout
+(a model load's, where the format has one). `layouts` times a format's rows against its
+row groups, the formats without groups left out. --rounds (default 15), --isa (default: every
+level this CPU has).
 """
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ def paired(a, b, reps: int, rounds: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["routes", "builds", "isas"])
+    ap.add_argument("mode", choices=["routes", "builds", "isas", "layouts"])
     ap.add_argument("so", nargs="*", help="builds: BASE.so NEW.so")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--isa", action="append")
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated m for every distinct weight (default: the table's)")
     ap.add_argument("--weights", help="comma-separated formats to keep (default: all)")
     ap.add_argument("--shapes", help="comma-separated FORMAT:NxK weights instead of the table's (with --rows)")
+    ap.add_argument("--groups", action="store_true", help="builds: the weights in their row-group layout")
     args = ap.parse_args()
     mods = [load_build(p) for p in args.so] if args.mode == "builds" else [K._native]
     if args.mode == "builds":   # the IQ1-IQ3 codebooks, which each module holds (K.load_iq_tables sets K's)
@@ -78,7 +84,8 @@ def main() -> None:
                 mod.set_iq_tables(iq_codebook_bytes())
     else:
         K.load_iq_tables()
-    names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ())}[args.mode]
+    names = {"builds": ("base", "new"), "routes": ("legacy int8", "canon"), "isas": tuple(args.isa or ()),
+             "layouts": ("rows", "groups")}[args.mode]
     if args.mode == "isas" and len(names) != 2:
         ap.error("isas: name two levels with --isa A --isa B")
     cases = PREFILL if args.cases == "prefill" else CASES
@@ -89,6 +96,9 @@ def main() -> None:
         cases = [(f, n, k, int(m)) for f, n, k in shapes for m in args.rows.split(",")]
     if args.weights:
         cases = [c for c in cases if c[0] in args.weights.split(",")]
+    grouped = args.mode == "layouts" or args.groups
+    if grouped:
+        cases = [c for c in cases if T[c[0]] in K._LAYOUTS]
     rng = np.random.default_rng(0)
     print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -101,16 +111,22 @@ def main() -> None:
             raw, x = rand_raw(qt, n, k, rng), torch.randn(m, k)
             ys = [torch.empty(m, n), torch.empty(m, n)]
             rb = raw.numel() // n
+            weights = [(int(qt), raw)] * 2
+            if grouped:   # the groups hold ceil16(n) rows of the same row bytes
+                lay = K._LAYOUTS[qt]
+                g = (lay.pseudo, lay.pack(raw.view(n, rb), n).contiguous())
+                weights = [(int(qt), raw), g] if args.mode == "layouts" else [g, g]
 
             def side(i):
                 mod = mods[i] if args.mode == "builds" else mods[0]
                 route = ("int8", "canon")[i] if args.mode == "routes" else "canon"
+                wt, w = weights[i]
 
                 def call():
                     if args.mode == "isas":
                         mod.set_isa(names[i])
                     mod.set_prefill(route)
-                    mod.matmul(int(qt), raw.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
+                    mod.matmul(wt, w.data_ptr(), rb, n, k, x.data_ptr(), m, ys[i].data_ptr(), n)
                 return call
             reps = 200 if m == 1 else (60 if m <= 8 else 6)
             if args.shapes:  # about 0.2 GB of weights read per side and round
