@@ -14,8 +14,8 @@ GEMV's reach is 1-8 rows); --weights Q4_1,Q8_0 keeps those formats; --shapes
 Q8_0:65536x640,Q4_1:49152x576 times those weights instead (fewer calls a round for big ones). `builds` loads both
 extension files side by side (one shared libgomp) and checks that they return the same bits
 (so do `isas` and `layouts`); `builds --groups` times both on the weights' row-group layout
-(a model load's, where the format has one). `layouts` times a format's rows against its
-row groups, the formats without groups left out. --rounds (default 15), --isa (default: every
+(as a model load repacks them at the ISA in force). `layouts` times a format's rows against
+its row groups; formats that keep their rows at that ISA are left out. --rounds (default 15), --isa (default: every
 level this CPU has).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 import fucina.kernels as K
 from fucina.gguf import GGMLType as T
+from fucina.weights import LinearWeight
 
 from kernels import rand_raw
 
@@ -97,8 +98,6 @@ def main() -> None:
     if args.weights:
         cases = [c for c in cases if c[0] in args.weights.split(",")]
     grouped = args.mode == "layouts" or args.groups
-    if grouped:
-        cases = [c for c in cases if T[c[0]] in K._LAYOUTS]
     rng = np.random.default_rng(0)
     print(f"| isa | weight | m | {names[0]} µs | {names[1]} µs | {names[1]} / {names[0]} |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -106,15 +105,20 @@ def main() -> None:
         for mod in mods:
             mod.set_isa(names[0] if args.mode == "isas" else isa)
             mod.set_threads(1)
+        if grouped:   # the level whose layouts K.interleave applies
+            K.set_isa(isa)
         for f, n, k, m in cases:
             qt = T[f]
             raw, x = rand_raw(qt, n, k, rng), torch.randn(m, k)
             ys = [torch.empty(m, n), torch.empty(m, n)]
             rb = raw.numel() // n
             weights = [(int(qt), raw)] * 2
-            if grouped:   # the groups hold ceil16(n) rows of the same row bytes
-                lay = K._LAYOUTS[qt]
-                g = (lay.pseudo, lay.pack(raw.view(n, rb), n).contiguous())
+            if grouped:   # repacked as a model load repacks it at the ISA in force, or left out
+                lw = LinearWeight(raw, qt, n, k, "w")
+                K.attach(lw)
+                if not K.interleave(lw):
+                    continue
+                g = (lw.kernel.qtype, lw.kernel.raw)
                 weights = [(int(qt), raw), g] if args.mode == "layouts" else [g, g]
 
             def side(i):
