@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The AVX-512 prefill kernel with and without the AMX tiles, paired in one process.
 
-    python benchmarks/amx_prefill.py --kernel [--formats Q4_K,Q8_0,Q6_K] [--threads 1]
+    python benchmarks/amx_prefill.py --kernel [--formats Q4_K,Q8_0,Q6_K] [--shape 2048x2048] [--rows 256] [--threads 1]
     python benchmarks/amx_prefill.py MODEL.gguf [--pp 64,128,512] [--rounds 7] [--threads 2]
 
---kernel times one canonical matmul (2048 x 2048 weights, 256 activation rows) per format,
-the two kernels alternating, best of 5 each. With a model it times prefill of each prompt
+--kernel times one canonical matmul (N x K weights, --shape; m activation rows, each of --rows)
+per format, the two kernels alternating, best of 5 each. With a model it times prefill of each prompt
 length, the two alternating in ABBA order, and prints each side's median tokens/s and the
 median of the per-round ratios (AMX / vector kernel). Both give the same bits (the tests
 check it); this measures only the speed. Needs a CPU whose OS enables AMX.
@@ -32,9 +32,9 @@ def kernel_pairs(a) -> None:
     from fucina.gguf import GGMLType
     from test_kernels import rand_weight
 
-    n, k, m = 2048, 2048, 256
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0))
-    for name in a.formats:
+    n, k = map(int, a.shape.split("x"))
+    for name, m in ((f, m) for f in a.formats for m in a.rows):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(0))
         qt = getattr(GGMLType, name)
         raw = torch.from_numpy(rand_weight(qt, n, k, np.random.default_rng(0)))
         best = {}
@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--kernel", action="store_true", help="time the matmul alone, per format")
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_K", "Q8_0", "Q6_K"])
+    ap.add_argument("--shape", default="2048x2048", help="--kernel: the weight's N x K")
+    ap.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[256],
+                    help="--kernel: activation rows m, comma-separated")
     ap.add_argument("--pp", type=lambda s: [int(v) for v in s.split(",")], default=[64, 128, 512])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="default: 1 with --kernel, else 2")
