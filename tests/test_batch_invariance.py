@@ -92,6 +92,33 @@ def test_quantized_matmul_same_bits_on_every_isa(qt):
             assert torch.equal(_matmul_on(isa, raw, qt, n, k, rows), ref), f"{qt.name} m={len(rows)} on {isa}"
 
 
+@pytest.mark.parametrize("qt", [T.IQ1_M, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
+def test_int16_group_sums_at_their_bounds(qt):
+    """The formats whose 16-group sums pass through int16 (AVX2 sums a group's dwords in two int16
+    halves, the low one from the zero-point term -z sum q): activations at +-127 everywhere, signed
+    so that row 0's half-group sums and the zero-point term grow together, give the scalar unit's
+    bits on every ISA (the panel route, 9 rows, and the decode GEMV, 1 row)."""
+    from fucina.quant.dequant import dequantize
+
+    rng = np.random.default_rng(500 + int(qt))
+    n, k = 29, 512
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    sign = torch.sign(dequantize(raw[0], qt, k).float())
+    sign[sign == 0] = 1
+    low = (torch.arange(k) % 4) < 2   # each dword's first two values: AVX2's low int16 half
+    rows = [torch.ones(k), -torch.ones(k)]
+    for s in (1.0, -1.0):
+        rows.append(torch.where(low, s * sign, -s * torch.ones(k)))
+        rows.append(torch.where(low, -s * torch.ones(k), s * sign))
+    rows.append(sign.clone())
+    rows.append(-sign)
+    x = torch.stack(rows + [torch.ones(k)])   # 9 rows
+    for batch in (x, x[:1], x[2:3], x[4:5]):
+        ref = _matmul_on("scalar", raw, qt, n, k, batch)
+        for isa in K.supported_isas():
+            assert torch.equal(_matmul_on(isa, raw, qt, n, k, batch), ref), f"{qt.name} m={len(batch)} on {isa}"
+
+
 @pytest.mark.skipif(not K.available() or not K.amx(), reason="no AMX tiles on this CPU (or its OS keeps them off)")
 @pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_amx_tiles_same_bits(qt):

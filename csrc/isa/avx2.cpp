@@ -201,7 +201,10 @@ static inline void pb_dots(const uint8_t *pb, const int32_t *const *xq, const in
  * at zi; at most 8128 + 8 * 7 * 127) and vpmaddwd against the scale in both halves adds them;
  * with VNNI the two groups' int32 sums pack into one dword's halves against the two scales.
  * One thread, m = 128, groups of 3072 x 1024 in cache: Q2_K 80 -> 106 GFLOP/s, Q3_K 124 -> 142
- * (avx2vnni 108 -> 130, 140 -> 165); the frame's Q2_K min term takes one vpmaddwd likewise. */
+ * (avx2vnni 108 -> 130, 140 -> 165); the frame's Q2_K min term takes one vpmaddwd likewise.
+ * IQ1_M (u - z within +-9, scales to 15; matmul_impl.inc's cb_n16 bounds its halves by 25400)
+ * came here from pb_dots_g16: one thread, m = 16 / 128, 0.94-1.00x the time (avx2vnni
+ * 0.92-0.97x). */
 #define PB_DOTS_N16 1
 template <int MR>
 static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
@@ -231,9 +234,9 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
 #endif
     }
 }
-/* The other 16-group formats (Q6_K, IQ1_M, IQ2_XS, IQ2_S): each half's int32 dot from its zi,
+/* The other 16-group formats (Q6_K, IQ2_XS, IQ2_S): each half's int32 dot from its zi,
  * then times the half's group scale (vpmulld); without VNNI in runs of cb_u16_run dwords
- * (IQ2_XS's and IQ2_S's codes to 87 one, IQ1_M's to 25 four). Row by row these had each
+ * (IQ2_XS's and IQ2_S's codes to 87 one). IQ1_M, here before pb_dots_n16, ran in runs of four. Row by row these had each
  * dword's vpmaddubsw pairs widened alone (IQ2_XS, IQ2_S) and spilled as above: one thread,
  * m = 16-128, Q6_K 0.95-0.97x, IQ1_M 0.92-0.96x, IQ2_XS 0.98x the time (avx2vnni 0.92-0.94x,
  * 0.93x, 0.93-0.96x). */
