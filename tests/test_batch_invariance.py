@@ -108,11 +108,8 @@ def test_int16_group_sums_at_their_bounds(qt):
     low = (torch.arange(k) % 4) < 2   # each dword's first two values: AVX2's low int16 half
     rows = [torch.ones(k), -torch.ones(k)]
     for s in (1.0, -1.0):
-        rows.append(torch.where(low, s * sign, -s * torch.ones(k)))
-        rows.append(torch.where(low, -s * torch.ones(k), s * sign))
-    rows.append(sign.clone())
-    rows.append(-sign)
-    x = torch.stack(rows + [torch.ones(k)])   # 9 rows
+        rows += [torch.where(low, s * sign, -s), torch.where(low, -s, s * sign)]
+    x = torch.stack(rows + [sign, -sign, torch.ones(k)])   # 9 rows
     for batch in (x, x[:1], x[2:3], x[4:5]):
         ref = _matmul_on("scalar", raw, qt, n, k, batch)
         for isa in K.supported_isas():
