@@ -116,6 +116,47 @@ def test_int16_group_sums_at_their_bounds(qt):
             assert torch.equal(_matmul_on(isa, raw, qt, n, k, batch), ref), f"{qt.name} m={len(batch)} on {isa}"
 
 
+# (value bytes, their fill, scale bytes) of the 16-group formats whose group sums pass
+# through floats: every value at its largest magnitude, every scale at its largest
+_EXTREMES = {
+    T.Q6_K: ((slice(0, 192), 0x00), slice(192, 208), 0x80),       # values -32, scales -128
+    T.IQ2_XS: ((slice(2, 66), 0xFF), slice(66, 74), 0xFF),        # grid 511 (all 43), scales 31
+    T.IQ2_S: ((slice(2, 34), 0xFF), slice(74, 82), 0xFF),         # grid 1023 with qh below
+}
+
+
+@pytest.mark.parametrize("qt", sorted(_EXTREMES), ids=lambda t: t.name)
+def test_float_group_products_at_their_bounds(qt):
+    """The formats whose block integer I = c_lo s_lo + c_hi s_hi the AVX-512 unit forms in
+    floats (exact while each product and I stay under 2^24; Q6_K's reach 16646144): rows of
+    extreme values and scales, activations at +-127 signed by row 0's weights, give the scalar
+    unit's bits on every ISA (the panel route, 9 rows, and the decode GEMV, 1 row)."""
+    from fucina.quant.dequant import dequantize
+
+    rng = np.random.default_rng(600 + int(qt))
+    n, k = 29, 512
+    bs, ts = TYPE_SIZES[qt]
+    raw = rand_weight(qt, n, k, rng).reshape(n, k // bs, ts)
+    (vals, fill), scales, smax = _EXTREMES[qt]
+    raw[:3, :, vals] = fill
+    raw[:3, :, scales] = smax
+    if qt == T.IQ2_S:
+        raw[:3, :, 66:74] = 0xFF      # the grid index's high bits
+    if qt == T.Q6_K:
+        raw[1, :, vals] = 0xFF        # values +31
+        raw[2, :, 192:208:2] = 0x7F   # scales -128 and 127 in turn
+    if qt == T.IQ2_XS:                # each grid index keeps a random sign pattern (bits 9-15)
+        raw[:3, :, 3:66:2] = rng.integers(0, 256, raw[:3, :, 3:66:2].shape, dtype=np.uint8) | 0x01
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    sign = torch.sign(dequantize(raw[0], qt, k).float())
+    sign[sign == 0] = 1
+    x = torch.stack([sign, -sign, torch.ones(k), -torch.ones(k), sign.roll(16), sign, -sign, sign, torch.ones(k)])
+    for batch in (x, x[:1], x[1:2], x[2:3]):
+        ref = _matmul_on("scalar", raw, qt, n, k, batch)
+        for isa in K.supported_isas():
+            assert torch.equal(_matmul_on(isa, raw, qt, n, k, batch), ref), f"{qt.name} m={len(batch)} on {isa}"
+
+
 @pytest.mark.skipif(not K.available() or not K.amx(), reason="no AMX tiles on this CPU (or its OS keeps them off)")
 @pytest.mark.parametrize("qt", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_amx_tiles_same_bits(qt):

@@ -2,6 +2,7 @@
  * from saturating, see tile_q_part) and vpmaddwd. isa/avx2vnni.cpp compiles this same unit
  * again with FK_AVX2_VNNI and AVX-VNNI on (Alder Lake, Zen 5): dot4 is then one vpdpbusd. */
 #include <immintrin.h>
+#include <type_traits>
 
 #include "fk_common.h"
 #include "fk_delta.h"   /* fk_delta_layer: the DeltaNet mixer of the step */
@@ -235,15 +236,16 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
     }
 }
 /* The other 16-group formats (Q6_K, IQ2_XS, IQ2_S): each half's int32 dot from its zi,
- * then times the half's group scale (vpmulld); without VNNI in runs of cb_u16_run dwords
+ * then times the half's group scale (vpmulld, or in floats: V = __m256); without VNNI in runs of cb_u16_run dwords
  * (IQ2_XS's and IQ2_S's codes to 87 one). Row by row these had each dword's vpmaddubsw pairs
  * widened alone (IQ2_XS, IQ2_S) and spilled as above: one thread, m = 16-128, Q6_K
  * 0.95-0.97x, IQ1_M (here then, in runs of four) 0.92-0.96x, IQ2_XS 0.98x the time (avx2vnni
  * 0.92-0.94x, 0.93x, 0.93-0.96x). */
 #define PB_DOTS_G16 1
-template <int MR, int RUN>
-static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256i I[MR]) {
+template <int MR, int RUN, typename V>
+static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, V I[MR]) {
     static_assert(RUN > 0 && 4 % RUN == 0, "runs within a 16-group");
+    constexpr bool FLOATS = std::is_same<V, __m256>::value;
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         __m256i H[MR];  /* this half's sums */
@@ -251,12 +253,31 @@ static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, cons
         for (int c = 0; c < MR; c++) H[c] = _mm256_set1_epi32(zi[c][2 * b + h]);
         pb_dword_dots<MR, RUN>(pb, xq, b, 4 * h, 4 * h + 4, H);
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(pb + 320 + 32 * h));
-        for (int c = 0; c < MR; c++) {
-            const __m256i p = _mm256_mullo_epi32(H[c], sc);
-            I[c] = h ? _mm256_add_epi32(I[c], p) : p;
+        if constexpr (FLOATS) {
+            const __m256 sf = _mm256_cvtepi32_ps(sc);
+            for (int c = 0; c < MR; c++) {
+                const __m256 p = _mm256_cvtepi32_ps(H[c]);
+                I[c] = h ? _mm256_fmadd_ps(p, sf, I[c]) : _mm256_mul_ps(p, sf);
+            }
+        } else {
+            for (int c = 0; c < MR; c++) {
+                const __m256i p = _mm256_mullo_epi32(H[c], sc);
+                I[c] = h ? _mm256_add_epi32(I[c], p) : p;
+            }
         }
     }
 }
+/* With VNNI the two half sums and their scales go to floats instead (exact, as the AVX-512
+ * unit's pb_dots_g16f), a multiply and an FMA in place of the vpmulld pair: one thread, m = 16
+ * / 128, IQ2_XS, IQ2_S and Q6_K 0.94-0.99x the time. Without VNNI the same measured 1.05-1.10x
+ * (slower), so plain AVX2 keeps vpmulld. */
+#if FK_AVX2_VNNI
+#define PB_DOTS_G16F 1
+template <int MR, int RUN>
+static inline void pb_dots_g16f(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m256 F[MR]) {
+    pb_dots_g16<MR, RUN>(pb, xq, zi, b, F);
+}
+#endif
 
 /* ---- panel builders straight off the GGML blocks (the common formats) --------------------
  * As the AVX-512 unit's, 8 rows at a time: block bytes transposed into dword order (rows past
