@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>   /* sysconf: the L2 size */
 #include <omp.h>
 
 /* GGML type ids (ggml.h) of the formats with a native route. */

@@ -116,6 +116,21 @@ def test_int16_group_sums_at_their_bounds(qt):
             assert torch.equal(_matmul_on(isa, raw, qt, n, k, batch), ref), f"{qt.name} m={len(batch)} on {isa}"
 
 
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ2_XS], ids=lambda t: t.name)
+def test_rows_past_l2_in_blocks(qt):
+    """A call whose activation rows outgrow a core's L2 takes them in blocks (matmul_cb's
+    cb_row_block): 1100 rows of k = 4096 (about 13 MB of quantized rows) give, on every ISA,
+    the bits of the same rows in calls of 100, which no unit splits."""
+    rng = np.random.default_rng(700 + int(qt))
+    n, k, m = 29, 4096, 1100
+    raw = torch.from_numpy(rand_weight(qt, n, k, rng))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    for isa in K.supported_isas():
+        whole = _matmul_on(isa, raw, qt, n, k, x)
+        parts = torch.cat([_matmul_on(isa, raw, qt, n, k, x[r:r + 100]) for r in range(0, m, 100)])
+        assert torch.equal(whole, parts), f"{qt.name} on {isa}"
+
+
 # (value bytes, their fill, scale bytes) of the 16-group formats whose group sums pass
 # through floats: every value at its largest magnitude, every scale at its largest
 _EXTREMES = {
