@@ -190,7 +190,7 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
  * to floats, and one multiply and one FMA, which the other port also serves, give the same I
  * exactly: each product and I are integers under 2^24 (Q6_K's bound: 2 x 128 x 16 x 32 x 127 =
  * 16646144). The scales convert once a block, for all MR rows (converted row by row, the same
- * form measured 1.00-1.04x). One thread, m = 16 / 128 / 512: IQ2_XS 0.94 / 0.84-0.88 / 0.92x
+ * form measured 1.00-1.04x). One thread, m = 16 / 128 / 512: IQ2_XS 0.94-0.96 / 0.84-0.88 / 0.92x
  * the vpmulld's time, IQ2_S 0.92-0.93 / 0.89-0.90 / 0.89x, Q6_K 0.88-0.90 / 0.85-0.87 / 0.87x. */
 #define PB_DOTS_G16F 1
 template <int MR, int RUN>   /* RUN: vpdpbusd takes every dword as it is */
