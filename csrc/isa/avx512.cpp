@@ -148,7 +148,7 @@ static inline void pb_wload(const uint8_t *pb, pb_wblock &k) {
 }
 template <bool WIDE, bool G16>
 static inline __m512i pb_dot(const pb_wblock &k, const uint8_t *, const int32_t *xd, const int32_t *zi, int64_t b) {
-    static_assert(!G16, "the 16-group formats take pb_dots_n16 or pb_dots_g16f");
+    static_assert(!G16, "the 16-group formats take pb_dots_g16f");
     __m512i i0 = _mm512_set1_epi32(zi[b]), i1 = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) {
         i0 = _mm512_dpbusd_epi32(i0, k.w[i], _mm512_set1_epi32(xd[i]));
@@ -167,31 +167,16 @@ static inline void pb_group_sums(const __m512i w[8], const int32_t *xd, const in
     }
 }
 
-/* Q2_K, Q3_K and IQ1_M (cb_n16): a 16-group's sum (u - z) q fits int16 (|.| <= 16 * 9 * 127), so the
- * two groups' sums pack into one dword's halves against the two scales: one vpmaddwd where
- * scaling each sum alone took a vpmulld (2 uops on port 0, which the vpdpbusd also need).
- * One thread, m = 128: Q3_K 268 -> 288 GFLOP/s; the Q2_K file's pp512 +1-2% (3 of 3
- * alternations); IQ1_M 0.93x the time (m = 16: 0.96x). */
-#define PB_DOTS_N16 1
-template <int MR>
-static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m512i I[MR]) {
-    __m512i w[8], lo, hi;
-    for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
-    const __m512i cp = pb_halves(_mm512_loadu_si512((const void *)(pb + 640)), _mm512_loadu_si512((const void *)(pb + 704)));
-    for (int c = 0; c < MR; c++) {
-        pb_group_sums(w, xq[c] + 8 * b, zi[c], b, lo, hi);
-        I[c] = _mm512_madd_epi16(pb_halves(lo, hi), cp);
-    }
-}
-
-/* The other 16-group formats (Q6_K, IQ2_XS, IQ2_S): their group sums (to 16 x 43 x 127 = 87376)
- * do not fit int16, and scaling them with two vpmulld (2 uops each on the port the vpdpbusd
- * take) cost IQ2_XS 1.31-1.34x IQ2_XXS's time. Here the two sums and the block's two scales go
- * to floats, and one multiply and one FMA, which the other port also serves, give the same I
- * exactly: each product and I are integers under 2^24 (Q6_K's bound: 2 x 128 x 16 x 32 x 127 =
- * 16646144). The scales convert once a block, for all MR rows (converted row by row, the same
- * form measured 1.00-1.04x). One thread, m = 16 / 128 / 512: IQ2_XS 0.94-0.96 / 0.84-0.88 / 0.92x
- * the vpmulld's time, IQ2_S 0.92-0.93 / 0.89-0.90 / 0.89x, Q6_K 0.88-0.90 / 0.85-0.87 / 0.87x. */
+/* Every 16-group format: the two group sums and the block's two scales go to floats, and one
+ * multiply and one FMA, which both 512-bit ports serve, give the block's I exactly: each product
+ * and I are integers under 2^24 (Q6_K's reach: 2 x 128 x 16 x 32 x 127 = 16646144). The scales
+ * convert once a block, for all MR rows (converted row by row, the same form measured 1.00-1.04x).
+ * Scaling the sums with two vpmulld (2 uops each on port 0, which the vpdpbusd also need) cost
+ * IQ2_XS 1.31-1.34x IQ2_XXS's time; against it, one thread, m = 16 / 128 / 512: IQ2_XS
+ * 0.94-0.96 / 0.84-0.88 / 0.92x, IQ2_S 0.92-0.93 / 0.89-0.90 / 0.89x, Q6_K 0.88-0.90 /
+ * 0.85-0.87 / 0.87x. Q2_K, Q3_K and IQ1_M, whose sums fit int16, had packed both into one
+ * dword's halves for one vpmaddwd (a shift and a blend more, the shift on port 0): in floats
+ * m = 128 / 512 IQ1_M 0.94-0.97 / 0.89-0.94x, Q3_K 0.93-0.98 / 0.94x, Q2_K 0.99-1.00 / 0.91-0.99x. */
 #define PB_DOTS_G16F 1
 template <int MR, int RUN>   /* RUN: vpdpbusd takes every dword as it is */
 static inline void pb_dots_g16f(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m512 F[MR]) {
