@@ -157,16 +157,6 @@ static inline __m512i pb_dot(const pb_wblock &k, const uint8_t *, const int32_t 
     return _mm512_add_epi32(i0, i1);
 }
 
-/* a block's two 16-group sums (u - z) q for activation row c, each from its zero-point term zi */
-static inline void pb_group_sums(const __m512i w[8], const int32_t *xd, const int32_t *zi, int64_t b, __m512i &lo, __m512i &hi) {
-    lo = _mm512_set1_epi32(zi[2 * b]);
-    hi = _mm512_set1_epi32(zi[2 * b + 1]);
-    for (int i = 0; i < 4; i++) {
-        lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(xd[i]));
-        hi = _mm512_dpbusd_epi32(hi, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
-    }
-}
-
 /* Every 16-group format: the two group sums and the block's two scales go to floats, and one
  * multiply and one FMA, which both 512-bit ports serve, give the block's I exactly: each product
  * and I are integers under 2^24 (Q6_K's reach: 2 x 128 x 16 x 32 x 127 = 16646144). The scales
@@ -180,12 +170,17 @@ static inline void pb_group_sums(const __m512i w[8], const int32_t *xd, const in
 #define PB_DOTS_G16F 1
 template <int MR, int RUN>   /* RUN: vpdpbusd takes every dword as it is */
 static inline void pb_dots_g16f(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, __m512 F[MR]) {
-    __m512i w[8], lo, hi;
+    __m512i w[8];
     for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(pb + 64 * i));
     const __m512 clo = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(pb + 640)));
     const __m512 chi = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(pb + 704)));
-    for (int c = 0; c < MR; c++) {
-        pb_group_sums(w, xq[c] + 8 * b, zi[c], b, lo, hi);
+    for (int c = 0; c < MR; c++) {   /* each group's sum (u - z) q from its zero-point term */
+        const int32_t *xd = xq[c] + 8 * b;
+        __m512i lo = _mm512_set1_epi32(zi[c][2 * b]), hi = _mm512_set1_epi32(zi[c][2 * b + 1]);
+        for (int i = 0; i < 4; i++) {
+            lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(xd[i]));
+            hi = _mm512_dpbusd_epi32(hi, w[4 + i], _mm512_set1_epi32(xd[4 + i]));
+        }
         F[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), chi, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), clo));
     }
 }
