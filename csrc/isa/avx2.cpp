@@ -237,10 +237,10 @@ static inline void pb_dots_n16(const uint8_t *pb, const int32_t *const *xq, cons
 }
 /* The other 16-group formats (Q6_K, IQ2_XS, IQ2_S): each half's int32 dot from its zi,
  * then times the half's group scale (vpmulld, or in floats where V is __m256); without VNNI
- * in runs of cb_u16_run dwords (IQ2_XS's and IQ2_S's codes to 87 one). Row by row these had each dword's vpmaddubsw pairs
- * widened alone (IQ2_XS, IQ2_S) and spilled as above: one thread, m = 16-128, Q6_K
- * 0.95-0.97x, IQ1_M (here then, in runs of four) 0.92-0.96x, IQ2_XS 0.98x the time (avx2vnni
- * 0.92-0.94x, 0.93x, 0.93-0.96x). */
+ * in runs of cb_u16_run dwords (IQ2_XS's and IQ2_S's codes to 87 one). Row by row these had
+ * each dword's vpmaddubsw pairs widened alone (IQ2_XS, IQ2_S) and spilled as above: one
+ * thread, m = 16-128, Q6_K 0.95-0.97x, IQ1_M (here then, in runs of four) 0.92-0.96x, IQ2_XS
+ * 0.98x the time (avx2vnni 0.92-0.94x, 0.93x, 0.93-0.96x). */
 #define PB_DOTS_G16 1
 template <int MR, int RUN, typename V>
 static inline void pb_dots_g16(const uint8_t *pb, const int32_t *const *xq, const int32_t *const *zi, int64_t b, V I[MR]) {
