@@ -52,6 +52,27 @@ def run(tool: str, *args: str, timeout: int = 600) -> str:
     return r.stdout
 
 
+def requantize(src: Path, dst: Path, qtype: str) -> Path:
+    """llama-quantize `src` to `qtype` with a uniform importance matrix, which llama-quantize
+    requires for the IQ1 and IQ2 types (written in its legacy .dat form: every 2-D weight but
+    the embedding, one call, all ones)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    rows = [(t.name, int(t.shape[0])) for t in GGUFReader(src).tensors
+            if t.name.endswith(".weight") and len(t.shape) == 2 and t.name != "token_embd.weight"]
+    imatrix = dst.with_suffix(".imatrix.dat")
+    with open(imatrix, "wb") as f:
+        f.write(struct.pack("<i", len(rows)))
+        for name, width in rows:
+            f.write(struct.pack("<i", len(name)) + name.encode())
+            f.write(struct.pack(f"<ii{width}f", 1, width, *([1.0] * width)))
+        f.write(struct.pack("<ii", 1, 0))   # the last call's index, an empty dataset name
+    run("llama-quantize", "--allow-requantize", "--imatrix", str(imatrix), str(src), str(dst), qtype, "2")
+    return dst
+
+
 def versus_exact(path: str, text: str, tmp: Path):
     """llama.cpp's and our logits of `text` (tokenized by llama.cpp) beside the exact model
     (the same weights through our torch path, kernels off): (ids, ours, theirs, exact, model)."""
