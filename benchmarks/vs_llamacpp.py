@@ -20,7 +20,9 @@ from a folder holding only its AVX2 (haswell) CPU backend.
 --sweep writes (once, into --dir) Qwen3-shaped models with random weights, F16, and
 quantizes them with llama-quantize: the 0.6B shape (28 layers, 1024 wide, FFN 3072,
 16/8 heads of 128) and the 1.7B shape (28 layers, 2048 wide, FFN 6144); the vocabulary is
-a synthetic byte-level one of Qwen3's 151,936 ids unless --vocab copies a real one.
+a synthetic byte-level one of Qwen3's 151,936 ids unless --vocab copies a real one. The
+types llama-quantize writes only with an importance matrix (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ2_M, Q2_K_S) get a uniform one: the files time kernels, not quality.
 Then it times prompt lengths 1, 4, 16, 32, 64, 128, 256, 512 and decode at depths 0, 512
 and 2048 on each, at both ISA levels, and prints every figure, then the scoreboard grid
 BENCHMARK.md shows (a line per model and ISA, the ratios, losses in bold), with the CPU, the
@@ -207,6 +209,7 @@ def sweep_models(a, bench: Path) -> list[str]:
 
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "src"))
+    from oracle import NEEDS_IMATRIX, write_uniform_imatrix
     from synth import write_model
 
     d = Path(os.path.expanduser(a.dir))
@@ -233,7 +236,10 @@ def sweep_models(a, bench: Path) -> list[str]:
                     write_model(f16, "qwen3", vocab=vocab, qtype=gguf.GGMLQuantizationType.F16, seed=1,
                                 ctx=40960, **SHAPES[shape])
                 print(f"quantizing {target.name} ...", flush=True)
-                run([str(quantize), str(f16), str(target), q], llama_env(bench), a.timeout)
+                imatrix = []
+                if q in NEEDS_IMATRIX:   # uniform: these files time kernels, not quality
+                    imatrix = ["--imatrix", str(write_uniform_imatrix(f16, d / f"qwen3-{shape}-uniform.imatrix.dat"))]
+                run([str(quantize), *imatrix, str(f16), str(target), q], llama_env(bench), a.timeout)
             out.append(str(target))
     return out
 

@@ -52,24 +52,34 @@ def run(tool: str, *args: str, timeout: int = 600) -> str:
     return r.stdout
 
 
-def requantize(src: Path, dst: Path, qtype: str) -> Path:
-    """llama-quantize `src` to `qtype` with a uniform importance matrix, which llama-quantize
-    requires for the IQ1 and IQ2 types (written in its legacy .dat form: every 2-D weight but
-    the embedding, one call, all ones)."""
+# the types llama-quantize refuses to write without an importance matrix
+NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S"}
+
+
+def write_uniform_imatrix(src: Path, out: Path) -> Path:
+    """An importance matrix of all ones for every 2-D weight of `src` but the embedding, in
+    llama.cpp's legacy .dat form (one call per entry; an empty dataset name at the end)."""
     import struct
 
     from gguf import GGUFReader
 
     rows = [(t.name, int(t.shape[0])) for t in GGUFReader(src).tensors
             if t.name.endswith(".weight") and len(t.shape) == 2 and t.name != "token_embd.weight"]
-    imatrix = dst.with_suffix(".imatrix.dat")
-    with open(imatrix, "wb") as f:
+    with open(out, "wb") as f:
         f.write(struct.pack("<i", len(rows)))
         for name, width in rows:
             f.write(struct.pack("<i", len(name)) + name.encode())
             f.write(struct.pack(f"<ii{width}f", 1, width, *([1.0] * width)))
-        f.write(struct.pack("<ii", 1, 0))   # the last call's index, an empty dataset name
-    run("llama-quantize", "--allow-requantize", "--imatrix", str(imatrix), str(src), str(dst), qtype, "2")
+        f.write(struct.pack("<ii", 1, 0))
+    return out
+
+
+def requantize(src: Path, dst: Path, qtype: str) -> Path:
+    """llama-quantize `src` to `qtype`, with a uniform importance matrix where it needs one."""
+    extra = []
+    if qtype in NEEDS_IMATRIX:
+        extra = ["--imatrix", str(write_uniform_imatrix(src, dst.with_suffix(".imatrix.dat")))]
+    run("llama-quantize", "--allow-requantize", *extra, str(src), str(dst), qtype, "2")
     return dst
 
 
