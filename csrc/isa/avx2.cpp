@@ -321,6 +321,12 @@ static inline pbi pb_index(const int32_t *off) { return _mm256_load_si256((const
 /* bytes past 127 would saturate vpmaddubsw: their own dot; vpdpbusd takes every unsigned
  * byte, and sum u q + zi (-128 sum q) is the sign trick's integer exactly */
 #define PB_WIDE (!FK_AVX2_VNNI)
+/* TQ1_0's leading trit of each byte w read as a base-3 fraction, (w * 3) >> 8 = (w >= 86) +
+ * (w >= 171), from s = w ^ 0x80 through signed compares (pb_build_tq, cbg2_tq) */
+PB_INLINE pbi pb_trit(pbi s) {
+    const pbi a = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(85 - 128)), b = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(42));
+    return _mm256_sub_epi8(_mm256_setzero_si256(), _mm256_add_epi8(a, b));
+}
 #include "generic/x86_panel.inc"
 
 #include "avx2_cbgemv.inc"

@@ -241,6 +241,13 @@ static inline void pb_h16_dm(const uint8_t *const *rp, pbi, int64_t off, pbv &d,
 static inline pbi pb_lut16(const uint8_t *p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p)); }
 static inline pbi pb_index(const int32_t *off) { return _mm512_load_si512((const void *)off); }
 #define PB_WIDE 0  /* vpdpbusd takes every unsigned byte */
+/* TQ1_0's leading trit of each byte w read as a base-3 fraction, (w * 3) >> 8 = (w >= 86) +
+ * (w >= 171), from s = w ^ 0x80 through signed compares (pb_build_tq, cbg_tq) */
+static inline pbi pb_trit(pbi s) {
+    const __m512i one = _mm512_set1_epi8(1);
+    const __m512i t = _mm512_maskz_mov_epi8(_mm512_cmpgt_epi8_mask(s, _mm512_set1_epi8(85 - 128)), one);
+    return _mm512_mask_add_epi8(t, _mm512_cmpgt_epi8_mask(s, _mm512_set1_epi8(42)), t, one);
+}
 #include "generic/x86_panel.inc"
 
 #ifdef CB_KERNEL_16
