@@ -16,15 +16,15 @@ NIBBLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 KQ = (T.Q4_K, T.Q5_K, T.Q6_K)
 TQ = (T.TQ1_0, T.TQ2_0)
 IQ = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
-IQ_AVX2_4 = dict.fromkeys((T.IQ1_M, T.IQ2_XS, T.IQ2_S, T.IQ3_S), 4)
+IQ_AVX2_4 = dict.fromkeys((T.IQ2_S, T.IQ3_S), 4)
 # rows per format on each unit (formats left out: the panel route from one row)
 REACH = {
-    # the i-quants: IQ1_S to 3 rows on AVX-512; on AVX2 IQ1_M, IQ2_XS, IQ2_S and IQ3_S to 4,
-    # the others to 3 (past them the panel route measured faster)
+    # the i-quants: IQ1_S to 3 rows on AVX-512; on AVX2 IQ2_S and IQ3_S to 4, the others to 2
+    # (past them the panel route measured faster)
     "avx512": {**dict.fromkeys(NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0), 8), T.IQ1_S: 3},
     # AVX2: IQ4_NL only with VNNI (without it its panel route measured as fast or faster)
-    "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8), **dict.fromkeys(IQ, 3), **IQ_AVX2_4},
-    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8, **dict.fromkeys(IQ, 3), **IQ_AVX2_4},
+    "avx2vnni": {**dict.fromkeys(NIBBLE + KQ + TQ + (T.IQ4_NL, T.Q8_0), 8), **dict.fromkeys(IQ, 2), **IQ_AVX2_4},
+    "avx2": {**dict.fromkeys(NIBBLE + KQ + TQ, 8), T.Q8_0: 8, **dict.fromkeys(IQ, 2), **IQ_AVX2_4},
     "scalar": {},
 }
 FORMATS = NIBBLE + KQ + TQ + IQ + (T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.F16)
