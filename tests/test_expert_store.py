@@ -153,6 +153,55 @@ def test_deepseek2_streamed_equals_resident(tmp_path):
     assert store.report()["evictions"] > 0
 
 
+@pytest.mark.skipif(not K.available(), reason="native kernels not built")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q2_K, Q.Q6_K, Q.Q3_K], ids=["q4k", "q2k", "q6k", "q3k"])
+def test_streamed_k_quant_experts_are_packed_into_row_groups(tmp_path, isa, qtype):
+    """Where a load puts K-quant stacks in 16-row groups, the store packs each expert into them
+    as it reads it (the decode GEMV reads the groups): the plan takes the groups' type, each
+    slot's weight gives the file's rows back, the stack refuses to run on its own bytes, and
+    the logits equal the resident model's at a budget that evicts."""
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=qtype,
+                      **dict(QWEN, hidden=256, head_dim=64, ffn=512, moe_ffn=256))
+    want = _logits(load_model(path), native=True)
+    model = load_model(path)
+    store = stream_experts(model, "34%")
+    grouped = isa != "scalar"   # the scalar unit has no decode GEMV on groups: it keeps the rows
+    ex = model.layers[0].experts
+    for st in ex.stacks + (ex.down,):
+        assert isinstance(st.whole.kernel, K.StoredKernel) == grouped
+        if grouped:
+            with pytest.raises(K.KernelError, match="expert store"):
+                st.whole.kernel(torch.zeros(1, st.in_features))
+    assert model.native_plan is not None
+    assert torch.equal(_logits(model, native=True), want), isa
+    assert store.report()["evictions"] > 0
+    key = next(iter(store.slot_of))
+    for st, w in zip(model.layers[key[0]].experts.stacks + (model.layers[key[0]].experts.down,), store._views(key)):
+        assert K.group_rows(w.kernel) == (16 if grouped else None)
+        assert torch.equal(w.raw, st.expert(key[1]).raw)   # the rows back from the slot's groups
+    assert torch.equal(_logits(model, native=False), _logits(load_model(path), native=False))
+
+
+def test_pack_groups_is_the_interleave_and_checks_its_input():
+    if not K.available():
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(3)
+    for fmt, unit in K._X16_UNIT.items():
+        lay = K._LAYOUTS[fmt]
+        raw = torch.randint(0, 256, (48, 2 * unit), dtype=torch.uint8, generator=g)
+        out = torch.empty(raw.numel(), dtype=torch.uint8)
+        K.pack_groups(raw.reshape(-1), out, 48, lay.pseudo)
+        assert torch.equal(out, lay.pack(raw, 48).reshape(-1)), fmt
+    raw, q4k = torch.zeros(32 * 144, dtype=torch.uint8), K._LAYOUTS[gguf.GGMLQuantizationType.Q4_K].pseudo
+    for bad in (lambda: K.pack_groups(raw, torch.empty_like(raw), 32, K._LAYOUTS[gguf.GGMLQuantizationType.Q8_0].pseudo),
+                lambda: K.pack_groups(raw[:8 * 144], torch.empty(8 * 144, dtype=torch.uint8), 8, q4k),   # not whole groups
+                lambda: K.pack_groups(raw, raw, 32, q4k),                                             # in place
+                lambda: K.pack_groups(raw, torch.empty(16 * 144, dtype=torch.uint8), 32, q4k),
+                lambda: K.pack_groups(raw[:-1], torch.empty(raw.numel() - 1, dtype=torch.uint8), 32, q4k)):
+        with pytest.raises(K.KernelError):
+            bad()
+
+
 def test_prefetch_reads_ahead_the_next_layers_last_choice(tmp_path, monkeypatch):
     path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
     store = stream_experts(load_model(path), "34%")          # 8 slots: one layer's experts

@@ -991,6 +991,66 @@ def interleave(weight) -> bool:
     return True
 
 
+def stream_layout(weight, rows: int) -> int | None:
+    """The row-group type an expert store keeps this stack's experts in (`rows` rows each),
+    packing each one natively as it reads it (`pack_groups`): the K-quant 16-row groups
+    (Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K, Q3_K: plain dword columns), where `interleave` would group
+    the stack and each expert is whole groups. None: the store keeps the file's rows."""
+    g = layout_group(weight)
+    if g is None or rows % g or weight.kernel.qtype not in _X16_UNIT:
+        return None
+    return _LAYOUTS[weight.kernel.qtype].pseudo
+
+
+def pack_groups(src: torch.Tensor, dst: torch.Tensor, n: int, pseudo: int) -> None:
+    """n rows (a multiple of 16) of the K-quant type behind `pseudo` in src -> dst in its
+    16-row groups: `_x16_interleave`'s bytes, in one native pass (csrc/module.cpp x16_pack;
+    the torch copies run at 0.8 GB/s). src and dst: contiguous uint8, n x row bytes each."""
+    fmt = _GROUPED[pseudo][0] if pseudo in _GROUPED else None
+    unit = _X16_UNIT.get(fmt)
+    if unit is None:
+        raise KernelError(f"pack_groups: type {pseudo} is not a K-quant 16-row group layout")
+    for t in (src, dst):
+        if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu" or n <= 0 \
+                or t.numel() % n or (t.numel() // n) % unit:
+            raise KernelError(f"pack_groups: {tuple(t.shape)} {t.dtype} is not {n} {fmt.name} rows")
+    if src.numel() != dst.numel():
+        raise KernelError(f"pack_groups: {src.numel()} bytes in, {dst.numel()} out")
+    try:
+        _native.x16_pack(src.data_ptr(), dst.data_ptr(), n, src.numel() // n, unit)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def read_groups(weight, pseudo: int) -> None:
+    """Attach to `weight` a kernel that reads its bytes as `pseudo`'s row groups (bytes that
+    `pack_groups` wrote: the expert store's slots)."""
+    fmt, lay = _GROUPED[pseudo]
+    if int(weight.qtype) != int(fmt) or weight.out_features % lay.group:
+        raise KernelError(f"read_groups: {weight.name} is not {lay.group}-row groups of {fmt.name}")
+    weight.kernel = QuantKernel(weight)
+    weight.kernel.qtype = pseudo
+
+
+class StoredKernel(QuantKernel):
+    """An expert stack's kernel while an expert store holds its experts (models/expert_store.py):
+    it names the type of their bytes in the store's slots, where the native step reads them
+    through the store's table. The stack's own bytes are never computed with: a call is an
+    error."""
+
+    __slots__ = ()
+
+    def __init__(self, weight, qtype: int):
+        super().__init__(weight)
+        self.qtype = qtype
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        raise KernelError(f"{self.weight.name}: the expert store holds these experts; run them through the store")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.run(ids)
+
+
 # -- the decoder layer step ---------------------------------------------------------------
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "situ": 3, "swiglu_clamp": 4}

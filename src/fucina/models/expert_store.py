@@ -7,8 +7,11 @@ chooses it and it is not resident. Before each MoE layer runs, its hook gets the
 the router chose (the torch path from moe.mix, the native layer step from
 csrc/generic/moe_impl.inc through a C callback, answered with a per-layer pointer table);
 `Residency` decides which resident experts give up their slots. The bytes in a slot are
-the file's bytes, and the matmuls are the same kernels on them: the output is bitwise the
-resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
+the file's bytes or, where a load would put the stack in 16-row groups (the K-quants:
+kernels.stream_layout), those bytes packed into the groups as they are read (one native
+pass), so streamed experts get the grouped decode GEMV as resident ones do; the stack's
+kernel then names the slots' type (kernels.StoredKernel). The matmuls are the same kernels
+on them: the output is bitwise the resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
 (POSIX_FADV_WILLNEED) the next layer's previous choice that is not resident, so decode's
 token-to-token expert reuse comes from the page cache instead of the disk.
 
@@ -32,6 +35,7 @@ import torch
 from fucina import kernels
 from fucina.errors import FucinaError, InvalidArgument
 from fucina.weights import LinearWeight
+from fucina.weights.row_groups import as_grouped
 
 POLICIES = ("heat", "lru")
 GIB = 1 << 30
@@ -63,11 +67,12 @@ class Residency:
 
     def acquire(self, keys: Iterable[Hashable]) -> tuple[list, list]:
         keys = list(dict.fromkeys(keys))
-        want = sum(self._size(k) for k in keys)
-        if want > self.budget:
-            raise FucinaError(f"expert store: {want} bytes chosen at once exceed the budget of {self.budget}")
-        self.clock += 1
         loaded = [k for k in keys if k not in self.resident]
+        if loaded:   # (all resident: they fit)
+            want = sum(self._size(k) for k in keys)
+            if want > self.budget:
+                raise FucinaError(f"expert store: {want} bytes chosen at once exceed the budget of {self.budget}")
+        self.clock += 1
         self.hits += len(keys) - len(loaded)
         self.misses += len(loaded)
         need = sum(self.sizes[k] for k in loaded)
@@ -81,8 +86,7 @@ class Residency:
         for k in loaded:
             self.resident.add(k)
             self.used += self.sizes[k]
-        for k in keys:
-            self._touch(k)
+        self._touch(keys)
         return loaded, evicted
 
     def drop(self, k: Hashable) -> None:
@@ -97,16 +101,19 @@ class Residency:
         except KeyError:
             raise FucinaError(f"expert store: unknown expert {k!r}") from None
 
-    def _touch(self, k: Hashable) -> None:
-        if self.policy == "lru":
-            s = float(self.clock)
-        else:
+    def _touch(self, keys: list) -> None:
+        # every call's hook lands here (a decode token: once a MoE layer), so the loop is lean
+        add = None
+        if self.policy != "lru":
             if (self.clock - self._base) > 512 * self.half_life:   # keep the weights finite
                 self._rescale()
-            s = self.score.get(k, 0.0) + 2.0 ** ((self.clock - self._base) / self.half_life)
-        self.score[k], self.last[k] = s, self.clock
-        heapq.heappush(self._heap, (s, self.clock, k))
-        if len(self._heap) > 4 * len(self.resident) + 1024:
+            add = 2.0 ** ((self.clock - self._base) / self.half_life)
+        score, last, heap, t = self.score, self.last, self._heap, self.clock
+        for k in keys:
+            s = float(t) if add is None else score.get(k, 0.0) + add
+            score[k], last[k] = s, t
+            heapq.heappush(heap, (s, t, k))
+        if len(heap) > 4 * len(self.resident) + 1024:
             self._rebuild()
 
     def _pop_victim(self, chosen: set) -> Hashable:
@@ -145,6 +152,7 @@ class _Stack:
     size: int            # bytes per expert
     rows: int
     weight: LinearWeight  # the whole stack (qtype, in_features, name)
+    groups: int | None    # the row-group type a slot holds this stack's rows in; None: the file's rows
 
 
 @dataclass
@@ -161,10 +169,11 @@ class ExpertStore:
     Per layer a pointer table [n_stacks, n_expert] (int64; 0 = not resident) tells the native
     step where each resident expert's rows are; the torch path gets LinearWeight views."""
 
-    def __init__(self, f, layers: dict, budget: int, policy: str = "heat", prefetch: bool = True):
+    def __init__(self, f, layers: dict, budget: int, policy: str = "heat", prefetch: bool = True,
+                 groups: bool = True):
         self._fds: dict[str, int] = {}
         try:
-            self.stacks = {i: [self._locate(f, s) for s in ex.stacks + (ex.down,)] for i, ex in layers.items()}
+            self.stacks = {i: [self._locate(f, s, groups) for s in ex.stacks + (ex.down,)] for i, ex in layers.items()}
         except FucinaError:
             self.close()
             raise
@@ -179,8 +188,10 @@ class ExpertStore:
         self.n_slots = min(budget // self.slot_bytes, sum(self.n_expert.values()))
         keys = [(i, e) for i, n in self.n_expert.items() for e in range(n)]
         self.policy = Residency(self.n_slots * self.slot_bytes, dict.fromkeys(keys, self.slot_bytes), policy)
-        self.pool = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8)   # pages come on first write
+        self.pool = kernels.huge_empty(self.n_slots * self.slot_bytes)   # pages come on first write
         self._pool_np = self.pool.numpy()
+        packed = [s.size for st in self.stacks.values() for s in st if s.groups is not None]
+        self._stage = torch.empty(max(packed, default=0), dtype=torch.uint8)   # a read before its packing
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.slot_of: dict[tuple[int, int], int] = {}
         self.views: dict[tuple[int, int], tuple[LinearWeight, ...]] = {}
@@ -193,14 +204,15 @@ class ExpertStore:
         self._hook = HOOK(self._native_use)      # kept alive: the plan holds its address
         self.hook_address = ctypes.cast(self._hook, ctypes.c_void_p).value
 
-    def _locate(self, f, stack) -> _Stack:
+    def _locate(self, f, stack, groups: bool) -> _Stack:
         t = f.tensors.get(stack.name)
         if t is None or t.nbytes != stack.nbytes:
             raise FucinaError(f"expert store: {stack.name!r} is not a tensor of {f.path}")
         path = f.part_path(t)   # opened again for pread
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        return _Stack(self._fds[path], t.offset, stack.nbytes // stack.n_expert, stack.out_features, stack.whole)
+        return _Stack(self._fds[path], t.offset, stack.nbytes // stack.n_expert, stack.out_features, stack.whole,
+                      kernels.stream_layout(stack.whole, stack.out_features) if groups else None)
 
     @property
     def budget(self) -> int:
@@ -238,9 +250,12 @@ class ExpertStore:
         layer, e = key
         at = slot * self.slot_bytes
         for j, s in enumerate(self.stacks[layer]):
-            got = os.preadv(s.fd, [memoryview(self._pool_np[at:at + s.size])], s.offset + e * s.size)
+            into = self._stage.numpy()[:s.size] if s.groups is not None else self._pool_np[at:at + s.size]
+            got = os.preadv(s.fd, [memoryview(into)], s.offset + e * s.size)
             if got != s.size:
                 raise FucinaError(f"expert store: short read of {s.weight.name}[{e}] ({got} of {s.size} bytes)")
+            if s.groups is not None:
+                kernels.pack_groups(self._stage[:s.size], self.pool[at:at + s.size], s.rows, s.groups)
             self.tables[layer][j, e] = self.pool.data_ptr() + at
             at += _up(s.size)
         self.stats.read_bytes += sum(s.size for s in self.stacks[layer])
@@ -254,7 +269,11 @@ class ExpertStore:
             for s in self.stacks[layer]:
                 w = LinearWeight(self.pool[at:at + s.size], s.weight.qtype, s.rows, s.weight.in_features,
                                  f"{s.weight.name}[{e}]")
-                kernels.attach(w)
+                if s.groups is None:
+                    kernels.attach(w)
+                else:
+                    kernels.read_groups(w, s.groups)
+                    w = as_grouped(w)
                 out.append(w)
                 at += _up(s.size)
             views = self.views[key] = tuple(out)
@@ -281,8 +300,8 @@ class ExpertStore:
         # failure is recorded and answered with 1 (the step stops, its table entries stay 0)
         try:
             n_expert = self.n_expert.get(layer, 0)
-            experts = [ids[j] for j in range(n)]
-            if any(not 0 <= e < n_expert for e in experts):
+            experts = ids[:n]
+            if experts and (min(experts) < 0 or max(experts) >= n_expert):
                 raise FucinaError(f"expert store: layer {layer} chose experts outside [0, {n_expert})")
             self.make_resident(layer, experts)
             return 0
@@ -323,9 +342,11 @@ def parse_budget(value, total: int) -> int:
         raise InvalidArgument(f"moe_ram: expected GiB > 0 or a share like '50%', got {value!r}") from None
 
 
-def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True) -> ExpertStore:
+def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True, groups: bool = True) -> ExpertStore:
     """Put `model`'s expert stacks under a RAM budget (`moe_ram`: GiB or 'N%' of the experts'
-    bytes); the native plan, if any, is rebuilt to call the store. Returns the store."""
+    bytes); the native plan, if any, is rebuilt to call the store. Returns the store.
+    `groups=False` keeps the file's rows in the slots where they would be packed into row
+    groups (benchmarks/expert_groups.py compares the two)."""
     from fucina.models.moe import Experts
 
     layers = {i: L.experts for i, L in enumerate(getattr(model, "layers", ()))
@@ -342,7 +363,9 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True) 
             if kernels.group_rows(getattr(st.whole, "kernel", None)):
                 kernels.attach(st.whole)
     total = sum(ex.nbytes for ex in layers.values())
-    store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch)
+    store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch, groups)
+    for s in (s for st in store.stacks.values() for s in st if s.groups is not None):
+        s.weight.kernel = kernels.StoredKernel(s.weight, s.groups)   # the type the plan's steps read
     for i, ex in layers.items():
         ex.on_use = store.hook(i)
     model.expert_store = store

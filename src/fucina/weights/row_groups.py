@@ -47,6 +47,15 @@ def _drop_rows(w: LinearWeight) -> None:
     w.__class__ = GroupedWeight
 
 
+def as_grouped(w: LinearWeight) -> GroupedWeight:
+    """w, whose bytes are its kernel's row groups (kernels.read_groups), as the GroupedWeight
+    it is: `raw` then gives the rows back (an expert store's slot)."""
+    if kernels.group_rows(getattr(w, "kernel", None)) is None:
+        raise FucinaError(f"{w.name}: its kernel does not read row groups")
+    _drop_rows(w)
+    return w
+
+
 def expert_stacks(layer) -> list[ExpertStack]:
     """The layer's expert stacks, a fused stack read as two halves (gemma4) once."""
     found = {}
