@@ -1200,58 +1200,154 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* x16_pack(src, dst, n, row_bytes, unit): n rows (a multiple of 16) of a K-quant type whose
- * superblock is `unit` bytes -> dst in its 16-row groups, kernels._x16_interleave's bytes: per
- * group and superblock the unit's whole dwords of the 16 rows as columns (dword e of row r at
- * 64 e + 4 r), then the bytes past them row by row. The expert store packs each expert it reads
- * (models/expert_store.py); the torch permute copies moved 0.8 GB/s, a read from the page
- * cache several times that. src and dst must not overlap. */
-static PyObject *py_x16_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The 16-row group layouts of two-block units (kernels._PAIR_FIELDS, generic/x16n_impl.inc,
+ * q80x16_impl.inc): a block's bytes, whether column 0 holds the two blocks' f16 d side by
+ * side, then per field its byte offset in the block, dword count, first column for block 0,
+ * column step to block 1 and transform (0 none, 1 each byte ^ 0x80, 2 Q5's qh bit transpose) */
+struct fk_pair_field { int off, nc, c0, step, kind; };
+struct fk_pair_layout { int bb, dpair, nf; fk_pair_field f[3]; };
+static int pair_layout(long t, fk_pair_layout *L) {
+    switch (t) {
+    case FK_Q4_0: case FK_IQ4_NL: *L = {18, 1, 1, {{2, 4, 1, 4, 0}}}; return 1;
+    case FK_Q4_1: *L = {20, 0, 2, {{0, 1, 0, 1, 0}, {4, 4, 2, 4, 0}}}; return 1;
+    case FK_Q5_0: *L = {22, 1, 2, {{2, 1, 1, 1, 2}, {6, 4, 3, 4, 0}}}; return 1;
+    case FK_Q5_1: *L = {24, 0, 3, {{0, 1, 0, 1, 0}, {4, 1, 2, 1, 2}, {8, 4, 4, 4, 0}}}; return 1;
+    case FK_Q8_0: *L = {34, 1, 1, {{2, 8, 1, 8, 1}}}; return 1;
+    }
+    return 0;
+}
+
+/* Q5's qh word, bit-transposed: the fifth bit of element e = 16 s + 4 i + t at 8 t + 4 s + i;
+ * per byte j of the word, the bits its value sets (filled at module init) */
+static uint32_t qh_bits[4][256];
+static void qh_bits_init(void) {
+    for (int j = 0; j < 4; j++)
+        for (int v = 0; v < 256; v++) {
+            uint32_t w = 0;
+            for (int b = 0; b < 8; b++) {
+                const int e = 8 * j + b;
+                if (v >> b & 1) w |= 1u << (8 * (e % 4) + 4 * (e / 16) + e % 16 / 4);
+            }
+            qh_bits[j][v] = w;
+        }
+}
+
+/* dwords 0 .. nc of 16 rows (row r at in + r rb) as nc columns (dword e of row r at 64 e + 4 r),
+ * each byte ^ flip */
+static void rows_to_cols(const uint8_t *in, long long rb, long long nc, uint8_t flip, uint8_t *out) {
+    long long e = 0;
+#if defined(__SSE2__)
+    /* 4 x 4 dword transposes: 1.15-1.6x the rate of 4-byte copies (Intel Xeon) */
+    const __m128i f = _mm_set1_epi8((char)flip);
+    for (; e + 4 <= nc; e += 4)
+        for (int r = 0; r < 16; r += 4) {
+            const uint8_t *i0 = in + r * rb + 4 * e;
+            const __m128i a0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)i0), f),
+                          a1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(i0 + rb)), f),
+                          a2 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(i0 + 2 * rb)), f),
+                          a3 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(i0 + 3 * rb)), f);
+            const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3),
+                          t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+            uint8_t *o = out + 64 * e + 4 * r;
+            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(o + 64), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(o + 128), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(o + 192), _mm_unpackhi_epi64(t2, t3));
+        }
+#endif
+    for (int r = 0; r < 16; r++)
+        for (long long c = e; c < nc; c++) {
+            uint32_t d;
+            memcpy(&d, in + r * rb + 4 * c, 4);
+            d ^= flip * 0x01010101u;
+            memcpy(out + 64 * c + 4 * r, &d, 4);
+        }
+}
+
+/* one unit (16 rows, `unit` bytes each) of a K-quant: its whole dwords as columns, then the
+ * bytes past them row by row */
+static void pack_x16_unit(const uint8_t *in, long long rb, long long unit, uint8_t *out) {
+    const long long ncol = unit / 4, tail = unit - 4 * ncol;
+    rows_to_cols(in, rb, ncol, 0, out);
+    for (int r = 0; r < 16; r++) memcpy(out + 64 * ncol + r * tail, in + r * rb + 4 * ncol, (size_t)tail);
+}
+
+/* one unit (two blocks) of 16 rows of a two-block-unit type into its columns (pair_layout) */
+static void pack_pair_unit(const uint8_t *in, long long rb, const fk_pair_layout *L, uint8_t *out) {
+    if (L->dpair)
+        for (int r = 0; r < 16; r++) {
+            memcpy(out + 4 * r, in + r * rb, 2);
+            memcpy(out + 4 * r + 2, in + r * rb + L->bb, 2);
+        }
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < L->nf; j++) {
+            const fk_pair_field &f = L->f[j];
+            const uint8_t *src = in + h * L->bb + f.off;
+            uint8_t *dst = out + 64 * (f.c0 + f.step * h);
+            if (f.kind != 2) {
+                rows_to_cols(src, rb, f.nc, f.kind ? 0x80 : 0, dst);
+                continue;
+            }
+            for (int r = 0; r < 16; r++) {   /* one qh dword */
+                const uint8_t *q = src + r * rb;
+                const uint32_t d = qh_bits[0][q[0]] | qh_bits[1][q[1]] | qh_bits[2][q[2]] | qh_bits[3][q[3]];
+                memcpy(dst + 4 * r, &d, 4);
+            }
+        }
+}
+
+/* one unit (two 17-byte blocks) of 16 MXFP4 rows: the 16 rows' E8M0 byte pairs (row r's at 2 r),
+ * then each block's 4 qs dwords as columns at 32 + 64 (4 h + i) */
+static void pack_mxfp4_unit(const uint8_t *in, long long rb, uint8_t *out) {
+    for (int r = 0; r < 16; r++) {
+        out[2 * r] = in[r * rb];
+        out[2 * r + 1] = in[r * rb + 17];
+    }
+    for (int h = 0; h < 2; h++) rows_to_cols(in + 17 * h + 1, rb, 4, 0, out + 32 + 256 * h);
+}
+
+/* group_pack(qtype, src, dst, n, row_bytes): n rows (a multiple of 16) of a GGML type into its
+ * 16-row groups, the bytes kernels.q4k_interleave and kin write (K-quants and IQ4_XS: each
+ * superblock's dwords as columns; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4: per two-block
+ * unit, its fields as columns). The expert store packs each expert it reads
+ * (models/expert_store.py); the torch copies of the load-time interleave move 0.8 GB/s, a read
+ * from the page cache several times that. src and dst must not overlap. */
+static PyObject *py_group_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[5];
-    if (!int_args("x16_pack", args, nargs, 5, 0, 5, v)) return NULL;
-    const uint8_t *src = (const uint8_t *)(uintptr_t)v[0];
-    uint8_t *dst = (uint8_t *)(uintptr_t)v[1];
-    const long long n = v[2], rb = v[3], unit = v[4];
-    if (!src || !dst || n <= 0 || n % 16 || unit < 4 || unit > 4096 || rb <= 0 || rb % unit ||
-        rb > (1LL << 40) / n) {
-        PyErr_SetString(PyExc_ValueError, "x16_pack: inconsistent shapes or null pointer");
+    if (!int_args("group_pack", args, nargs, 5, 0, 5, v)) return NULL;
+    const long t = (long)v[0];
+    const uint8_t *src = (const uint8_t *)(uintptr_t)v[1];
+    uint8_t *dst = (uint8_t *)(uintptr_t)v[2];
+    const long long n = v[3], rb = v[4];
+    long bs, ts;
+    fk_pair_layout pl;
+    const int kquant = t == FK_Q2_K || t == FK_Q3_K || t == FK_Q4_K || t == FK_Q5_K || t == FK_Q6_K || t == FK_IQ4_XS;
+    const int pair = pair_layout(t, &pl), fp4 = t == FK_MXFP4;
+    if (!(kquant || pair || fp4) || !type_block(t, &bs, &ts)) {
+        PyErr_Format(PyExc_ValueError, "group_pack: type %ld has no 16-row group layout", t);
+        return NULL;
+    }
+    const long long unit = kquant ? ts : 2 * ts;   /* a superblock, or two blocks */
+    if (!src || !dst || n <= 0 || n % 16 || rb <= 0 || rb % unit || rb > (1LL << 40) / n) {
+        PyErr_SetString(PyExc_ValueError, "group_pack: inconsistent shapes or null pointer");
         return NULL;
     }
     const size_t bytes = (size_t)(n * rb);
     if (src < dst + bytes && dst < src + bytes) {
-        PyErr_SetString(PyExc_ValueError, "x16_pack: source and destination overlap");
+        PyErr_SetString(PyExc_ValueError, "group_pack: source and destination overlap");
         return NULL;
     }
-    const long long ncol = unit / 4, tail = unit - 4 * ncol, nsb = rb / unit;
+    const long long nu = rb / unit;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(g_threads) schedule(static) if (n * rb >= (1 << 16))
     for (long long g = 0; g < n / 16; g++)
-        for (long long s = 0; s < nsb; s++) {
-            uint8_t *out = dst + (size_t)((g * nsb + s) * 16 * unit);
-            const uint8_t *in = src + (size_t)(16 * g * rb + s * unit);   /* row r at in + r rb */
-            long long e = 0;
-#if defined(__SSE2__)
-            /* 4 x 4 dword transposes: 1.15-1.6x the rate of 4-byte copies (Intel Xeon) */
-            for (; e + 4 <= ncol; e += 4)
-                for (int r = 0; r < 16; r += 4) {
-                    const uint8_t *i0 = in + r * rb + 4 * e;
-                    const __m128i a0 = _mm_loadu_si128((const __m128i *)i0), a1 = _mm_loadu_si128((const __m128i *)(i0 + rb)),
-                                  a2 = _mm_loadu_si128((const __m128i *)(i0 + 2 * rb)),
-                                  a3 = _mm_loadu_si128((const __m128i *)(i0 + 3 * rb));
-                    const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3),
-                                  t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
-                    uint8_t *o = out + 64 * e + 4 * r;
-                    _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi64(t0, t1));
-                    _mm_storeu_si128((__m128i *)(o + 64), _mm_unpackhi_epi64(t0, t1));
-                    _mm_storeu_si128((__m128i *)(o + 128), _mm_unpacklo_epi64(t2, t3));
-                    _mm_storeu_si128((__m128i *)(o + 192), _mm_unpackhi_epi64(t2, t3));
-                }
-#endif
-            for (int r = 0; r < 16; r++) {
-                for (long long c = e; c < ncol; c++) memcpy(out + 64 * c + 4 * r, in + r * rb + 4 * c, 4);
-                memcpy(out + 64 * ncol + r * tail, in + r * rb + 4 * ncol, (size_t)tail);
-            }
+        for (long long u = 0; u < nu; u++) {
+            const uint8_t *in = src + (size_t)(16 * g * rb + u * unit);   /* row r at in + r rb */
+            uint8_t *out = dst + (size_t)((g * nu + u) * 16 * unit);
+            if (kquant) pack_x16_unit(in, rb, unit, out);
+            else if (fp4) pack_mxfp4_unit(in, rb, out);
+            else pack_pair_unit(in, rb, &pl, out);
         }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1556,8 +1652,8 @@ static PyMethodDef methods[] = {
      "ffn(plan, layer, x, m, out, ids): one layer's ffn of an ffn-only plan over x[m, n_embd]"},
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
-    {"x16_pack", (PyCFunction)(void (*)(void))py_x16_pack, METH_FASTCALL,
-     "x16_pack(src, dst, n, row_bytes, unit): K-quant rows into their 16-row groups"},
+    {"group_pack", (PyCFunction)(void (*)(void))py_group_pack, METH_FASTCALL,
+     "group_pack(qtype, src, dst, n, row_bytes): rows into their 16-row groups"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(ptr, rows, cols): each f32 row's first maximum as a list of (index, value), numpy's order "
      "(NaN highest)"},
@@ -1586,6 +1682,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     else if (cpu_has_avx2vnni()) g_isa = &fk_isa_avx2vnni;
     else if (cpu_has_avx2()) g_isa = &fk_isa_avx2;
     fk_amx_on = g_amx_able = cpu_has_amx();
+    qh_bits_init();
     g_threads = omp_get_max_threads();
     if (g_threads < 1) g_threads = 1;
     return PyModule_Create(&moddef);

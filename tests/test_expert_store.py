@@ -154,10 +154,10 @@ def test_deepseek2_streamed_equals_resident(tmp_path):
 
 
 @pytest.mark.skipif(not K.available(), reason="native kernels not built")
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q2_K, Q.Q6_K, Q.Q3_K], ids=["q4k", "q2k", "q6k", "q3k"])
-def test_streamed_k_quant_experts_are_packed_into_row_groups(tmp_path, isa, qtype):
-    """Where a load puts K-quant stacks in 16-row groups, the store packs each expert into them
-    as it reads it (the decode GEMV reads the groups): the plan takes the groups' type, each
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q3_K, Q.Q5_0, Q.Q5_1], ids=["q4k", "q3k", "q50", "q51"])
+def test_streamed_experts_are_packed_into_row_groups(tmp_path, isa, qtype):
+    """Where a load puts the stacks in 16-row groups, the store packs each expert into them as
+    it reads it (the decode GEMV reads the groups): the plan takes the groups' type, each
     slot's weight gives the file's rows back, the stack refuses to run on its own bytes, and
     the logits equal the resident model's at a budget that evicts."""
     path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=qtype,
@@ -186,14 +186,15 @@ def test_pack_groups_is_the_interleave_and_checks_its_input():
     if not K.available():
         pytest.skip("native kernels not built")
     g = torch.Generator().manual_seed(3)
-    for fmt, unit in K._X16_UNIT.items():
-        lay = K._LAYOUTS[fmt]
-        raw = torch.randint(0, 256, (48, 2 * unit), dtype=torch.uint8, generator=g)
+    layouts = {fmt: lay for fmt, lay in K._LAYOUTS.items() if lay.group == 16}
+    assert len(layouts) == 13   # every 16-row layout: the K-quants, the two-block units, MXFP4
+    for fmt, lay in layouts.items():
+        raw = torch.randint(0, 256, (48, 2 * lay.unit), dtype=torch.uint8, generator=g)
         out = torch.empty(raw.numel(), dtype=torch.uint8)
         K.pack_groups(raw.reshape(-1), out, 48, lay.pseudo)
         assert torch.equal(out, lay.pack(raw, 48).reshape(-1)), fmt
     raw, q4k = torch.zeros(32 * 144, dtype=torch.uint8), K._LAYOUTS[gguf.GGMLQuantizationType.Q4_K].pseudo
-    for bad in (lambda: K.pack_groups(raw, torch.empty_like(raw), 32, K._LAYOUTS[gguf.GGMLQuantizationType.Q8_0].pseudo),
+    for bad in (lambda: K.pack_groups(raw, torch.empty_like(raw), 32, K.TQ2_X8),             # 8-row groups
                 lambda: K.pack_groups(raw[:8 * 144], torch.empty(8 * 144, dtype=torch.uint8), 8, q4k),   # not whole groups
                 lambda: K.pack_groups(raw, raw, 32, q4k),                                             # in place
                 lambda: K.pack_groups(raw, torch.empty(16 * 144, dtype=torch.uint8), 32, q4k),

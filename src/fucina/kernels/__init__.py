@@ -993,33 +993,47 @@ def interleave(weight) -> bool:
 
 def stream_layout(weight, rows: int) -> int | None:
     """The row-group type an expert store keeps this stack's experts in (`rows` rows each),
-    packing each one natively as it reads it (`pack_groups`): the K-quant 16-row groups
-    (Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K, Q3_K: plain dword columns), where `interleave` would group
-    the stack and each expert is whole groups. None: the store keeps the file's rows."""
+    packing each one natively as it reads it (`pack_groups`): the 16-row groups, where
+    `interleave` would group the stack and each expert is whole groups. None: the store keeps
+    the file's rows."""
     g = layout_group(weight)
-    if g is None or rows % g or weight.kernel.qtype not in _X16_UNIT:
+    if g != 16 or rows % g:
         return None
     return _LAYOUTS[weight.kernel.qtype].pseudo
 
 
+class GroupPacker:
+    """Writes n rows (a multiple of 16) of the GGML type behind `pseudo` into its 16-row groups,
+    the bytes its `_LAYOUTS` pack writes, in one native pass (csrc/module.cpp group_pack: 15-31
+    GB/s over two threads in cache, where the torch copies run at 0.4-1.6). Made once for a
+    shape (the expert store: one a stack), then called with addresses: n x row_bytes bytes at
+    src, as many at dst, not overlapping."""
+
+    def __init__(self, pseudo: int, n: int, row_bytes: int):
+        fmt, lay = _GROUPED.get(pseudo, (None, None))
+        if lay is None or lay.group != 16:
+            raise KernelError(f"group packing: type {pseudo} is not a 16-row group layout")
+        if n <= 0 or n % 16 or row_bytes <= 0 or row_bytes % lay.unit:
+            raise KernelError(f"group packing: {n} rows of {row_bytes} bytes are not whole 16-row groups of {fmt.name}")
+        self.pseudo, self.n, self.nbytes = pseudo, n, n * row_bytes
+        self._args = (int(fmt), n, row_bytes)
+
+    def __call__(self, src: int, dst: int) -> None:
+        t, n, rb = self._args
+        try:
+            _native.group_pack(t, src, dst, n, rb)
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+
+
 def pack_groups(src: torch.Tensor, dst: torch.Tensor, n: int, pseudo: int) -> None:
-    """n rows (a multiple of 16) of the K-quant type behind `pseudo` in src -> dst in its
-    16-row groups: `_x16_interleave`'s bytes, in one native pass (csrc/module.cpp x16_pack;
-    the torch copies run at 0.8 GB/s). src and dst: contiguous uint8, n x row bytes each."""
-    fmt = _GROUPED[pseudo][0] if pseudo in _GROUPED else None
-    unit = _X16_UNIT.get(fmt)
-    if unit is None:
-        raise KernelError(f"pack_groups: type {pseudo} is not a K-quant 16-row group layout")
+    """`GroupPacker` on tensors: src, n rows of pseudo's GGML type (contiguous uint8) -> dst."""
     for t in (src, dst):
-        if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu" or n <= 0 \
-                or t.numel() % n or (t.numel() // n) % unit:
-            raise KernelError(f"pack_groups: {tuple(t.shape)} {t.dtype} is not {n} {fmt.name} rows")
+        if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu" or n <= 0 or t.numel() % n:
+            raise KernelError(f"pack_groups: {tuple(t.shape)} {t.dtype} is not {n} rows of bytes")
     if src.numel() != dst.numel():
         raise KernelError(f"pack_groups: {src.numel()} bytes in, {dst.numel()} out")
-    try:
-        _native.x16_pack(src.data_ptr(), dst.data_ptr(), n, src.numel() // n, unit)
-    except ValueError as e:
-        raise KernelError(str(e)) from None
+    GroupPacker(pseudo, n, src.numel() // n)(src.data_ptr(), dst.data_ptr())
 
 
 def read_groups(weight, pseudo: int) -> None:

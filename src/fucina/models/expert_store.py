@@ -7,11 +7,12 @@ chooses it and it is not resident. Before each MoE layer runs, its hook gets the
 the router chose (the torch path from moe.mix, the native layer step from
 csrc/generic/moe_impl.inc through a C callback, answered with a per-layer pointer table);
 `Residency` decides which resident experts give up their slots. The bytes in a slot are
-the file's bytes or, where a load would put the stack in 16-row groups (the K-quants:
-kernels.stream_layout), those bytes packed into the groups as they are read (one native
-pass), so streamed experts get the grouped decode GEMV as resident ones do; the stack's
-kernel then names the slots' type (kernels.StoredKernel). The matmuls are the same kernels
-on them: the output is bitwise the resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
+the file's bytes or, where a load would put the stack in 16-row groups (the K-quants, the
+two-block units, MXFP4: kernels.stream_layout), those bytes packed into the groups as they
+are read (one native pass, kernels.GroupPacker), so streamed experts get the grouped decode
+GEMV as resident ones do; the stack's kernel then names the slots' type
+(kernels.StoredKernel). The matmuls are the same kernels on them: the output is bitwise the
+resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
 (POSIX_FADV_WILLNEED) the next layer's previous choice that is not resident, so decode's
 token-to-token expert reuse comes from the page cache instead of the disk.
 
@@ -152,7 +153,7 @@ class _Stack:
     size: int            # bytes per expert
     rows: int
     weight: LinearWeight  # the whole stack (qtype, in_features, name)
-    groups: int | None    # the row-group type a slot holds this stack's rows in; None: the file's rows
+    packer: kernels.GroupPacker | None   # into the row groups a slot holds; None: the file's rows
 
 
 @dataclass
@@ -190,8 +191,9 @@ class ExpertStore:
         self.policy = Residency(self.n_slots * self.slot_bytes, dict.fromkeys(keys, self.slot_bytes), policy)
         self.pool = kernels.huge_empty(self.n_slots * self.slot_bytes)   # pages come on first write
         self._pool_np = self.pool.numpy()
-        packed = [s.size for st in self.stacks.values() for s in st if s.groups is not None]
+        packed = [s.size for st in self.stacks.values() for s in st if s.packer is not None]
         self._stage = torch.empty(max(packed, default=0), dtype=torch.uint8)   # a read before its packing
+        self._stage_np = self._stage.numpy()
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.slot_of: dict[tuple[int, int], int] = {}
         self.views: dict[tuple[int, int], tuple[LinearWeight, ...]] = {}
@@ -211,8 +213,10 @@ class ExpertStore:
         path = f.part_path(t)   # opened again for pread
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        return _Stack(self._fds[path], t.offset, stack.nbytes // stack.n_expert, stack.out_features, stack.whole,
-                      kernels.stream_layout(stack.whole, stack.out_features) if groups else None)
+        size, rows = stack.nbytes // stack.n_expert, stack.out_features
+        pseudo = kernels.stream_layout(stack.whole, rows) if groups else None
+        packer = kernels.GroupPacker(pseudo, rows, size // rows) if pseudo is not None else None
+        return _Stack(self._fds[path], t.offset, size, rows, stack.whole, packer)
 
     @property
     def budget(self) -> int:
@@ -250,12 +254,12 @@ class ExpertStore:
         layer, e = key
         at = slot * self.slot_bytes
         for j, s in enumerate(self.stacks[layer]):
-            into = self._stage.numpy()[:s.size] if s.groups is not None else self._pool_np[at:at + s.size]
+            into = self._stage_np[:s.size] if s.packer is not None else self._pool_np[at:at + s.size]
             got = os.preadv(s.fd, [memoryview(into)], s.offset + e * s.size)
             if got != s.size:
                 raise FucinaError(f"expert store: short read of {s.weight.name}[{e}] ({got} of {s.size} bytes)")
-            if s.groups is not None:
-                kernels.pack_groups(self._stage[:s.size], self.pool[at:at + s.size], s.rows, s.groups)
+            if s.packer is not None:   # (the stage and the slot hold s.size bytes each)
+                s.packer(self._stage.data_ptr(), self.pool.data_ptr() + at)
             self.tables[layer][j, e] = self.pool.data_ptr() + at
             at += _up(s.size)
         self.stats.read_bytes += sum(s.size for s in self.stacks[layer])
@@ -269,10 +273,10 @@ class ExpertStore:
             for s in self.stacks[layer]:
                 w = LinearWeight(self.pool[at:at + s.size], s.weight.qtype, s.rows, s.weight.in_features,
                                  f"{s.weight.name}[{e}]")
-                if s.groups is None:
+                if s.packer is None:
                     kernels.attach(w)
                 else:
-                    kernels.read_groups(w, s.groups)
+                    kernels.read_groups(w, s.packer.pseudo)
                     w = as_grouped(w)
                 out.append(w)
                 at += _up(s.size)
@@ -364,8 +368,8 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True, 
                 kernels.attach(st.whole)
     total = sum(ex.nbytes for ex in layers.values())
     store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch, groups)
-    for s in (s for st in store.stacks.values() for s in st if s.groups is not None):
-        s.weight.kernel = kernels.StoredKernel(s.weight, s.groups)   # the type the plan's steps read
+    for s in (s for st in store.stacks.values() for s in st if s.packer is not None):
+        s.weight.kernel = kernels.StoredKernel(s.weight, s.packer.pseudo)   # the type the plan's steps read
     for i, ex in layers.items():
         ex.on_use = store.hook(i)
     model.expert_store = store
