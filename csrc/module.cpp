@@ -7,6 +7,7 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#include <errno.h>
 #include <omp.h>
 #include <string.h>
 #ifdef FK_X86
@@ -1306,12 +1307,43 @@ static void pack_mxfp4_unit(const uint8_t *in, long long rb, uint8_t *out) {
     for (int h = 0; h < 2; h++) rows_to_cols(in + 17 * h + 1, rb, 4, 0, out + 32 + 256 * h);
 }
 
+/* how a GGML type packs into its 16-row groups: 1 a K-quant (unit: its superblock), 2 a
+ * two-block unit (pl), 3 MXFP4 (two blocks); 0 no 16-row group layout */
+static int pack_kind(long t, long long *unit, fk_pair_layout *pl) {
+    long bs, ts;
+    if (!type_block(t, &bs, &ts)) return 0;
+    if (t == FK_Q2_K || t == FK_Q3_K || t == FK_Q4_K || t == FK_Q5_K || t == FK_Q6_K || t == FK_IQ4_XS) {
+        *unit = ts;
+        return 1;
+    }
+    *unit = 2 * ts;
+    return pair_layout(t, pl) ? 2 : t == FK_MXFP4 ? 3 : 0;
+}
+
+static int pack_shape_ok(long long n, long long rb, long long unit) {
+    return n > 0 && n % 16 == 0 && rb > 0 && rb % unit == 0 && rb <= (1LL << 40) / n;
+}
+
+/* n rows at src into their groups at dst (pack_kind's kind, unit, pl), over `threads` */
+static void pack_run(int kind, long long unit, const fk_pair_layout *pl, const uint8_t *src, uint8_t *dst,
+                     long long n, long long rb, int threads) {
+    const long long nu = rb / unit;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * rb >= (1 << 16))
+    for (long long g = 0; g < n / 16; g++)
+        for (long long u = 0; u < nu; u++) {
+            const uint8_t *in = src + (size_t)(16 * g * rb + u * unit);   /* row r at in + r rb */
+            uint8_t *out = dst + (size_t)((g * nu + u) * 16 * unit);
+            if (kind == 1) pack_x16_unit(in, rb, unit, out);
+            else if (kind == 3) pack_mxfp4_unit(in, rb, out);
+            else pack_pair_unit(in, rb, pl, out);
+        }
+}
+
 /* group_pack(qtype, src, dst, n, row_bytes): n rows (a multiple of 16) of a GGML type into its
  * 16-row groups, the bytes kernels.q4k_interleave and kin write (K-quants and IQ4_XS: each
  * superblock's dwords as columns; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4: per two-block
- * unit, its fields as columns). The expert store packs each expert it reads
- * (models/expert_store.py); the torch copies of the load-time interleave move 0.8 GB/s, a read
- * from the page cache several times that. src and dst must not overlap. */
+ * unit, its fields as columns), over the kernels' threads; the torch copies of the load-time
+ * interleave move 0.4-1.6 GB/s. src and dst must not overlap. */
 static PyObject *py_group_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[5];
@@ -1320,16 +1352,14 @@ static PyObject *py_group_pack(PyObject *self, PyObject *const *args, Py_ssize_t
     const uint8_t *src = (const uint8_t *)(uintptr_t)v[1];
     uint8_t *dst = (uint8_t *)(uintptr_t)v[2];
     const long long n = v[3], rb = v[4];
-    long bs, ts;
+    long long unit;
     fk_pair_layout pl;
-    const int kquant = t == FK_Q2_K || t == FK_Q3_K || t == FK_Q4_K || t == FK_Q5_K || t == FK_Q6_K || t == FK_IQ4_XS;
-    const int pair = pair_layout(t, &pl), fp4 = t == FK_MXFP4;
-    if (!(kquant || pair || fp4) || !type_block(t, &bs, &ts)) {
+    const int kind = pack_kind(t, &unit, &pl);
+    if (!kind) {
         PyErr_Format(PyExc_ValueError, "group_pack: type %ld has no 16-row group layout", t);
         return NULL;
     }
-    const long long unit = kquant ? ts : 2 * ts;   /* a superblock, or two blocks */
-    if (!src || !dst || n <= 0 || n % 16 || rb <= 0 || rb % unit || rb > (1LL << 40) / n) {
+    if (!src || !dst || !pack_shape_ok(n, rb, unit)) {
         PyErr_SetString(PyExc_ValueError, "group_pack: inconsistent shapes or null pointer");
         return NULL;
     }
@@ -1338,17 +1368,69 @@ static PyObject *py_group_pack(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "group_pack: source and destination overlap");
         return NULL;
     }
-    const long long nu = rb / unit;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(g_threads) schedule(static) if (n * rb >= (1 << 16))
-    for (long long g = 0; g < n / 16; g++)
-        for (long long u = 0; u < nu; u++) {
-            const uint8_t *in = src + (size_t)(16 * g * rb + u * unit);   /* row r at in + r rb */
-            uint8_t *out = dst + (size_t)((g * nu + u) * 16 * unit);
-            if (kquant) pack_x16_unit(in, rb, unit, out);
-            else if (fp4) pack_mxfp4_unit(in, rb, out);
-            else pack_pair_unit(in, rb, &pl, out);
+    pack_run(kind, unit, &pl, src, dst, n, rb, g_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* read_experts(n, fds, offsets, sizes, types, rows, dsts, stage, stage_bytes, stages, status): n reads,
+ * each argument past n an int64 array of n, over the kernels' threads (the expert store's
+ * misses: models/expert_store.py). Read i puts sizes[i] bytes of fds[i] at offsets[i] into
+ * dsts[i]; where types[i] is not -1 it reads into its thread's stage (stage + thread x
+ * stage_bytes; `stages` of them, at most as many threads) and packs rows[i] rows of that GGML type into dsts[i]. status[i]: the bytes read
+ * (sizes[i] when whole), or -errno. Reads on the kernels' own threads: from Python threads
+ * the step's OpenMP team spun on the cores the readers wanted (two Python readers ran 0.83-0.90x
+ * one). Every read is tried; the caller decides what a failure costs. */
+static PyObject *py_read_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[11];
+    if (!int_args("read_experts", args, nargs, 11, 0, 11, v)) return NULL;
+    const long long n = v[0], stage_bytes = v[8], stages = v[9];
+    const int64_t *fds = (const int64_t *)(uintptr_t)v[1], *offs = (const int64_t *)(uintptr_t)v[2],
+                  *sizes = (const int64_t *)(uintptr_t)v[3], *types = (const int64_t *)(uintptr_t)v[4],
+                  *rows = (const int64_t *)(uintptr_t)v[5], *dsts = (const int64_t *)(uintptr_t)v[6];
+    uint8_t *stage = (uint8_t *)(uintptr_t)v[7];
+    int64_t *status = (int64_t *)(uintptr_t)v[10];
+    if (n < 0 || (n && (!fds || !offs || !sizes || !types || !rows || !dsts || !status)) || stage_bytes < 0 ||
+        stages < 1 || (stage_bytes && !stage)) {
+        PyErr_SetString(PyExc_ValueError, "read_experts: inconsistent arguments or null pointer");
+        return NULL;
+    }
+    for (long long i = 0; i < n; i++) {   /* every shape checked before any read */
+        long long unit = 0;
+        fk_pair_layout pl;
+        const int packs = types[i] != -1;
+        if (fds[i] < 0 || offs[i] < 0 || sizes[i] <= 0 || !dsts[i] ||
+            (packs && (!pack_kind((long)types[i], &unit, &pl) || sizes[i] > stage_bytes || rows[i] <= 0 ||
+                       sizes[i] % rows[i] || !pack_shape_ok(rows[i], sizes[i] / rows[i], unit)))) {
+            PyErr_Format(PyExc_ValueError, "read_experts: read %lld has an inconsistent shape", i);
+            return NULL;
         }
+    }
+    const int threads = (int)std::min<long long>(g_threads, stages);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1)
+    for (long long i = 0; i < n; i++) {
+        const int packs = types[i] != -1;
+        uint8_t *into = packs ? stage + (size_t)omp_get_thread_num() * (size_t)stage_bytes : (uint8_t *)(uintptr_t)dsts[i];
+        long long got = 0;
+        int err = 0;
+        while (got < sizes[i]) {
+            const ssize_t r = pread((int)fds[i], into + got, (size_t)(sizes[i] - got), (off_t)(offs[i] + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) err = errno;
+            if (r <= 0) break;
+            got += r;
+        }
+        status[i] = err ? -err : got;
+        if (got == sizes[i] && packs) {
+            long long unit;
+            fk_pair_layout pl;
+            const int kind = pack_kind((long)types[i], &unit, &pl);
+            pack_run(kind, unit, &pl, into, (uint8_t *)(uintptr_t)dsts[i], rows[i], sizes[i] / rows[i], 1);
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1654,6 +1736,9 @@ static PyMethodDef methods[] = {
      "dequant_rows(qtype, w, row_bytes, n, k, ids, count, out): rows of a weight as f32"},
     {"group_pack", (PyCFunction)(void (*)(void))py_group_pack, METH_FASTCALL,
      "group_pack(qtype, src, dst, n, row_bytes): rows into their 16-row groups"},
+    {"read_experts", (PyCFunction)(void (*)(void))py_read_experts, METH_FASTCALL,
+     "read_experts(n, fds, offsets, sizes, types, rows, dsts, stage, stage_bytes, stages, status): "
+     "reads, each packed into 16-row groups or not, over the kernels' threads"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(ptr, rows, cols): each f32 row's first maximum as a list of (index, value), numpy's order "
      "(NaN highest)"},

@@ -219,17 +219,53 @@ def test_prefetch_reads_ahead_the_next_layers_last_choice(tmp_path, monkeypatch)
     assert set(calls) == want and len(calls) == 9 and store.stats.prefetched == 3
 
 
-def test_a_failed_read_is_typed_and_leaves_the_store_consistent(tmp_path, monkeypatch):
+def _cut_file(store, path, tmp_path, cut: int):
+    """Point the store's descriptor at a copy of its file that ends at byte `cut` (reads past it
+    come back short); returns the undo."""
+    short = tmp_path / "short.gguf"
+    with open(path, "rb") as f:
+        short.write_bytes(f.read(cut))
+    fd, saved, tmp = store.stacks[0][0].fd, os.dup(store.stacks[0][0].fd), os.open(short, os.O_RDONLY)
+    os.dup2(tmp, fd)
+    os.close(tmp)
+
+    def undo():
+        os.dup2(saved, fd)
+        os.close(saved)
+    return undo
+
+
+def test_a_failed_read_is_typed_and_leaves_the_store_consistent(tmp_path):
     path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
     store = stream_experts(load_model(path), "34%")
     store.use(0, [1])
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real(fd, bufs, off) - 1)
+    gate = store.stacks[0][0]
+    undo = _cut_file(store, path, tmp_path, gate.offset + 2 * gate.size)   # experts 2 and 3 cut off
     with pytest.raises(FucinaError, match="short read"):
         store.use(0, [2, 3])
     assert set(store.slot_of) == {(0, 1)} == store.policy.resident and len(store.free) == store.n_slots - 1
-    monkeypatch.setattr(os, "preadv", real)
+    undo()
     assert set(store.use(0, [2, 3])) == {2, 3} and store.tables[0][:, [1, 2, 3]].ne(0).all()
+
+
+def test_reads_over_the_threads_keep_what_they_read_when_some_fail(tmp_path, monkeypatch):
+    """The misses of a call are read over the kernels' threads, every read tried: the experts
+    read whole stay resident, the others do not, the slots add up, and the error is typed."""
+    monkeypatch.setattr(K, "get_threads", lambda: 2)
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **QWEN)
+    store = stream_experts(load_model(path), "34%")
+    assert store.readers == 2
+    store.use(0, [1])
+    down = store.stacks[0][-1]
+    assert all(s.offset + s.size * 8 <= down.offset for s in store.stacks[0][:-1])   # the file's order
+    undo = _cut_file(store, path, tmp_path, down.offset + 3 * down.size)   # down of experts 3.. cut off
+    with pytest.raises(FucinaError, match=r"short read of .*ffn_down_exps.*\[3\]"):
+        store.use(0, [2, 3, 4, 5, 6])
+    assert set(store.slot_of) == {(0, 1), (0, 2)} == store.policy.resident
+    assert len(store.free) == store.n_slots - 2
+    assert store.tables[0][:, [3, 4, 5, 6]].eq(0).all() and store.tables[0][:, [1, 2]].ne(0).all()
+    undo()
+    assert set(store.use(0, [3, 5])) == {3, 5} and store.tables[0][:, [3, 5]].ne(0).all()
 
 
 def test_budget_errors_are_typed(tmp_path):

@@ -1002,38 +1002,50 @@ def stream_layout(weight, rows: int) -> int | None:
     return _LAYOUTS[weight.kernel.qtype].pseudo
 
 
-class GroupPacker:
-    """Writes n rows (a multiple of 16) of the GGML type behind `pseudo` into its 16-row groups,
-    the bytes its `_LAYOUTS` pack writes, in one native pass (csrc/module.cpp group_pack: 15-31
-    GB/s over two threads in cache, where the torch copies run at 0.4-1.6). Made once for a
-    shape (the expert store: one a stack), then called with addresses: n x row_bytes bytes at
-    src, as many at dst, not overlapping."""
-
-    def __init__(self, pseudo: int, n: int, row_bytes: int):
-        fmt, lay = _GROUPED.get(pseudo, (None, None))
-        if lay is None or lay.group != 16:
-            raise KernelError(f"group packing: type {pseudo} is not a 16-row group layout")
-        if n <= 0 or n % 16 or row_bytes <= 0 or row_bytes % lay.unit:
-            raise KernelError(f"group packing: {n} rows of {row_bytes} bytes are not whole 16-row groups of {fmt.name}")
-        self.pseudo, self.n, self.nbytes = pseudo, n, n * row_bytes
-        self._args = (int(fmt), n, row_bytes)
-
-    def __call__(self, src: int, dst: int) -> None:
-        t, n, rb = self._args
-        try:
-            _native.group_pack(t, src, dst, n, rb)
-        except ValueError as e:
-            raise KernelError(str(e)) from None
-
-
 def pack_groups(src: torch.Tensor, dst: torch.Tensor, n: int, pseudo: int) -> None:
-    """`GroupPacker` on tensors: src, n rows of pseudo's GGML type (contiguous uint8) -> dst."""
+    """n rows (a multiple of 16) of the GGML type behind `pseudo` in src -> dst in its 16-row
+    groups, the bytes its `_LAYOUTS` pack writes, in one native pass (csrc/module.cpp
+    group_pack: 15-31 GB/s over two threads in cache, where the torch copies run at 0.4-1.6).
+    src and dst: contiguous uint8, n x row bytes each, not overlapping."""
+    fmt = _group16_type(pseudo, "pack_groups")
     for t in (src, dst):
         if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu" or n <= 0 or t.numel() % n:
             raise KernelError(f"pack_groups: {tuple(t.shape)} {t.dtype} is not {n} rows of bytes")
     if src.numel() != dst.numel():
         raise KernelError(f"pack_groups: {src.numel()} bytes in, {dst.numel()} out")
-    GroupPacker(pseudo, n, src.numel() // n)(src.data_ptr(), dst.data_ptr())
+    try:
+        _native.group_pack(fmt, src.data_ptr(), dst.data_ptr(), n, src.numel() // n)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def _group16_type(pseudo: int, caller: str) -> int:
+    """The GGML type behind a 16-row group layout's pseudo type."""
+    fmt, lay = _GROUPED.get(pseudo, (None, None))
+    if lay is None or lay.group != 16:
+        raise KernelError(f"{caller}: type {pseudo} is not a 16-row group layout")
+    return int(fmt)
+
+
+def read_into(reads: list[tuple[int, int, int, int | None, int, int]], stage: torch.Tensor, stages: int) -> list[int]:
+    """Each read (fd, offset, size, pseudo or None, rows, address): `size` bytes of the file at
+    `offset` to `address`, packed into the pseudo type's 16-row groups (`rows` rows, as
+    `pack_groups`) where one is named; all of them over the kernels' threads (csrc/module.cpp
+    read_experts: the expert store's misses). `stage`: `stages` buffers, one a thread, of
+    stage.numel() // stages bytes each, for the packed reads. Returns each read's bytes read,
+    or -errno; every read is tried."""
+    if stage.dtype != torch.uint8 or not stage.is_contiguous() or stages < 1:
+        raise KernelError("read_into: the stage must be contiguous uint8 buffers")
+    rows = [(fd, off, size, -1 if p is None else _group16_type(p, "read_into"), n, at)
+            for fd, off, size, p, n, at in reads]
+    cols = torch.tensor(rows, dtype=torch.int64).T.contiguous() if rows else torch.zeros(6, 0, dtype=torch.int64)
+    status = torch.zeros(len(rows), dtype=torch.int64)
+    try:
+        _native.read_experts(len(rows), *(cols[i].data_ptr() for i in range(6)), stage.data_ptr(),
+                             stage.numel() // stages, stages, status.data_ptr())
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    return status.tolist()
 
 
 def read_groups(weight, pseudo: int) -> None:

@@ -9,7 +9,7 @@ csrc/generic/moe_impl.inc through a C callback, answered with a per-layer pointe
 `Residency` decides which resident experts give up their slots. The bytes in a slot are
 the file's bytes or, where a load would put the stack in 16-row groups (the K-quants, the
 two-block units, MXFP4: kernels.stream_layout), those bytes packed into the groups as they
-are read (one native pass, kernels.GroupPacker), so streamed experts get the grouped decode
+are read (one native pass, kernels.read_into), so streamed experts get the grouped decode
 GEMV as resident ones do; the stack's kernel then names the slots' type
 (kernels.StoredKernel). The matmuls are the same kernels on them: the output is bitwise the
 resident run's. Prefetch: each layer's hook also asks the kernel to read ahead
@@ -153,7 +153,7 @@ class _Stack:
     size: int            # bytes per expert
     rows: int
     weight: LinearWeight  # the whole stack (qtype, in_features, name)
-    packer: kernels.GroupPacker | None   # into the row groups a slot holds; None: the file's rows
+    groups: int | None    # the row-group type a slot holds this stack's rows in; None: the file's rows
 
 
 @dataclass
@@ -191,9 +191,9 @@ class ExpertStore:
         self.policy = Residency(self.n_slots * self.slot_bytes, dict.fromkeys(keys, self.slot_bytes), policy)
         self.pool = kernels.huge_empty(self.n_slots * self.slot_bytes)   # pages come on first write
         self._pool_np = self.pool.numpy()
-        packed = [s.size for st in self.stacks.values() for s in st if s.packer is not None]
-        self._stage = torch.empty(max(packed, default=0), dtype=torch.uint8)   # a read before its packing
-        self._stage_np = self._stage.numpy()
+        self.readers = max(1, kernels.get_threads()) if kernels.available() else 1
+        packed = max((s.size for st in self.stacks.values() for s in st if s.groups is not None), default=0)
+        self._stage = torch.empty(self.readers * packed, dtype=torch.uint8)   # a reader's read before its packing
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.slot_of: dict[tuple[int, int], int] = {}
         self.views: dict[tuple[int, int], tuple[LinearWeight, ...]] = {}
@@ -215,8 +215,7 @@ class ExpertStore:
             self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         size, rows = stack.nbytes // stack.n_expert, stack.out_features
         pseudo = kernels.stream_layout(stack.whole, rows) if groups else None
-        packer = kernels.GroupPacker(pseudo, rows, size // rows) if pseudo is not None else None
-        return _Stack(self._fds[path], t.offset, size, rows, stack.whole, packer)
+        return _Stack(self._fds[path], t.offset, size, rows, stack.whole, pseudo)
 
     @property
     def budget(self) -> int:
@@ -236,34 +235,47 @@ class ExpertStore:
             self.free.append(self.slot_of.pop(k))
             self.tables[k[0]][:, k[1]] = 0
             self.views.pop(k, None)
-        for j, k in enumerate(loaded):
-            slot = self.free.pop()
-            try:
-                self._read(k, slot)
-            except (OSError, FucinaError):   # these keys were never read: not resident after all
-                self.free.append(slot)
-                for bad in loaded[j:]:
-                    self.policy.drop(bad)
-                raise
+        if loaded:
+            self._read_all([(k, self.free.pop()) for k in loaded])
         self.last_choice[layer] = experts
         nxt = self._next.get(layer)
         if self.prefetch and nxt is not None and nxt in self.last_choice:
             self._read_ahead(nxt, [e for e in self.last_choice[nxt] if (nxt, e) not in self.slot_of])
 
-    def _read(self, key: tuple[int, int], slot: int) -> None:
-        layer, e = key
-        at = slot * self.slot_bytes
-        for j, s in enumerate(self.stacks[layer]):
-            into = self._stage_np[:s.size] if s.packer is not None else self._pool_np[at:at + s.size]
-            got = os.preadv(s.fd, [memoryview(into)], s.offset + e * s.size)
-            if got != s.size:
-                raise FucinaError(f"expert store: short read of {s.weight.name}[{e}] ({got} of {s.size} bytes)")
-            if s.packer is not None:   # (the stage and the slot hold s.size bytes each)
-                s.packer(self._stage.data_ptr(), self.pool.data_ptr() + at)
-            self.tables[layer][j, e] = self.pool.data_ptr() + at
-            at += _up(s.size)
-        self.stats.read_bytes += sum(s.size for s in self.stacks[layer])
-        self.slot_of[key] = slot
+    def _read_all(self, jobs: list[tuple[tuple[int, int], int]]) -> None:
+        """Read each (key, slot), all of them over the kernels' threads (kernels.read_into: each
+        thread with its own stage for the packed stacks), then the bookkeeping. A key with a
+        failed read is not resident and its slot is free again; the first failure is raised."""
+        reads, whose, base = [], [], self.pool.data_ptr()
+        for i, ((layer, e), slot) in enumerate(jobs):
+            at = slot * self.slot_bytes
+            for s in self.stacks[layer]:
+                reads.append((s.fd, s.offset + e * s.size, s.size, s.groups, s.rows, at))
+                whose.append((i, s, e))
+                at += _up(s.size)
+        if kernels.available():
+            got = kernels.read_into([(fd, off, size, g, n, base + at) for fd, off, size, g, n, at in reads],
+                                    self._stage, self.readers)
+        else:   # no native module: the file's rows, one read at a time
+            got = [os.preadv(fd, [memoryview(self._pool_np[at:at + size])], off) for fd, off, size, _, _, at in reads]
+        failed: dict[int, Exception] = {}
+        for (i, s, e), n in zip(whose, got):
+            if n != s.size and i not in failed:
+                failed[i] = (OSError(-n, f"expert store: reading {s.weight.name}[{e}]: {os.strerror(-n)}") if n < 0 else
+                             FucinaError(f"expert store: short read of {s.weight.name}[{e}] ({n} of {s.size} bytes)"))
+        for i, ((layer, e), slot) in enumerate(jobs):
+            if i in failed:
+                self.free.append(slot)
+                self.policy.drop((layer, e))
+                continue
+            at = slot * self.slot_bytes
+            for j, s in enumerate(self.stacks[layer]):
+                self.tables[layer][j, e] = self.pool.data_ptr() + at
+                at += _up(s.size)
+            self.stats.read_bytes += sum(s.size for s in self.stacks[layer])
+            self.slot_of[(layer, e)] = slot
+        if failed:
+            raise failed[min(failed)]
 
     def _views(self, key: tuple[int, int]) -> tuple[LinearWeight, ...]:
         """The resident expert's weights over its slot (made on first use, dropped on eviction)."""
@@ -273,10 +285,10 @@ class ExpertStore:
             for s in self.stacks[layer]:
                 w = LinearWeight(self.pool[at:at + s.size], s.weight.qtype, s.rows, s.weight.in_features,
                                  f"{s.weight.name}[{e}]")
-                if s.packer is None:
+                if s.groups is None:
                     kernels.attach(w)
                 else:
-                    kernels.read_groups(w, s.packer.pseudo)
+                    kernels.read_groups(w, s.groups)
                     w = as_grouped(w)
                 out.append(w)
                 at += _up(s.size)
@@ -368,8 +380,8 @@ def stream_experts(model, moe_ram, policy: str = "heat", prefetch: bool = True, 
                 kernels.attach(st.whole)
     total = sum(ex.nbytes for ex in layers.values())
     store = ExpertStore(model.gguf, layers, parse_budget(moe_ram, total), policy, prefetch, groups)
-    for s in (s for st in store.stacks.values() for s in st if s.packer is not None):
-        s.weight.kernel = kernels.StoredKernel(s.weight, s.packer.pseudo)   # the type the plan's steps read
+    for s in (s for st in store.stacks.values() for s in st if s.groups is not None):
+        s.weight.kernel = kernels.StoredKernel(s.weight, s.groups)   # the type the plan's steps read
     for i, ex in layers.items():
         ex.on_use = store.hook(i)
     model.expert_store = store
