@@ -993,7 +993,7 @@ def interleave(weight) -> bool:
 
 def stream_layout(weight, rows: int) -> int | None:
     """The row-group type an expert store keeps this stack's experts in (`rows` rows each),
-    packing each one natively as it reads it (`pack_groups`): the 16-row groups, where
+    packing each one natively as it reads it (`read_into`): the 16-row groups, where
     `interleave` would group the stack and each expert is whole groups. None: the store keeps
     the file's rows."""
     g = layout_group(weight)
