@@ -4,8 +4,8 @@
         [--moe-ram 100%]
 
 Loads each model twice (`load_model(path, group_experts=False)`: the stacks on the file's
-rows; the default: Q4_K / Q6_K stacks in 16-row groups where the ISA's decode GEMV reads
-them, `fucina.weights.row_groups`) and alternates the two round by round: a `--pp`-token
+rows; the default: the stacks in 16-row groups where the ISA's decode GEMV reads them,
+`fucina.weights.row_groups`) and alternates the two round by round: a `--pp`-token
 prefill, then `--steps` greedy decode steps. Prints the medians, the median of the rounds'
 paired ratios (groups / rows) with their range, and whether the two gave the same logits
 bitwise (they must: every route reads the groups as the rows they came from). FUCINA_ISA
