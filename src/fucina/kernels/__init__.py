@@ -986,9 +986,24 @@ def interleave(weight) -> bool:
         return False
     k = weight.kernel
     lay = _LAYOUTS[k.qtype]   # an IntEnum key: k.qtype is an int
-    k.raw, k.qtype = lay.pack(k.raw, k.n), lay.pseudo
-    k.ptr = k.raw.data_ptr()
+    k.raw = _pack16(k.raw, k.n, lay) if lay.group == 16 else lay.pack(k.raw, k.n)
+    k.qtype, k.ptr = lay.pseudo, k.raw.data_ptr()
     return True
+
+
+def _pack16(raw: torch.Tensor, n: int, lay: "_Layout") -> torch.Tensor:
+    """raw's n rows in the layout's 16-row groups [ceil16(n), rb], the last group's missing rows
+    zeros: the bytes of lay.pack (the torch reference) from `pack_groups`' native pass."""
+    rows = raw.reshape(n, -1)
+    rb, full = rows.shape[1], n - n % 16
+    out = huge_empty(-(-n // 16) * 16 * rb).view(-1, rb)   # each byte written once
+    if full:
+        pack_groups(rows[:full].reshape(-1), out[:full].reshape(-1), full, lay.pseudo)
+    if full < n:
+        tail = rows.new_zeros(16, rb)
+        tail[:n - full] = rows[full:]
+        pack_groups(tail.reshape(-1), out[full:].reshape(-1), 16, lay.pseudo)
+    return out
 
 
 def stream_layout(weight, rows: int) -> int | None:
@@ -1036,12 +1051,12 @@ def read_into(reads: list[tuple[int, int, int, int | None, int, int]], stage: to
     or -errno; every read is tried."""
     if stage.dtype != torch.uint8 or not stage.is_contiguous() or stages < 1:
         raise KernelError("read_into: the stage must be contiguous uint8 buffers")
-    rows = [(fd, off, size, -1 if p is None else _group16_type(p, "read_into"), n, at)
+    args = [(fd, off, size, -1 if p is None else _group16_type(p, "read_into"), n, at)
             for fd, off, size, p, n, at in reads]
-    cols = torch.tensor(rows, dtype=torch.int64).T.contiguous() if rows else torch.zeros(6, 0, dtype=torch.int64)
-    status = torch.zeros(len(rows), dtype=torch.int64)
+    cols = torch.tensor(args, dtype=torch.int64).T.contiguous() if args else torch.zeros(6, 0, dtype=torch.int64)
+    status = torch.zeros(len(args), dtype=torch.int64)
     try:
-        _native.read_experts(len(rows), *(cols[i].data_ptr() for i in range(6)), stage.data_ptr(),
+        _native.read_experts(len(args), *(cols[i].data_ptr() for i in range(6)), stage.data_ptr(),
                              stage.numel() // stages, stages, status.data_ptr())
     except ValueError as e:
         raise KernelError(str(e)) from None
@@ -1050,7 +1065,7 @@ def read_into(reads: list[tuple[int, int, int, int | None, int, int]], stage: to
 
 def read_groups(weight, pseudo: int) -> None:
     """Attach to `weight` a kernel that reads its bytes as `pseudo`'s row groups (bytes that
-    `pack_groups` wrote: the expert store's slots)."""
+    `read_into` packed: the expert store's slots)."""
     fmt, lay = _GROUPED[pseudo]
     if int(weight.qtype) != int(fmt) or weight.out_features % lay.group:
         raise KernelError(f"read_groups: {weight.name} is not {lay.group}-row groups of {fmt.name}")

@@ -86,7 +86,8 @@ def interleave_model(model, experts: bool = True) -> int:
     """Repack the model's weights in place (see the module); the count repacked. `experts`:
     the expert stacks too, where each expert's rows are whole groups, so a group never spans
     two experts and expert e's rows stay at e x rows x row bytes (the MoE step's offsets).
-    False when an expert store will stream them: it reads the file's rows. The stacks stay
+    False when an expert store will stream them: it reads the file's rows and packs each
+    expert itself (kernels.stream_layout). The stacks stay
     on the file's rows too when they are more than half the memory available now
     (`ram.available_ram`): their copy is the process's own memory, where the mapped pages
     can be evicted, so a model near the machine's RAM still loads as it did."""
