@@ -320,8 +320,9 @@ def finish_distributed() -> None:
     """Every rank waits for the others, then the group closes, so that no rank exits while a
     peer's gloo threads still talk to it. A rare abort on the way out (SIGABRT, "terminate
     called without an active exception") was seen twice in the two-process test, once after
-    this barrier was in place: its cause is not known, and the test's ranks now leave without
-    the interpreter's teardown (tests/test_train_loop.py)."""
+    this barrier was in place: its cause is not known, and the test's ranks and `fucina
+    finetune`'s under torchrun now leave without the interpreter's teardown
+    (tests/test_train_loop.py, cli/finetune.py)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
